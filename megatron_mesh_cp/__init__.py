@@ -1,0 +1,35 @@
+"""megatron-mesh-cp: Mesh-Attention context parallelism for Megatron-LM (arXiv 2512.20968).
+
+Public API:
+
+* :func:`mesh_attention` -- exact CP attention over an a x b mesh of ranks (autograd-aware).
+* :class:`MeshGroups` -- the CP group with its row (Q) and column (KV) rings.
+* :class:`MeshShape`, :func:`valid_shapes` -- tile shapes and mesh coordinates.
+* :func:`zigzag_shard`, :func:`zigzag_gather` -- Megatron's CP token layout.
+* :func:`build_plans`, :func:`plan_traffic`, :class:`ChunkDims` -- the schedule as data and the
+  bytes it moves, computed without running.
+"""
+
+from .attention import mesh_attention
+from .groups import MeshGroups
+from .layout import zigzag_gather, zigzag_shard
+from .plan import ChunkDims, Plan, plan_traffic, validate
+from .schedule import build_plans
+from .topology import MeshShape, valid_shapes
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "mesh_attention",
+    "MeshGroups",
+    "MeshShape",
+    "valid_shapes",
+    "zigzag_shard",
+    "zigzag_gather",
+    "build_plans",
+    "plan_traffic",
+    "validate",
+    "ChunkDims",
+    "Plan",
+    "__version__",
+]

@@ -1,0 +1,57 @@
+"""The block-kernel interface every backend implements (DESIGN.md section 6).
+
+A block kernel computes one (Q_i, KV_j) block of attention. Tensors are in ``bshd`` order
+(``[batch, seq, heads, head_dim]``, any strides); K/V carry their own (kv) head count, so GQA/MQA
+never replicate K/V outside the kernel. ``lse`` is ``[batch, heads, seq_q]`` in fp32 (fp64 for
+fp64 inputs), the natural base-e log-sum-exp of the scaled scores.
+"""
+
+from __future__ import annotations
+
+from typing import Tuple
+
+import torch
+
+__all__ = ["BlockKernel", "lse_dtype"]
+
+
+def lse_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Accumulation dtype for lse and partial outputs: fp64 stays fp64, everything else fp32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+class BlockKernel:
+    """One attention block: forward -> (out, lse); backward from the FINAL out and lse -> grads."""
+
+    name: str = "abstract"
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float
+    ) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Return ``out`` ``[b, sq, h, d]`` (dtype of q) and ``lse`` ``[b, h, sq]`` (fp32)."""
+        raise NotImplementedError
+
+    def backward(
+        self,
+        dout: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        *,
+        causal: bool,
+        scale: float,
+    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Return ``dq, dk, dv`` for this block given the final ``out`` / ``lse`` of the Q rows.
+
+        ``out`` is only used through ``rowsum(dout * out)``, which is why the executor may pass a
+        stand-in with the same row sums (see ``execute.delta_stand_in``).
+        """
+        raise NotImplementedError
+
+    def check(self, q: torch.Tensor, k: torch.Tensor) -> None:
+        """Raise ``ValueError`` (naming an alternative) if this backend cannot run these inputs."""
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name!r}>"

@@ -1,0 +1,34 @@
+"""Merging partial attention results (DESIGN.md section 4), in fp32, overflow- and NaN-safe.
+
+A partial result of Q rows against a subset of keys is ``(out, lse)``; two partials of the same
+rows combine exactly as
+
+    out = out - sigmoid(lse_blk - lse) * (out - out_blk)
+    lse = logaddexp(lse, lse_blk)
+
+Rows a partial never touched carry ``lse = -inf`` and ``out = 0``; merging two untouched rows
+keeps them untouched (the NaN that ``sigmoid(-inf - -inf)`` would produce is mapped to 0).
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["merge_into", "empty_partial"]
+
+
+def empty_partial(like: torch.Tensor, dtype: torch.dtype):
+    """An untouched partial for the rows of ``like`` ([b, s, h, d]): out = 0, lse = -inf ([b, s, h])."""
+    out = torch.zeros(like.shape, dtype=dtype, device=like.device)
+    lse = torch.full(like.shape[:-1], float("-inf"), dtype=dtype, device=like.device)
+    return out, lse
+
+
+def merge_into(acc_out: torch.Tensor, acc_lse: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
+    """Merge partial ``(out, lse)`` into ``(acc_out, acc_lse)`` in place.
+
+    Shapes: out ``[b, s, h, d]``, lse ``[b, s, h]`` (views allowed); acc tensors in fp32/fp64.
+    """
+    w = torch.sigmoid(lse - acc_lse).nan_to_num_(nan=0.0)
+    acc_out.sub_(w.unsqueeze(-1) * (acc_out - out))
+    torch.logaddexp(acc_lse, lse, out=acc_lse)

@@ -1,0 +1,331 @@
+"""The schedule as data (DESIGN.md section 5): one plan, run by the executor, replayed by the simulator.
+
+A :class:`Plan` is the op sequence every rank of an a x b mesh runs (SPMD). Ops name chunks by
+*ring offset*, so the same sequence means the right thing on every rank: Q offset ``o`` on the row
+ring is the Q chunk of the rank ``o`` places behind (offset 0 = the rank's own chunk); KV offsets
+likewise on the column ring. Three op types:
+
+* :class:`Transfer` -- every rank sends payload ``kind`` at offset ``src`` to its ring neighbour in
+  ``direction`` and receives the same kind from the opposite neighbour; what arrives is offset
+  ``src + direction`` (mod ring size) from the receiver's point of view. Gathers (``q``, ``kv``)
+  forward chunks; reductions (``o``, ``dq``, ``dkv``) send a rank's partial result, which the
+  receiver folds into its own partial of that offset before sending it on.
+* :class:`Compute` -- one tile block (Q offset, KV offset).
+* :class:`Free` -- drop a gathered chunk (the memory budget is counted in live chunks).
+
+Sends and receives pair up by construction (every rank runs the same transfer). :func:`validate`
+checks the rest: each block once, inputs present when used, reductions reaching their owner once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple, Union
+
+import torch
+
+__all__ = [
+    "Transfer",
+    "Compute",
+    "Free",
+    "Plan",
+    "PlanError",
+    "ChunkDims",
+    "TensorSpec",
+    "payload",
+    "plan_traffic",
+    "validate",
+    "GATHER_KINDS",
+    "REDUCE_KINDS",
+    "RING_OF",
+    "CATEGORIES",
+]
+
+FORWARD, BACKWARD = "forward", "backward"
+GATHER_KINDS = ("q", "kv")
+REDUCE_KINDS = {FORWARD: ("o",), BACKWARD: ("dq", "dkv")}
+RING_OF = {"q": "row", "o": "row", "dq": "row", "kv": "col", "dkv": "col"}
+#: Byte-counter categories (what the wire carries), in display order.
+CATEGORIES = ("Q", "KV", "O", "dO", "dQ", "dKV")
+
+
+class PlanError(ValueError):
+    """A plan that breaks one of the rules in :func:`validate`."""
+
+
+@dataclass(frozen=True)
+class Transfer:
+    kind: str
+    direction: int
+    src: int
+
+    @property
+    def ring(self) -> str:
+        return RING_OF[self.kind]
+
+
+@dataclass(frozen=True)
+class Compute:
+    q: int
+    kv: int
+
+
+@dataclass(frozen=True)
+class Free:
+    kind: str
+    offset: int
+
+
+Op = Union[Transfer, Compute, Free]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """An SPMD op sequence for one phase (``forward`` or ``backward``) on an a x b mesh."""
+
+    phase: str
+    a: int
+    b: int
+    ops: Tuple[Op, ...]
+    name: str = "plan"
+    meta: Tuple[Tuple[str, object], ...] = field(default=(), compare=False)
+
+    def ring_size(self, ring: str) -> int:
+        return self.a if ring == "row" else self.b
+
+    def dst(self, t: Transfer) -> int:
+        return (t.src + t.direction) % self.ring_size(t.ring)
+
+    @property
+    def transfers(self) -> List[Transfer]:
+        return [op for op in self.ops if isinstance(op, Transfer)]
+
+    @property
+    def computes(self) -> List[Compute]:
+        return [op for op in self.ops if isinstance(op, Compute)]
+
+    def describe(self) -> str:
+        counts: Dict[str, int] = {}
+        for t in self.transfers:
+            counts[t.kind] = counts.get(t.kind, 0) + 1
+        parts = ", ".join(f"{k}:{v}" for k, v in counts.items())
+        return f"{self.name} {self.phase} {self.a}x{self.b}: {len(self.computes)} blocks, transfers {parts or 'none'}"
+
+
+# --- payloads: what one transfer puts on the wire --------------------------------------------
+
+
+class ChunkDims(NamedTuple):
+    """Sizes of one rank's local chunk: [batch, seq, heads, head_dim] for Q, kv_heads for K/V."""
+
+    batch: int
+    seq: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    acc_dtype: torch.dtype = torch.float32
+    partial_dtype: Optional[torch.dtype] = None  # partials on the wire; None = acc_dtype
+
+    @classmethod
+    def of(cls, q: torch.Tensor, k: torch.Tensor, acc_dtype: torch.dtype, partial_dtype=None) -> "ChunkDims":
+        b, s, h, d = q.shape
+        return cls(b, s, h, k.shape[2], d, q.dtype, acc_dtype, partial_dtype)
+
+
+class TensorSpec(NamedTuple):
+    category: str
+    shape: Tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n * _itemsize(self.dtype)
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def payload(phase: str, kind: str, dims: ChunkDims) -> List[TensorSpec]:
+    """The tensors one transfer of ``kind`` sends (and receives), with their byte categories.
+
+    The executor allocates receive buffers from this and the byte model sums it, so the two
+    cannot drift apart.
+    """
+    b, s, h, hk, d, dt, acc, part = dims
+    part = part or acc
+    q = (b, s, h, d)
+    kv = (b, s, hk, d)
+    rows = (b, s, h)
+    if kind == "q":
+        specs = [TensorSpec("Q", q, dt)]
+        if phase == BACKWARD:  # dO, delta = rowsum(dO * O), lse: what the kernel backward needs
+            specs += [TensorSpec("dO", q, dt), TensorSpec("dO", rows, acc), TensorSpec("dO", rows, acc)]
+        return specs
+    if kind == "kv":
+        return [TensorSpec("KV", kv, dt), TensorSpec("KV", kv, dt)]
+    if kind == "o":
+        return [TensorSpec("O", q, part), TensorSpec("O", rows, acc)]  # lse stays fp32
+    if kind == "dq":
+        return [TensorSpec("dQ", q, part)]
+    if kind == "dkv":
+        return [TensorSpec("dKV", kv, part), TensorSpec("dKV", kv, part)]
+    raise PlanError(f"unknown payload kind {kind!r}")
+
+
+def plan_traffic(plan: Plan, dims: ChunkDims) -> Dict[Tuple[str, str], int]:
+    """Bytes one rank sends (= receives) per (phase, category) when it runs ``plan``."""
+    out: Dict[Tuple[str, str], int] = {}
+    for t in plan.transfers:
+        for spec in payload(plan.phase, t.kind, dims):
+            key = (plan.phase, spec.category)
+            out[key] = out.get(key, 0) + spec.nbytes
+    return out
+
+
+# --- validation ------------------------------------------------------------------------------
+
+
+def validate(plan: Plan, max_live: Optional[int] = None) -> int:
+    """Check every rule a plan must obey; return its peak number of live chunks.
+
+    Rules: ops only use offsets inside their ring; every gathered chunk is received once, before
+    it is used, sent or freed, and is never used after it is freed; each tile block is computed
+    exactly once; a partial is sent only after every block feeding it was computed and the partial
+    it waits for arrived; following the reductions, every rank's partial of every offset reaches
+    the owner (offset 0) exactly once. Live chunks (gathered chunks held plus partials held) never
+    exceed ``max_live`` when given.
+    """
+    if plan.phase not in (FORWARD, BACKWARD):
+        raise PlanError(f"unknown phase {plan.phase!r}")
+    a, b = plan.a, plan.b
+    reduce_kinds = REDUCE_KINDS[plan.phase]
+    present = {"q": {0}, "kv": {0}}
+    freed = {"q": set(), "kv": set()}
+    received = {"q": set(), "kv": set()}
+    computed = set()
+    sent = {k: set() for k in reduce_kinds}
+    inbound = {k: {} for k in reduce_kinds}  # offset -> number of partials received there
+    started = {k: set() for k in reduce_kinds}  # offsets whose own partial exists
+    live = 2  # own Q and KV chunks
+    peak = live
+    for idx, op in enumerate(plan.ops):
+        where = f"op {idx} ({op})"
+        if isinstance(op, Transfer):
+            size = plan.ring_size(op.ring)
+            if op.direction not in (1, -1):
+                raise PlanError(f"{where}: direction must be +1 or -1")
+            if size < 2:
+                raise PlanError(f"{where}: transfer on a ring of size {size}")
+            if not 0 <= op.src < size:
+                raise PlanError(f"{where}: offset outside the ring")
+            dst = plan.dst(op)
+            if op.kind in GATHER_KINDS:
+                _need(present, freed, op.kind, op.src, where)
+                if dst == 0 or dst in received[op.kind]:
+                    raise PlanError(f"{where}: offset {dst} of {op.kind} received twice")
+                received[op.kind].add(dst)
+                present[op.kind].add(dst)
+                live += 1
+            elif op.kind in reduce_kinds:
+                if op.src == 0:
+                    raise PlanError(f"{where}: a rank never sends the partial of its own chunk")
+                if op.src in sent[op.kind]:
+                    raise PlanError(f"{where}: partial {op.kind}[{op.src}] sent twice")
+                missing = [blk for blk in _feeding(plan, op.kind, op.src) if blk not in computed]
+                if missing:
+                    raise PlanError(f"{where}: blocks {missing} not computed before the partial is sent")
+                if _upstream(plan, op.kind, op.src) is not None and not inbound[op.kind].get(op.src):
+                    raise PlanError(f"{where}: sent before the partial it forwards arrived")
+                sent[op.kind].add(op.src)
+                # the own partial leaves, the partial folded into it is gone, a new one arrives
+                live += 1 - 1 - inbound[op.kind].get(op.src, 0)
+                inbound[op.kind][dst] = inbound[op.kind].get(dst, 0) + 1
+                if dst != 0 and inbound[op.kind][dst] > 1:
+                    raise PlanError(f"{where}: two partials meet at offset {dst} (only the owner merges two)")
+            else:
+                raise PlanError(f"{where}: kind {op.kind!r} does not belong in a {plan.phase} plan")
+        elif isinstance(op, Compute):
+            if not (0 <= op.q < a and 0 <= op.kv < b):
+                raise PlanError(f"{where}: block outside the {a}x{b} tile")
+            if (op.q, op.kv) in computed:
+                raise PlanError(f"{where}: block computed twice")
+            for kind, off in (("q", op.q), ("kv", op.kv)):
+                _need(present, freed, kind, off, where)
+            for kind in reduce_kinds:
+                off = _partial_of(kind, op)
+                if off in sent[kind]:
+                    raise PlanError(f"{where}: block feeds partial {kind} already sent")
+                if off not in started[kind]:
+                    started[kind].add(off)
+                    live += 1
+            computed.add((op.q, op.kv))
+        elif isinstance(op, Free):
+            if op.kind not in GATHER_KINDS or op.offset == 0:
+                raise PlanError(f"{where}: only gathered foreign chunks can be freed")
+            _need(present, freed, op.kind, op.offset, where)
+            freed[op.kind].add(op.offset)
+            live -= 1
+        else:
+            raise PlanError(f"{where}: unknown op type")
+        peak = max(peak, live)
+        if max_live is not None and live > max_live:
+            raise PlanError(f"{where}: {live} live chunks exceed the budget of {max_live}")
+    if len(computed) != a * b:
+        missing = sorted({(i, j) for i in range(a) for j in range(b)} - computed)
+        raise PlanError(f"blocks never computed: {missing[:8]}{'...' if len(missing) > 8 else ''}")
+    for kind in GATHER_KINDS:
+        size = a if kind == "q" else b
+        if len(present[kind]) != size:
+            raise PlanError(f"{kind} chunks never gathered: {sorted(set(range(size)) - present[kind])}")
+    for kind in reduce_kinds:
+        _check_reduction(plan, kind, sent[kind])
+    return peak
+
+
+def _need(present, freed, kind, off, where):
+    if off not in present[kind]:
+        raise PlanError(f"{where}: {kind}[{off}] used before it arrived")
+    if off in freed[kind]:
+        raise PlanError(f"{where}: {kind}[{off}] used after it was freed")
+
+
+def _partial_of(kind: str, op: Compute) -> int:
+    return op.kv if kind == "dkv" else op.q
+
+
+def _feeding(plan: Plan, kind: str, offset: int) -> List[Tuple[int, int]]:
+    if kind == "dkv":
+        return [(i, offset) for i in range(plan.a)]
+    return [(offset, j) for j in range(plan.b)]
+
+
+def _upstream(plan: Plan, kind: str, offset: int) -> Optional[int]:
+    """Offset whose partial flows into ``offset`` (same direction chain), or None if none does."""
+    for t in plan.transfers:
+        if t.kind == kind and plan.dst(t) == offset:
+            return t.src
+    return None
+
+
+def _check_reduction(plan: Plan, kind: str, sent: Iterable[int]) -> None:
+    """Every offset's partial must be sent once and flow, hop by hop, to offset 0."""
+    size = plan.ring_size(RING_OF[kind])
+    if set(sent) != set(range(1, size)):
+        raise PlanError(f"partials {kind} never sent: {sorted(set(range(1, size)) - set(sent))}")
+    direction = {t.src: t.direction for t in plan.transfers if t.kind == kind}
+    for off in range(1, size):
+        # the chain from `off` must keep its direction until it reaches the owner
+        cur, d = off, direction[off]
+        for _ in range(size):
+            cur = (cur + d) % size
+            if cur == 0:
+                break
+            if direction.get(cur) != d:
+                raise PlanError(f"reduction {kind}: the partial from offset {off} turns at offset {cur}")
+        else:  # pragma: no cover - impossible for a ring
+            raise PlanError(f"reduction {kind}: the partial from offset {off} never reaches its owner")

@@ -1,0 +1,131 @@
+"""Run functions on n local gloo ranks: a reusable process pool for tests, demos and CPU benchmarks.
+
+``RankPool(n)`` starts n processes once (each joins one gloo world); ``pool.run("pkg.mod:func",
+*args)`` calls ``func(ctx, *args)`` on every rank and returns the per-rank results, re-raising a
+failure with every rank's error. ``ctx`` carries ``rank``, ``world_size`` and a per-process
+``cache`` (for example process groups built once and reused across calls).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import queue
+import socket
+import traceback
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Dict, List
+
+import torch.multiprocessing as mp
+
+__all__ = ["RankPool", "RankContext", "RankError", "free_port"]
+
+
+class RankError(RuntimeError):
+    """One or more ranks raised; ``errors`` maps rank -> (exception type name, message)."""
+
+    def __init__(self, errors: Dict[int, tuple]) -> None:
+        self.errors = errors
+        lines = [f"rank {r}: {t}: {m}" for r, (t, m, _) in sorted(errors.items())]
+        first = next(iter(sorted(errors.items())))[1][2]
+        super().__init__("\n".join(lines) + "\n--- first traceback ---\n" + first)
+
+
+@dataclass
+class RankContext:
+    rank: int
+    world_size: int
+    cache: Dict[Any, Any] = field(default_factory=dict)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _resolve(path: str):
+    module, _, name = path.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def _worker(rank: int, world: int, port: int, tasks, results, timeout_s: float, env: dict) -> None:
+    os.environ.update(env)
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+        timeout=timedelta(seconds=timeout_s),
+    )
+    ctx = RankContext(rank, world)
+    while True:
+        item = tasks.get()
+        if item is None:
+            break
+        path, args, kwargs = item
+        try:
+            results.put((rank, True, _resolve(path)(ctx, *args, **kwargs)))
+        except BaseException as exc:  # report everything, the parent decides
+            results.put((rank, False, (type(exc).__name__, str(exc), traceback.format_exc())))
+    dist.destroy_process_group()
+
+
+class RankPool:
+    """n persistent gloo ranks on this machine."""
+
+    def __init__(self, n: int, *, timeout_s: float = 120.0, env: Dict[str, str] = None) -> None:
+        self.n = n
+        self.timeout_s = timeout_s
+        ctx = mp.get_context("spawn")
+        self._tasks = [ctx.Queue() for _ in range(n)]
+        self._results = ctx.Queue()
+        port = free_port()
+        env = dict(env or {})
+        env.setdefault("OMP_NUM_THREADS", "1")
+        self._procs = [
+            ctx.Process(target=_worker, args=(r, n, port, self._tasks[r], self._results, timeout_s, env), daemon=True)
+            for r in range(n)
+        ]
+        for p in self._procs:
+            p.start()
+
+    def run(self, path: str, *args, **kwargs) -> List[Any]:
+        """Call ``path`` (``"module:function"``) as ``f(ctx, *args, **kwargs)`` on every rank."""
+        for q in self._tasks:
+            q.put((path, args, kwargs))
+        out: Dict[int, Any] = {}
+        errors: Dict[int, tuple] = {}
+        while len(out) + len(errors) < self.n:
+            try:
+                rank, ok, value = self._results.get(timeout=self.timeout_s + 30)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(self._procs) if not p.is_alive()]
+                self.close(force=True)
+                raise RuntimeError(
+                    f"ranks did not answer within {self.timeout_s + 30:.0f}s "
+                    f"(dead: {dead}; answered: {sorted(out)}, failed: {sorted(errors)})"
+                ) from None
+            (out if ok else errors)[rank] = value
+        if errors:
+            raise RankError(errors)
+        return [out[r] for r in range(self.n)]
+
+    def close(self, force: bool = False) -> None:
+        for q, p in zip(self._tasks, self._procs):
+            if p.is_alive() and not force:
+                q.put(None)
+        for p in self._procs:
+            p.join(timeout=0 if force else 20)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        self._procs = []
+
+    def __enter__(self) -> "RankPool":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
