@@ -9,7 +9,7 @@ setup(
     packages=find_packages(include=["megatron_mesh_cp", "megatron_mesh_cp.*"]),
     package_data={"megatron_mesh_cp": ["configs/**/*.yaml"]},
     python_requires=">=3.10",
-    install_requires=["torch>=2.4"],
+    install_requires=["torch>=2.4", "numpy", "pyyaml"],
     extras_require={
         "megatron": ["megatron-core>=0.16", "pyyaml"],
         "test": ["pytest>=8", "pyyaml"],

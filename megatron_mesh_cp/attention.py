@@ -79,6 +79,23 @@ def check_inputs(q, k, v, mesh, layout: str, softmax_scale) -> None:
         raise ValueError(f"softmax_scale must be a positive number or None, got {softmax_scale!r}")
 
 
+def plans_for(q, k, mesh, causal: bool, layout: str, partial_dtype, planner: str) -> Tuple[Plan, Plan]:
+    """The cached (forward, backward) plans for these inputs on ``mesh`` (greedy: tuned for its cluster)."""
+    from .cluster import Workload
+    from .schedule import default_cluster
+
+    b_dim, s_dim = (0, 1) if layout == "bshd" else (1, 0)
+    acc = lse_dtype(q.dtype)
+    w = Workload(
+        seq_local=q.shape[s_dim], heads=q.shape[2], kv_heads=k.shape[2], head_dim=q.shape[3],
+        batch=q.shape[b_dim], causal=bool(causal), bytes_per_element=q.element_size(),
+        partial_bytes=torch.empty((), dtype=partial_dtype or acc).element_size(),
+    )
+    cluster = getattr(mesh, "cluster", None) or default_cluster()
+    return build_plans(mesh.shape.a, mesh.shape.b, planner, cluster=cluster, workload=w,
+                       stride=getattr(mesh, "stride", 1))
+
+
 class _MeshAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, mesh, causal, scale, kernel, plans, partial_dtype):
@@ -123,13 +140,16 @@ def mesh_attention(
     kernel: Union[str, BlockKernel] = "auto",
     plans: Optional[Tuple[Plan, Plan]] = None,
     partial_dtype: Optional[torch.dtype] = None,
+    planner: str = "greedy",
 ):
     """Context-parallel attention over ``mesh`` (a :class:`~megatron_mesh_cp.MeshGroups`).
 
     q: ``[b, s_local, h, d]`` and k, v: ``[b, s_local, h_kv, d]`` (``layout="bshd"``; ``"sbhd"``
     swaps the first two dims), each rank holding its zigzag share (pieces g and 2n-1-g). Returns
     the local output in the same layout, plus the fp32 lse ``[b, h, s_local]`` if ``return_lse``.
-    ``plans`` overrides the (forward, backward) schedule; ``kernel`` forces a block-kernel backend.
+    ``planner`` picks how the (forward, backward) schedule is built (``greedy``: tuned for the
+    mesh's cluster, ``mesh.cluster``; ``in-order``), ``plans`` passes one explicitly;
+    ``kernel`` forces a block-kernel backend.
     ``partial_dtype`` is the wire dtype of partial results (O, dQ, dK/dV); the default keeps them
     in fp32, exact to accumulation precision; the input dtype halves their bytes.
     """
@@ -137,14 +157,14 @@ def mesh_attention(
     blk = get_kernel(kernel)
     blk.check(q, k)
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    if partial_dtype is not None and (not isinstance(partial_dtype, torch.dtype) or not partial_dtype.is_floating_point):
+        raise ValueError(f"partial_dtype must be a floating torch.dtype or None, got {partial_dtype!r}")
     if plans is None:
-        plans = build_plans(mesh.shape.a, mesh.shape.b)
+        plans = plans_for(q, k, mesh, causal, layout, partial_dtype, planner)
     elif (plans[0].a, plans[0].b, plans[1].a, plans[1].b) != (mesh.shape.a, mesh.shape.b) * 2:
         raise ValueError(f"plans are for {plans[0].a}x{plans[0].b}, the mesh is {mesh.shape}")
     if layout == "sbhd":
         q, k, v = (x.transpose(0, 1) for x in (q, k, v))
-    if partial_dtype is not None and (not isinstance(partial_dtype, torch.dtype) or not partial_dtype.is_floating_point):
-        raise ValueError(f"partial_dtype must be a floating torch.dtype or None, got {partial_dtype!r}")
     out, lse = _MeshAttention.apply(q, k, v, mesh, bool(causal), scale, blk, plans, partial_dtype)
     if layout == "sbhd":
         out = out.transpose(0, 1).contiguous()

@@ -47,6 +47,10 @@ class MeshGroups:
         }
         self.traffic = Traffic()
         self._comm: Optional[ProcessGroupComm] = None
+        # what greedy plans are tuned for: a Cluster (None = $MESH_CP_CLUSTER or h100-ib400) and
+        # the GPU distance between consecutive CP ranks (Megatron: the TP size)
+        self.cluster = None
+        self.stride = 1
 
     # --- construction ------------------------------------------------------------------------
     @classmethod

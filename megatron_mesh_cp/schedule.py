@@ -1,5 +1,8 @@
 """Planners: functions that build a :class:`~megatron_mesh_cp.plan.Plan` for a tile shape.
 
+``build_plans`` is the entry point: ``greedy`` (default, :mod:`megatron_mesh_cp.greedy`, scored on a
+cluster by the simulator) or ``in-order``. Plans are pure functions of their inputs and cached.
+
 ``in_order_plan`` is the straightforward overlapped schedule: gather Q and KV hop by hop around
 their rings (one transfer in flight per ring), compute each block as soon as both of its chunks
 are present, then compute the remaining rows in the order their partials leave and reduce them
@@ -8,12 +11,24 @@ around the ring. It is always valid and is the baseline the greedy planner is me
 
 from __future__ import annotations
 
+import os
+import time
 from functools import lru_cache
-from typing import List
+from typing import List, Optional, Tuple
 
+from .cluster import Cluster, Workload, load_cluster
 from .plan import BACKWARD, FORWARD, Compute, Op, Plan, Transfer, validate
 
-__all__ = ["in_order_plan", "build_plans"]
+__all__ = ["in_order_plan", "build_plans", "PLANNERS", "default_cluster", "DEFAULT_WORKLOAD"]
+
+PLANNERS = ("greedy", "in-order")
+#: Used when a caller plans without saying what it runs (e.g. validating shapes).
+DEFAULT_WORKLOAD = Workload(seq_local=4096, heads=32, kv_heads=8, head_dim=128)
+
+
+def default_cluster() -> Cluster:
+    """The cluster plans are tuned for unless told otherwise: ``$MESH_CP_CLUSTER`` or h100-ib400."""
+    return load_cluster(os.environ.get("MESH_CP_CLUSTER", "h100-ib400"))
 
 
 @lru_cache(maxsize=None)
@@ -51,8 +66,98 @@ def in_order_plan(a: int, b: int, phase: str = FORWARD) -> Plan:
     return plan
 
 
-def build_plans(a: int, b: int, planner: str = "in-order"):
-    """(forward plan, backward plan) for a shape with the named planner."""
-    if planner != "in-order":
-        raise ValueError(f"unknown planner {planner!r}; available: in-order")
-    return in_order_plan(a, b, FORWARD), in_order_plan(a, b, BACKWARD)
+def build_plans(
+    a: int,
+    b: int,
+    planner: str = "greedy",
+    *,
+    cluster: Optional[Cluster] = None,
+    workload: Optional[Workload] = None,
+    stride: int = 1,
+    max_live: Optional[int] = None,
+    max_inflight: int = 2,
+    chains: str = "auto",
+) -> Tuple[Plan, Plan]:
+    """(forward plan, backward plan) for an a x b mesh.
+
+    ``greedy`` plans for ``workload`` on ``cluster`` (CP ranks ``stride`` GPUs apart, i.e. the TP
+    size) within ``max_live`` live chunks; ``chains="one-way"`` keeps every ring one-directional
+    (how Ring-Attention is usually run), ``"auto"`` also tries splitting chains both ways.
+    ``in-order`` is the naive baseline.
+    """
+    if chains not in ("auto", "one-way"):
+        raise ValueError(f"chains must be 'auto' or 'one-way', got {chains!r}")
+    if planner not in PLANNERS:
+        raise ValueError(f"unknown planner {planner!r}; choose one of {', '.join(PLANNERS)}")
+    if planner == "in-order":
+        plans = in_order_plan(a, b, FORWARD), in_order_plan(a, b, BACKWARD)
+        if max_live is not None:
+            for p in plans:
+                validate(p, max_live=max_live)
+        return plans
+    cluster = cluster or default_cluster()
+    workload = workload or DEFAULT_WORKLOAD
+    return _greedy_plans(a, b, cluster, workload, stride, max_live, max_inflight, chains)
+
+
+@lru_cache(maxsize=256)
+def _greedy_plans(a, b, cluster, workload, stride, max_live, max_inflight, chains) -> Tuple[Plan, Plan]:
+    from .greedy import CONFIGS, PlanCost, greedy_plan
+    from .plan import PlanError
+    from .simulate import replay
+
+    t0 = time.perf_counter()
+    best = []
+    for phase in (FORWARD, BACKWARD):
+        cost = PlanCost.of(a, b, phase, cluster, workload, stride)
+        scored = []
+        errors = []
+        for cfg in CONFIGS if chains == "auto" else CONFIGS[:1]:
+            cfg = type(cfg)(cfg.split_gathers, cfg.split_reductions, max_inflight, max_live)
+            try:
+                plan = greedy_plan(a, b, phase, cost, cfg)
+            except PlanError as exc:
+                errors.append(str(exc))
+                continue
+            t = replay(plan, cluster, workload, stride=stride, record=None).time
+            scored.append((t, len(scored), plan))
+        if not scored:
+            need = _minimum_budget(a, b, phase, cost, max_inflight)
+            raise ValueError(
+                f"memory budget of {max_live} live chunks is below what any {phase} plan for {a}x{b} needs "
+                f"(minimum {need}); raise the budget or pick a shape with a smaller tile"
+            )
+        best.append(min(scored)[2])
+    elapsed = time.perf_counter() - t0
+    fwd, bwd = best
+    meta = (("planning_seconds", elapsed),)
+    return (
+        Plan(fwd.phase, a, b, fwd.ops, name=fwd.name, meta=fwd.meta + meta),
+        Plan(bwd.phase, a, b, bwd.ops, name=bwd.name, meta=bwd.meta + meta),
+    )
+
+
+def _minimum_budget(a, b, phase, cost, max_inflight) -> int:
+    """Smallest live-chunk budget the greedy planner can honour (binary search; feasibility is monotone)."""
+    from .greedy import CONFIGS, greedy_plan
+    from .plan import PlanError
+
+    def feasible(budget: int) -> bool:
+        for cfg in CONFIGS:
+            try:
+                greedy_plan(a, b, phase, cost, type(cfg)(cfg.split_gathers, cfg.split_reductions, max_inflight, budget))
+                return True
+            except PlanError:
+                pass
+        return False
+
+    lo, hi = 2, max(validate(in_order_plan(a, b, phase)), 2)
+    while not feasible(hi):  # pragma: no cover - the in-order peak always suffices in practice
+        hi *= 2
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if feasible(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo

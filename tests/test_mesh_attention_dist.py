@@ -13,7 +13,8 @@ import math
 import pytest
 import torch
 
-from megatron_mesh_cp import ChunkDims, build_plans, plan_traffic, valid_shapes
+from megatron_mesh_cp import ChunkDims, MeshShape, plan_traffic, valid_shapes
+from megatron_mesh_cp.attention import plans_for
 from megatron_mesh_cp.spawn import RankError
 
 HEADS = {"mha": (4, 4), "gqa": (8, 2), "mqa": (4, 1)}
@@ -49,7 +50,6 @@ def test_exact_against_float64_reference(pools, shape):
     n = a * b
     cases = _cases(n)
     per_rank = pools.get(n).run("rank_tasks:exactness", shape, cases, seed=1000 * a + b)
-    fwd_plan, bwd_plan = build_plans(a, b)
     failures = []
     for idx, case in enumerate(cases):
         results = [r[idx] for r in per_rank]
@@ -62,8 +62,12 @@ def test_exact_against_float64_reference(pools, shape):
             if not err <= limit:
                 failures.append(f"{case['name']} {qty}: rel err {err:.3g} > {limit:.3g}")
         # bytes measured on every rank == bytes the plans predict
-        dims = ChunkDims(BATCH, S_LOCAL, case["heads"], case["kv_heads"], DIM, DTYPE_OF[case["dtype"]],
-                         partial_dtype=DTYPE_OF.get(case.get("partial")))
+        dtype, partial = DTYPE_OF[case["dtype"]], DTYPE_OF.get(case.get("partial"))
+        dims = ChunkDims(BATCH, S_LOCAL, case["heads"], case["kv_heads"], DIM, dtype, partial_dtype=partial)
+        # the plans the run used (greedy, tuned for these dims), rebuilt here from metadata alone
+        meta = lambda h: torch.empty(BATCH, S_LOCAL, h, DIM, dtype=dtype, device="meta")  # noqa: E731
+        mesh = type("M", (), {"shape": MeshShape(a, b)})()
+        fwd_plan, bwd_plan = plans_for(meta(case["heads"]), meta(case["kv_heads"]), mesh, case["causal"], "bshd", partial, "greedy")
         want = {**plan_traffic(fwd_plan, dims), **plan_traffic(bwd_plan, dims)}
         want = {k: v for k, v in want.items() if v}
         for g, r in enumerate(results):

@@ -1,0 +1,262 @@
+"""CP attention algorithms in one simulator, each with its honest traffic and overlap.
+
+* ``ring`` -- Ring-Attention as Megatron/TE's ``p2p`` and ring-flash-attn run it: the 1 x n plan
+  with one-way rings (KV forward; KV and dKV backward), compute overlapped hop by hop.
+* ``passq`` -- the n x 1 plan (Q travels, partial outputs reduce back).
+* ``mesh`` -- the auto-chosen tile shape with the greedy plan; ``mesh:AxB`` a fixed shape.
+* ``mesh-naive`` -- the same shape as ``mesh`` with the naive in-order plan.
+* ``allgather`` -- Llama-3 style: all-gather K/V, then compute; backward re-gathers K/V and
+  reduce-scatters dK/dV. Communication is not overlapped.
+* ``ulysses`` -- DeepSpeed-Ulysses all-to-all: Q/K/V to head-sharded full sequences and O back
+  (dO forward, dQ/dK/dV back in backward); needs heads >= n; K/V heads are replicated up to n.
+* ``usp`` -- Ulysses inside a node x Ring across nodes (yunchang USP / TE ``a2a+p2p``); the best
+  Ulysses degree (a divisor of the GPUs per node) is chosen.
+
+Collectives are modelled with the usual bus-bandwidth rule: bytes each rank receives divided by the
+slowest link the collective crosses (the NIC once the group spans nodes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Dict, List, Optional, Tuple
+
+from .autoshape import choose_shape
+from .cluster import Cluster, Workload
+from .layout import BlockCase
+from .schedule import build_plans
+from .simulate import PhaseResult, replay
+
+__all__ = ["ALGORITHMS", "SimResult", "simulate_algorithm", "compare", "format_table", "plot_timelines"]
+
+ALGORITHMS = ("ring", "passq", "mesh", "mesh-naive", "allgather", "ulysses", "usp")
+
+
+@dataclass
+class SimResult:
+    algo: str
+    time: float  # forward + backward of one attention layer, seconds
+    compute: float  # compute-stream busy time of the critical rank
+    bytes_sent: float  # per rank, forward + backward
+    bytes_inter: float  # of which across nodes
+    shape: str = ""
+    note: str = ""
+    timeline: List[Tuple[str, float, float, str]] = field(default_factory=list)
+
+    @property
+    def exposed(self) -> float:
+        return max(0.0, self.time - self.compute)
+
+
+def _from_phases(algo: str, fwd: PhaseResult, bwd: PhaseResult, shape: str, note: str = "") -> SimResult:
+    shift = fwd.time
+    timeline = list(fwd.timeline) + [(lane, s + shift, e + shift, lab) for lane, s, e, lab in bwd.timeline]
+    return SimResult(
+        algo,
+        fwd.time + bwd.time,
+        float(fwd.busy[fwd.critical] + bwd.busy[bwd.critical]),
+        float(sum(v[0] for v in fwd.sent.values()) + sum(v[0] for v in bwd.sent.values())),
+        float(fwd.sent["inter"][0] + bwd.sent["inter"][0]),
+        shape,
+        note,
+        timeline,
+    )
+
+
+def _plan_algo(algo, a, b, cluster, w, stride, planner="greedy", chains="auto", max_live=None, note=""):
+    fwd, bwd = build_plans(a, b, planner, cluster=cluster, workload=w, stride=stride, max_live=max_live, chains=chains)
+    return _from_phases(algo, replay(fwd, cluster, w, stride=stride), replay(bwd, cluster, w, stride=stride), f"{a}x{b}", note)
+
+
+def _attention_time(cluster: Cluster, w: Workload, rows: int, keys: int, heads: int, backward: bool) -> float:
+    pairs = rows * keys * (0.5 if w.causal else 1.0)
+    flops = 4.0 * w.batch * heads * w.head_dim * pairs * (2.5 if backward else 1.0)
+    return cluster.attention_time(flops, rows, backward)
+
+
+def _collective(cluster: Cluster, group: int, stride: int, recv_bytes: float, all_to_all: bool = False) -> float:
+    """Time to move ``recv_bytes`` into each rank of a group of ``group`` ranks ``stride`` GPUs apart."""
+    if group <= 1 or recv_bytes <= 0:
+        return 0.0
+    per_node = max(1, cluster.gpus_per_node // stride)
+    if group <= per_node:
+        return cluster.intra_lat * (group - 1 if all_to_all else 1) + recv_bytes / cluster.intra_bw
+    if all_to_all:
+        off = (group - per_node) / (group - 1)  # share of peers on other nodes
+        return cluster.inter_lat + max(recv_bytes * off / cluster.inter_bw, recv_bytes * (1 - off) / cluster.intra_bw)
+    return cluster.inter_lat * 2 + recv_bytes / cluster.inter_bw
+
+
+def _phased(algo, steps: List[Tuple[str, float, float, float]], shape="", note="") -> SimResult:
+    """Sequential phases (lane, seconds, bytes sent, bytes across nodes) -> result with a timeline."""
+    t, compute, sent, inter, timeline = 0.0, 0.0, 0.0, 0.0, []
+    for lane, dur, nbytes, nbytes_inter in steps:
+        timeline.append((lane, t, t + dur, lane))
+        t += dur
+        sent += nbytes
+        inter += nbytes_inter
+        if lane == "compute":
+            compute += dur
+    return SimResult(algo, t, compute, sent, inter, shape, note, timeline)
+
+
+def _allgather(n: int, cluster: Cluster, w: Workload, stride: int) -> SimResult:
+    e, p = w.bytes_per_element, w.partial_bytes
+    kv = 2.0 * w.batch * w.seq_local * w.kv_heads * w.head_dim
+    spans = n * stride > cluster.gpus_per_node
+    gather = (n - 1) * kv * e
+    rs = (n - 1) * kv * p
+    # each rank's zigzag rows attend over the whole sequence (causal halves the pairs)
+    f_comp = _attention_time(cluster, w, w.seq_local, w.seq_local * n, w.heads, False)
+    b_comp = _attention_time(cluster, w, w.seq_local, w.seq_local * n, w.heads, True)
+    x = 1.0 if spans else 0.0
+    steps = [
+        ("all-gather", _collective(cluster, n, stride, gather), gather, gather * x),
+        ("compute", f_comp, 0, 0),
+        ("all-gather", _collective(cluster, n, stride, gather), gather, gather * x),
+        ("compute", b_comp, 0, 0),
+        ("reduce-scatter", _collective(cluster, n, stride, rs), rs, rs * x),
+    ]
+    return _phased("allgather", steps, f"1x{n}")
+
+
+def _ulysses_steps(u: int, cluster: Cluster, w: Workload, stride: int, ring_fwd=None, ring_bwd=None):
+    """a2a phases of a Ulysses group of u ranks around an inner attention (or a ring of them)."""
+    e = w.bytes_per_element
+    s = w.batch * w.seq_local * w.head_dim
+    kv_heads = max(w.kv_heads, u)  # replicate kv heads so each rank gets one
+    frac = (u - 1) / u
+    q = s * w.heads * e * frac
+    kv = 2 * s * kv_heads * e * frac
+    per_node = max(1, cluster.gpus_per_node // stride)
+    off = 0.0 if u <= per_node else (u - per_node) / (u - 1)
+    a2a = lambda nbytes: _collective(cluster, u, stride, nbytes, all_to_all=True)  # noqa: E731
+    return q, kv, kv_heads, off, a2a
+
+
+def _ulysses(n: int, cluster: Cluster, w: Workload, stride: int) -> SimResult:
+    if w.heads < n:
+        raise ValueError(f"Ulysses needs at least as many heads as CP ranks ({w.heads} < {n}); use usp or mesh")
+    q, kv, kv_heads, off, a2a = _ulysses_steps(n, cluster, w, stride)
+    seq = w.seq_local * n
+    h = w.heads // n
+    f_comp = _attention_time(cluster, w, seq, seq, h, False)
+    b_comp = _attention_time(cluster, w, seq, seq, h, True)
+    grads = q + kv  # dQ, dK, dV back
+    steps = [
+        ("all-to-all", a2a(q + kv), q + kv, (q + kv) * off),
+        ("compute", f_comp, 0, 0),
+        ("all-to-all", a2a(q), q, q * off),  # O back
+        ("all-to-all", a2a(q), q, q * off),  # dO forward
+        ("compute", b_comp, 0, 0),
+        ("all-to-all", a2a(grads), grads, grads * off),
+    ]
+    note = f"kv heads replicated to {kv_heads}" if kv_heads != w.kv_heads else ""
+    return _phased("ulysses", steps, f"a2a {n}", note)
+
+
+def _usp(n: int, cluster: Cluster, w: Workload, stride: int) -> SimResult:
+    best: Optional[SimResult] = None
+    for u in range(1, cluster.gpus_per_node // max(1, stride) + 1):
+        if n % u or w.heads % u or u > n:
+            continue
+        r = n // u
+        q, kv, kv_heads, off, a2a = _ulysses_steps(u, cluster, w, stride)
+        inner = replace(w, seq_local=w.seq_local * u, heads=w.heads // u, kv_heads=max(1, kv_heads // u))
+        if r > 1:
+            ring = _plan_algo("ring", 1, r, cluster, inner, stride * u, chains="one-way")
+        else:
+            ring = SimResult("ring", 0.0, 0.0, 0.0, 0.0)
+            t_f = _attention_time(cluster, inner, inner.seq_local, inner.seq_local, inner.heads, False)
+            t_b = _attention_time(cluster, inner, inner.seq_local, inner.seq_local, inner.heads, True)
+            ring.time = ring.compute = t_f + t_b
+        grads = q + kv
+        a2a_time = a2a(q + kv) + 2 * a2a(q) + a2a(grads)
+        a2a_bytes = q + kv + 2 * q + grads
+        res = SimResult(
+            "usp", ring.time + a2a_time, ring.compute, ring.bytes_sent + a2a_bytes,
+            ring.bytes_inter + a2a_bytes * off, f"a2a {u} x ring {r}",
+            timeline=[("all-to-all", 0.0, a2a(q + kv), "a2a")]
+            + [(lane, s + a2a(q + kv), e + a2a(q + kv), lab) for lane, s, e, lab in ring.timeline],
+        )
+        if best is None or res.time < best.time:
+            best = res
+    if best is None:
+        raise ValueError(f"no Ulysses degree divides both CP={n} and heads={w.heads} within a node")
+    return best
+
+
+def simulate_algorithm(
+    algo: str, n: int, cluster: Cluster, w: Workload, *, tp: int = 1, max_live: Optional[int] = None
+) -> SimResult:
+    """One algorithm's simulated forward+backward of one attention layer on ``n`` CP ranks."""
+    if algo == "ring":
+        return _plan_algo("ring", 1, n, cluster, w, tp, chains="one-way") if n > 1 else _plan_algo("ring", 1, 1, cluster, w, tp)
+    if algo == "passq":
+        return _plan_algo("passq", n, 1, cluster, w, tp, chains="one-way")
+    if algo in ("mesh", "mesh-naive"):
+        choice = choose_shape(n, cluster, w, stride=tp, max_live=max_live)
+        a, b = choice.shape.a, choice.shape.b
+        if algo == "mesh":
+            return _plan_algo("mesh", a, b, cluster, w, tp, max_live=max_live, note="auto")
+        return _plan_algo("mesh-naive", a, b, cluster, w, tp, planner="in-order")
+    if algo.startswith("mesh:"):
+        from .topology import MeshShape
+
+        shape = MeshShape.for_size(algo.split(":", 1)[1], n)
+        return _plan_algo(algo, shape.a, shape.b, cluster, w, tp, max_live=max_live)
+    if algo == "allgather":
+        return _allgather(n, cluster, w, tp)
+    if algo == "ulysses":
+        return _ulysses(n, cluster, w, tp)
+    if algo == "usp":
+        return _usp(n, cluster, w, tp)
+    raise ValueError(f"unknown algorithm {algo!r}; choose from {', '.join(ALGORITHMS)} or mesh:AxB")
+
+
+def compare(algos: List[str], n: int, cluster: Cluster, w: Workload, *, tp: int = 1, max_live=None) -> List[SimResult]:
+    """Simulate each algorithm (Ring always included as the reference, first)."""
+    names = ["ring"] + [a for a in algos if a != "ring"]
+    for a in names:
+        if a not in ALGORITHMS and not a.startswith("mesh:"):
+            raise ValueError(f"unknown algorithm {a!r}; choose from {', '.join(ALGORITHMS)} or mesh:AxB")
+    return [simulate_algorithm(a, n, cluster, w, tp=tp, max_live=max_live) for a in names]
+
+
+def format_table(results: List[SimResult]) -> str:
+    ring = results[0]
+    head = f"{'algorithm':<14}{'shape':<18}{'time ms':>10}{'vs ring':>9}{'MiB/rank':>11}{'traffic cut':>13}{'exposed':>9}"
+    lines = [head, "-" * len(head)]
+    for r in results:
+        cut = 1 - r.bytes_sent / ring.bytes_sent if ring.bytes_sent else 0.0
+        lines.append(
+            f"{r.algo:<14}{r.shape:<18}{r.time * 1e3:>10.2f}{ring.time / r.time:>8.2f}x"
+            f"{r.bytes_sent / 2**20:>11.1f}{cut:>12.1%}{r.exposed / r.time:>9.1%}"
+            + (f"  ({r.note})" if r.note and r.note != "auto" else "")
+        )
+    return "\n".join(lines)
+
+
+def plot_timelines(results: List[SimResult], path: str) -> None:
+    """One rank's timeline per algorithm: compute vs each communication lane (matplotlib)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(results), 1, figsize=(12, 1.6 + 1.2 * len(results)), squeeze=False)
+    colors = {"compute": "#4c72b0"}
+    palette = ["#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860", "#da8bc3"]
+    for ax, r in zip(axes[:, 0], results):
+        lanes = sorted({lane for lane, *_ in r.timeline}, key=lambda l: (l != "compute", l))
+        for y, lane in enumerate(lanes):
+            color = colors.setdefault(lane, palette[(len(colors) - 1) % len(palette)])
+            spans = [(s * 1e3, (e - s) * 1e3) for ln, s, e, _ in r.timeline if ln == lane]
+            ax.broken_barh(spans, (y - 0.4, 0.8), color=color)
+        ax.set_yticks(range(len(lanes)), lanes)
+        ax.set_xlim(0, max(x.time for x in results) * 1e3)
+        ax.set_title(f"{r.algo} {r.shape}: {r.time * 1e3:.1f} ms, exposed comm {r.exposed / r.time:.0%}", fontsize=9)
+    axes[-1, 0].set_xlabel("ms (forward then backward, rank 0)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,158 @@
+"""Cost model: a cluster description and the time of every plan op on it.
+
+A :class:`Cluster` says how many GPUs share a node, the per-GPU bandwidth and latency inside a node
+(NVLink) and across nodes (InfiniBand/RoCE), the attention throughput of one GPU and its memory
+bandwidth. Presets are YAML files in ``configs/clusters/``; ``load_cluster`` takes a preset name or
+a path. Rank placement follows Megatron's order (TP innermost, then CP): CP position p of a group
+with tensor-parallel size t sits on global rank ``p * t`` (plus the TP rank), so whether a ring hop
+crosses a node depends on the mesh shape, t and the GPUs per node.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Dict, List
+
+from .layout import BlockCase
+
+__all__ = ["Cluster", "Workload", "load_cluster", "cluster_presets", "CLUSTER_DIRS"]
+
+_REPO_CLUSTERS = Path(__file__).resolve().parent.parent / "configs" / "clusters"
+#: Where preset names are looked up (``MESH_CP_CLUSTER_DIR`` adds one, first).
+CLUSTER_DIRS: List[Path] = [_REPO_CLUSTERS]
+
+
+@dataclass(frozen=True)
+class Cluster:
+    name: str
+    gpus_per_node: int
+    intra_bw: float  # bytes/s per GPU per direction
+    intra_lat: float  # seconds
+    inter_bw: float
+    inter_lat: float
+    fwd_flops: float  # attention FLOP/s at saturation
+    bwd_flops: float
+    half_tokens: float  # query rows at which a block reaches half the peak throughput
+    hbm_bw: float  # bytes/s, for elementwise folds of partials
+    bytes_per_element: int = 2
+    description: str = ""
+
+    @classmethod
+    def from_dict(cls, d: Dict) -> "Cluster":
+        try:
+            att = d["attention"]
+            c = cls(
+                name=str(d["name"]),
+                gpus_per_node=int(d["gpus_per_node"]),
+                intra_bw=float(d["intra_node"]["bandwidth_GBps"]) * 1e9,
+                intra_lat=float(d["intra_node"]["latency_us"]) * 1e-6,
+                inter_bw=float(d["inter_node"]["bandwidth_GBps"]) * 1e9,
+                inter_lat=float(d["inter_node"]["latency_us"]) * 1e-6,
+                fwd_flops=float(att["forward_tflops"]) * 1e12,
+                bwd_flops=float(att["backward_tflops"]) * 1e12,
+                half_tokens=float(att.get("half_efficiency_tokens", 0)),
+                hbm_bw=float(d.get("hbm_GBps", 2000)) * 1e9,
+                bytes_per_element=int(d.get("bytes_per_element", 2)),
+                description=str(d.get("description", "")),
+            )
+        except (KeyError, TypeError) as exc:
+            raise ValueError(
+                f"cluster description is missing or mistypes {exc}; see configs/clusters/h100-ib400.yaml for the fields"
+            ) from None
+        if c.gpus_per_node < 1 or min(c.intra_bw, c.inter_bw, c.fwd_flops, c.bwd_flops, c.hbm_bw) <= 0:
+            raise ValueError(f"cluster {c.name}: gpus_per_node, bandwidths and throughputs must be positive")
+        return c
+
+    def with_inter_bandwidth(self, gbps: float) -> "Cluster":
+        return replace(self, inter_bw=gbps * 1e9, name=f"{self.name}@{gbps:g}GBps")
+
+    # --- placement ----------------------------------------------------------------------------
+    def node_of(self, position: int, stride: int = 1) -> int:
+        """Node of CP position ``position`` when consecutive CP ranks are ``stride`` GPUs apart."""
+        return (position * stride) // self.gpus_per_node
+
+    def link(self, src: int, dst: int, stride: int = 1) -> str:
+        return "intra" if self.node_of(src, stride) == self.node_of(dst, stride) else "inter"
+
+    def bandwidth(self, link: str) -> float:
+        return self.intra_bw if link == "intra" else self.inter_bw
+
+    def latency(self, link: str) -> float:
+        return self.intra_lat if link == "intra" else self.inter_lat
+
+    def transfer_time(self, nbytes: float, link: str) -> float:
+        return self.latency(link) + nbytes / self.bandwidth(link)
+
+    # --- compute ------------------------------------------------------------------------------
+    def attention_time(self, flops: float, rows: int, backward: bool) -> float:
+        peak = self.bwd_flops if backward else self.fwd_flops
+        eff = rows / (rows + self.half_tokens) if self.half_tokens else 1.0
+        return flops / (peak * eff)
+
+    def elementwise_time(self, nbytes: float) -> float:
+        return nbytes / self.hbm_bw
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One attention layer's shape per CP rank: what the cost of a block and a chunk depends on."""
+
+    seq_local: int  # tokens per rank (2m)
+    heads: int
+    kv_heads: int
+    head_dim: int
+    batch: int = 1
+    causal: bool = True
+    bytes_per_element: int = 2
+    partial_bytes: int = 4  # bytes per element of partial O / dQ / dKV on the wire
+
+    def block_flops(self, case: BlockCase, backward: bool) -> float:
+        s, m = self.seq_local, self.seq_local // 2
+        if case is BlockCase.FULL:
+            pairs = s * s
+        elif case is BlockCase.DIAG:
+            pairs = s * (s + 1) / 2
+        else:
+            pairs = s * m
+        f = 4.0 * self.batch * self.heads * self.head_dim * pairs
+        return f * 2.5 if backward else f
+
+    def block_rows(self, case: BlockCase) -> int:
+        return self.seq_local // 2 if case is BlockCase.UPPER else self.seq_local
+
+    def block_time(self, cluster: Cluster, case: BlockCase, backward: bool) -> float:
+        return cluster.attention_time(self.block_flops(case, backward), self.block_rows(case), backward)
+
+
+def cluster_presets() -> Dict[str, Path]:
+    dirs = list(CLUSTER_DIRS)
+    extra = os.environ.get("MESH_CP_CLUSTER_DIR")
+    if extra:
+        dirs.insert(0, Path(extra))
+    found: Dict[str, Path] = {}
+    for d in dirs:
+        if d.is_dir():
+            for f in sorted(d.glob("*.yaml")):
+                found.setdefault(f.stem, f)
+    return found
+
+
+def load_cluster(name_or_path) -> Cluster:
+    """A preset by name (see :func:`cluster_presets`) or a YAML file by path."""
+    if isinstance(name_or_path, Cluster):
+        return name_or_path
+    import yaml
+
+    path = Path(str(name_or_path))
+    presets = cluster_presets()
+    if not path.suffix and str(name_or_path) in presets:
+        path = presets[str(name_or_path)]
+    if not path.is_file():
+        raise ValueError(
+            f"unknown cluster {name_or_path!r}; presets: {', '.join(sorted(presets)) or 'none found'} "
+            "(or pass a path to a YAML file like configs/clusters/h100-ib400.yaml)"
+        )
+    with open(path) as f:
+        return Cluster.from_dict(yaml.safe_load(f))

@@ -1,0 +1,293 @@
+"""The greedy planner (the paper's schedule): list-schedule one representative rank on a cost model.
+
+Every rank runs the same plan, so the planner reasons about one rank whose neighbours behave like
+itself. It keeps a clock per resource -- the compute stream, one channel per ring and direction,
+the rank's egress per link type (rings on the same link type share it) -- and repeatedly emits the
+op that can start earliest:
+
+* a transfer is chosen over a compute that could start at the same moment, so communication is
+  always in flight; among transfers, a ready reduction goes first (it gates the step's tail), then
+  the gather that *unlocks the most blocks per second of transfer time*;
+* among blocks whose chunks are present, the one feeding the partial that must leave first wins;
+  blocks of the rank's own partials (offset 0) are held back to fill the reduction tail, where
+  nothing else is left to overlap the waits;
+* at most ``max_inflight`` transfers per ring are outstanding, only ring neighbours talk, and live
+  chunks (gathered chunks + partials) never exceed ``max_live``; chunks are freed once used and
+  forwarded.
+
+Which direction each gather and reduction chain runs (one way round, or split both ways) is a
+small enumeration around the greedy: each variant is planned and replayed on the cluster by the
+simulator, and the fastest valid one is kept.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+from .cluster import Cluster, Workload
+from .layout import BlockCase
+from .plan import BACKWARD, FORWARD, REDUCE_KINDS, RING_OF, Compute, Free, Op, Plan, PlanError, Transfer, payload, validate
+
+__all__ = ["ChainConfig", "PlanCost", "greedy_plan", "CONFIGS"]
+
+INF = float("inf")
+
+
+@dataclass(frozen=True)
+class ChainConfig:
+    """Directions of the gather and reduction chains, and the planner's limits."""
+
+    split_gathers: bool = False  # gather half the offsets each way round the ring
+    split_reductions: bool = False  # reduce half the partials each way round
+    max_inflight: int = 2  # outstanding transfers per ring
+    max_live: Optional[int] = None  # memory budget in live chunks
+
+    def label(self) -> str:
+        g = "split" if self.split_gathers else "one-way"
+        r = "split" if self.split_reductions else "one-way"
+        return f"gathers {g}, reductions {r}"
+
+
+CONFIGS = tuple(ChainConfig(g, r) for g in (False, True) for r in (False, True))
+
+
+@dataclass(frozen=True)
+class PlanCost:
+    """What the planner needs to know about time, for one phase on one shape."""
+
+    block: float  # seconds per block (zigzag blocks are all the same work)
+    fold: Dict[str, float]  # elementwise fold of an arriving partial, per reduce kind
+    transfer: Dict[str, float]  # bytes / bandwidth, per payload kind
+    latency: Dict[str, float]  # per ring
+    link: Dict[str, str]  # ring -> link type ("intra"/"inter"); equal types share egress
+
+    @classmethod
+    def of(cls, a: int, b: int, phase: str, cluster: Cluster, w: Workload, stride: int = 1) -> "PlanCost":
+        from .simulate import workload_dims
+
+        backward = phase == BACKWARD
+        case = BlockCase.LOWER if w.causal else BlockCase.FULL
+        dims = workload_dims(w)
+        n = a * b
+        link = {
+            "row": _ring_link(cluster, [[r * a + c for c in range(a)] for r in range(b)], stride),
+            "col": _ring_link(cluster, [[r * a + c for r in range(b)] for c in range(a)], stride),
+        }
+        assert n == a * b
+        transfer, fold = {}, {}
+        for kind in ("q", "kv") + REDUCE_KINDS[phase]:
+            nbytes = sum(s.nbytes for s in payload(phase, kind, dims))
+            transfer[kind] = nbytes / cluster.bandwidth(link[RING_OF[kind]])
+            if kind not in ("q", "kv"):
+                fold[kind] = cluster.elementwise_time(3 * nbytes)
+        latency = {ring: cluster.latency(lt) for ring, lt in link.items()}
+        return cls(w.block_time(cluster, case, backward), fold, transfer, latency, link)
+
+
+def _ring_link(cluster: Cluster, rings: List[List[int]], stride: int) -> str:
+    for ring in rings:
+        if len(ring) > 1 and len({cluster.node_of(p, stride) for p in ring}) > 1:
+            return "inter"
+    return "intra"
+
+
+def _gather_chain(size: int, split: bool) -> Dict[int, List[Tuple[int, int]]]:
+    """direction -> [(src, dst), ...] in chain order; together they deliver every offset once."""
+    if size < 2:
+        return {}
+    plus = (size - 1 + 1) // 2 if split else size - 1
+    chains = {1: [(o, o + 1) for o in range(plus)]}
+    minus = [((size - o) % size, size - o - 1) for o in range(size - 1 - plus)]
+    if minus:
+        chains[-1] = minus
+    return chains
+
+
+def _reduce_chain(size: int, split: bool) -> Dict[int, List[int]]:
+    """direction -> offsets in the order their partials are sent (each after its inbound)."""
+    if size < 2:
+        return {}
+    k = (size + 1) // 2 if split else 1
+    chains = {1: list(range(k, size))}
+    if k > 1:
+        chains[-1] = list(range(k - 1, 0, -1))
+    return chains
+
+
+class _Greedy:
+    def __init__(self, a: int, b: int, phase: str, cost: PlanCost, cfg: ChainConfig) -> None:
+        self.a, self.b, self.phase, self.cost, self.cfg = a, b, phase, cost, cfg
+        self.size = {"q": a, "kv": b, "o": a, "dq": a, "dkv": b}
+        self.reduce_kinds = REDUCE_KINDS[phase]
+        self.ops: List[Op] = []
+        self.t_comp = 0.0
+        self.chan: Dict[Tuple[str, int], float] = {}
+        self.egress: Dict[str, float] = {}
+        self.active: Dict[str, List[float]] = {"row": [], "col": []}  # finish times of transfers
+        self.arr: Dict[Tuple[str, int], float] = {("q", 0): 0.0, ("kv", 0): 0.0}
+        self.inbound: Dict[Tuple[str, int], List[float]] = {}
+        self.gathers = {k: _gather_chain(self.size[k], cfg.split_gathers) for k in ("q", "kv")}
+        self.reductions = {k: _reduce_chain(self.size[k], cfg.split_reductions) for k in self.reduce_kinds}
+        self.g_next = {(k, d): 0 for k in self.gathers for d in self.gathers[k]}
+        self.r_next = {(k, d): 0 for k in self.reductions for d in self.reductions[k]}
+        # position of each partial in its chain: lower = must leave sooner; own offset last
+        self.rank_of: Dict[str, Dict[int, int]] = {}
+        for k, chains in self.reductions.items():
+            pos = {0: 10**9}
+            for d, offs in chains.items():
+                for i, o in enumerate(offs):
+                    pos[o] = i
+            self.rank_of[k] = pos
+        self.todo = {(i, j) for i in range(a) for j in range(b)}
+        self.remaining = {("q", i): b for i in range(a)}
+        self.remaining.update({("kv", j): a for j in range(b)})
+        self.forwards = {(k, src) for k, chains in self.gathers.items() for ch in chains.values() for src, _ in ch}
+        self.freed = set()
+        self.started_partials = set()
+        self.live = 2
+
+    # --- helpers ----------------------------------------------------------------------------
+    def _partials_of(self, i: int, j: int) -> List[Tuple[str, int]]:
+        return [(k, j if k == "dkv" else i) for k in self.reduce_kinds]
+
+    def _priority(self, i: int, j: int) -> Tuple:
+        keys = tuple(sorted(self.rank_of[k][off] for k, off in self._partials_of(i, j)))
+        if self.cfg.max_live is not None:
+            # under a memory budget, finish chunks first so they can be freed
+            left = min(self.remaining[("q", i)] if i else 10**9, self.remaining[("kv", j)] if j else 10**9)
+            return (left,) + keys + (i, j)
+        return keys + (i, j)
+
+    def _slot(self, ring: str, t: float) -> float:
+        """Earliest time >= t at which the ring has fewer than max_inflight transfers outstanding."""
+        busy = sorted(f for f in self.active[ring] if f > t)
+        over = len(busy) - self.cfg.max_inflight + 1
+        return t if over <= 0 else busy[over - 1]
+
+    def _room(self, extra: int) -> bool:
+        return self.cfg.max_live is None or self.live + extra <= self.cfg.max_live
+
+    # --- candidates -------------------------------------------------------------------------
+    def _transfer_start(self, kind: str, d: int, ready: float) -> float:
+        ring = RING_OF[kind]
+        t = max(ready, self.chan.get((ring, d), 0.0), self.egress.get(self.cost.link[ring], 0.0))
+        return self._slot(ring, t)
+
+    def _candidates(self):
+        out = []  # (start, class, tie, payload)
+        for (k, d), idx in self.g_next.items():
+            chain = self.gathers[k][d]
+            if idx >= len(chain):
+                continue
+            src, dst = chain[idx]
+            if (k, src) not in self.arr or not self._room(1):
+                continue
+            start = self._transfer_start(k, d, self.arr[(k, src)])
+            other = "kv" if k == "q" else "q"
+            unlocked = sum(1 for o in range(self.size[other]) if (other, o) in self.arr)
+            score = unlocked / max(self.cost.transfer[k], 1e-12)
+            out.append((start, 1, (-score, k, d), ("gather", k, d, src)))
+        for (k, d), idx in self.r_next.items():
+            chain = self.reductions[k][d]
+            if idx >= len(chain):
+                continue
+            off = chain[idx]
+            if any(blk in self.todo for blk in self._feeding(k, off)):
+                continue
+            # the inbound partial of this offset (if its chain has one) must have been sent
+            up = off - d
+            if up % self.size[k] != 0 and up in chain and (k, off) not in self.inbound:
+                continue
+            # decided as soon as the fold can start on the compute stream; the wire waits for it
+            ready = max([self.t_comp] + self.inbound.get((k, off), []))
+            start = self._transfer_start(k, d, ready)
+            out.append((start, 0, (k, d), ("reduce", k, d, off)))
+        for i, j in self.todo:
+            if ("q", i) not in self.arr or ("kv", j) not in self.arr:
+                continue
+            new = sum(1 for p in self._partials_of(i, j) if p not in self.started_partials)
+            if not self._room(new):
+                continue
+            start = max(self.t_comp, self.arr[("q", i)], self.arr[("kv", j)])
+            out.append((start, 2, self._priority(i, j), ("compute", i, j)))
+        return out
+
+    def _feeding(self, kind: str, off: int):
+        if kind == "dkv":
+            return [(i, off) for i in range(self.a)]
+        return [(off, j) for j in range(self.b)]
+
+    # --- emit -------------------------------------------------------------------------------
+    def _emit_transfer(self, kind: str, d: int, src: int, start: float) -> float:
+        ring = RING_OF[kind]
+        fin = start + self.cost.transfer[kind]
+        self.egress[self.cost.link[ring]] = fin
+        self.chan[(ring, d)] = fin + self.cost.latency[ring]
+        self.active[ring].append(fin)
+        self.ops.append(Transfer(kind, d, src))
+        return fin + self.cost.latency[ring]
+
+    def _maybe_free(self, kind: str, off: int) -> None:
+        if off == 0 or (kind, off) in self.freed or self.remaining[(kind, off)] > 0:
+            return
+        if (kind, off) in self.forwards:
+            return
+        self.freed.add((kind, off))
+        self.live -= 1
+        self.ops.append(Free(kind, off))
+
+    def run(self) -> Plan:
+        while True:
+            cands = self._candidates()
+            if not cands:
+                break
+            start, _, _, what = min(cands, key=lambda c: (c[0], c[1], c[2]))
+            if what[0] == "gather":
+                _, k, d, src = what
+                dst = self.gathers[k][d][self.g_next[(k, d)]][1]
+                self.g_next[(k, d)] += 1
+                self.arr[(k, dst)] = self._emit_transfer(k, d, src, start)
+                self.live += 1
+                self.forwards.discard((k, src))
+                self._maybe_free(k, src)
+            elif what[0] == "reduce":
+                _, k, d, off = what
+                inbound = self.inbound.pop((k, off), [])
+                t = self.t_comp
+                for arrival in inbound:
+                    t = max(t, arrival) + self.cost.fold[k]
+                self.t_comp = t
+                self.r_next[(k, d)] += 1
+                dst = (off + d) % self.size[k]
+                arrival = self._emit_transfer(k, d, off, self._transfer_start(k, d, t))
+                self.inbound.setdefault((k, dst), []).append(arrival)
+                self.live += 1 - 1 - len(inbound)
+            else:
+                _, i, j = what
+                self.todo.discard((i, j))
+                for p in self._partials_of(i, j):
+                    if p not in self.started_partials:
+                        self.started_partials.add(p)
+                        self.live += 1
+                self.t_comp = start + self.cost.block
+                self.ops.append(Compute(i, j))
+                for key in (("q", i), ("kv", j)):
+                    self.remaining[key] -= 1
+                    self._maybe_free(*key)
+        done = not self.todo and all(
+            self.r_next[key] >= len(self.reductions[key[0]][key[1]]) for key in self.r_next
+        ) and all(self.g_next[key] >= len(self.gathers[key[0]][key[1]]) for key in self.g_next)
+        if not done:
+            raise PlanError(
+                f"no {self.phase} plan for {self.a}x{self.b} fits in {self.cfg.max_live} live chunks"
+            )
+        return Plan(self.phase, self.a, self.b, tuple(self.ops), name="greedy",
+                    meta=(("config", self.cfg.label()),))
+
+
+def greedy_plan(a: int, b: int, phase: str, cost: PlanCost, cfg: ChainConfig = ChainConfig()) -> Plan:
+    """One greedy plan for fixed chain directions; validated before it is returned."""
+    plan = _Greedy(a, b, phase, cost, cfg).run()
+    validate(plan, max_live=cfg.max_live)
+    return plan

@@ -1,0 +1,251 @@
+"""Cluster simulator: replay a plan for all n ranks and predict its timeline (the plan's 2nd interpreter).
+
+Semantics (GPU-like, what the executor does on NCCL): every rank issues the plan's ops in order.
+Block computes and partial folds run in order on one compute stream, each starting once its
+chunks have arrived. A transfer runs on its ring's channel for its direction (row+, row-, col+,
+col-), one at a time per channel in plan order; it starts when the payload is ready on the sender
+(chunk arrived / partial folded) and the receiver has posted it (its own copy of the same op
+started, as with grouped NCCL send/recv). A message occupies the sender's egress and the receiver's
+ingress of its link type (NVLink inside a node, the NIC across nodes) for bytes / bandwidth, then
+arrives after the link latency; two rings crossing the same NIC queue on it in plan order.
+
+All ranks advance together op by op (vectorised over ranks), so n = 256 replays in milliseconds.
+Bytes come from :func:`megatron_mesh_cp.plan.payload`, the same function the executor allocates
+its buffers from, so the simulator's bytes equal the executor's byte counters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Tuple
+
+import numpy as np
+import torch
+
+from .cluster import Cluster, Workload, load_cluster
+from .layout import BlockCase
+from .plan import BACKWARD, FORWARD, ChunkDims, Compute, Plan, Transfer, payload, RING_OF
+
+__all__ = ["PhaseResult", "replay", "workload_dims", "main"]
+
+_DTYPE_OF_BYTES = {2: torch.bfloat16, 4: torch.float32, 8: torch.float64}
+
+
+def workload_dims(w: Workload) -> ChunkDims:
+    """The ChunkDims (dtypes included) whose payloads a workload's transfers carry."""
+    return ChunkDims(
+        w.batch, w.seq_local, w.heads, w.kv_heads, w.head_dim, _DTYPE_OF_BYTES[w.bytes_per_element],
+        torch.float32, _DTYPE_OF_BYTES[w.partial_bytes],
+    )
+
+
+@dataclass
+class PhaseResult:
+    """One phase of one plan on every rank."""
+
+    finish: np.ndarray  # per rank, seconds
+    busy: np.ndarray  # per rank: compute-stream busy time (blocks + folds)
+    sent: Dict[str, np.ndarray]  # link type -> bytes sent per rank
+    sent_by_category: Dict[Tuple[str, str], int]  # (phase, category) -> bytes per rank (SPMD: equal)
+    timeline: List[Tuple[str, float, float, str]] = field(default_factory=list)  # recorded rank
+    arrivals: Dict[Tuple[str, int], float] = field(default_factory=dict)  # recorded rank: chunk -> time
+
+    @property
+    def time(self) -> float:
+        return float(self.finish.max())
+
+    @property
+    def critical(self) -> int:
+        return int(self.finish.argmax())
+
+    @property
+    def exposed(self) -> float:
+        """Time the slowest rank's compute stream was idle (communication not hidden)."""
+        return self.time - float(self.busy[self.critical])
+
+
+def _block_durations(plan: Plan, w: Workload, cluster: Cluster, backward: bool) -> Dict[Tuple[int, int], np.ndarray]:
+    a, b = plan.a, plan.b
+    pos = np.arange(a * b)
+    r, c = pos // a, pos % a
+    t = {case: w.block_time(cluster, case, backward) for case in BlockCase}
+    out = {}
+    for op in plan.computes:
+        i = r * a + (c - op.q) % a
+        j = ((r - op.kv) % b) * a + c
+        if w.causal:
+            dur = np.where(i == j, t[BlockCase.DIAG], np.where(j < i, t[BlockCase.LOWER], t[BlockCase.UPPER]))
+        else:
+            dur = np.full(a * b, t[BlockCase.FULL])
+        out[(op.q, op.kv)] = dur
+    return out
+
+
+def replay(
+    plan: Plan,
+    cluster: Cluster,
+    w: Workload,
+    *,
+    stride: int = 1,
+    record: Optional[int] = 0,
+) -> PhaseResult:
+    """Replay ``plan`` on all ranks of its mesh; CP position p sits on GPU ``p * stride``."""
+    a, b = plan.a, plan.b
+    n = a * b
+    pos = np.arange(n)
+    r, c = pos // a, pos % a
+    nxt = {
+        ("row", 1): r * a + (c + 1) % a, ("row", -1): r * a + (c - 1) % a,
+        ("col", 1): ((r + 1) % b) * a + c, ("col", -1): ((r - 1) % b) * a + c,
+    }
+    node = (pos * stride) // cluster.gpus_per_node
+    inter = {k: node != node[v] for k, v in nxt.items()}
+    bw = {k: np.where(v, cluster.inter_bw, cluster.intra_bw) for k, v in inter.items()}
+    lat = {k: np.where(v, cluster.inter_lat, cluster.intra_lat) for k, v in inter.items()}
+    dims = workload_dims(w)
+    backward = plan.phase == BACKWARD
+    blocks = _block_durations(plan, w, cluster, backward)
+
+    compute_free = np.zeros(n)
+    busy = np.zeros(n)
+    chan_free = {k: np.zeros(n) for k in nxt}
+    egress = {False: np.zeros(n), True: np.zeros(n)}
+    ingress = {False: np.zeros(n), True: np.zeros(n)}
+    arrival: Dict[Tuple[str, int], np.ndarray] = {("q", 0): np.zeros(n), ("kv", 0): np.zeros(n)}
+    incoming: Dict[Tuple[str, int], List[np.ndarray]] = {}
+    sent = {"intra": np.zeros(n), "inter": np.zeros(n)}
+    by_cat: Dict[Tuple[str, str], int] = {}
+    timeline: List[Tuple[str, float, float, str]] = []
+    arrivals: Dict[Tuple[str, int], float] = {("q", 0): 0.0, ("kv", 0): 0.0}
+    rec = record is not None and 0 <= record < n
+
+    def fold(kind: str, off: int) -> None:
+        nonlocal compute_free
+        specs = payload(plan.phase, kind, dims)
+        nbytes = sum(s.nbytes for s in specs)
+        for arr in incoming.pop((kind, off), []):
+            start = np.maximum(compute_free, arr)
+            dur = cluster.elementwise_time(3 * nbytes)
+            compute_free = start + dur
+            busy[:] += dur
+            if rec:
+                timeline.append(("compute", float(start[record]), float(compute_free[record]), f"fold {kind}[{off}]"))
+
+    for op in plan.ops:
+        if isinstance(op, Compute):
+            start = np.maximum(compute_free, np.maximum(arrival[("q", op.q)], arrival[("kv", op.kv)]))
+            dur = blocks[(op.q, op.kv)]
+            compute_free = start + dur
+            busy += dur
+            if rec:
+                timeline.append(("compute", float(start[record]), float(compute_free[record]), f"blk {op.q},{op.kv}"))
+        elif isinstance(op, Transfer):
+            key = (op.ring, op.direction)
+            dst = plan.dst(op)
+            if op.kind in ("q", "kv"):
+                ready = arrival[(op.kind, op.src)]
+            else:
+                fold(op.kind, op.src)
+                ready = compute_free.copy()
+            specs = payload(plan.phase, op.kind, dims)
+            nbytes = sum(s.nbytes for s in specs)
+            for s in specs:
+                by_cat[(plan.phase, s.category)] = by_cat.get((plan.phase, s.category), 0) + s.nbytes
+            to = nxt[key]
+            x = inter[key]
+            ustart = np.maximum(chan_free[key], ready)
+            eg = np.where(x, egress[True], egress[False])
+            ing = np.where(x, ingress[True][to], ingress[False][to])
+            start = np.maximum(np.maximum(ustart, ustart[to]), np.maximum(eg, ing))
+            fin = start + nbytes / bw[key]
+            for flag in (True, False):
+                sel = x == flag
+                egress[flag][sel] = fin[sel]
+                ingress[flag][to[sel]] = fin[sel]
+            arr = np.empty(n)
+            arr[to] = fin + lat[key]
+            chan_free[key] = np.maximum(fin, arr)
+            sent["inter"] += np.where(x, nbytes, 0)
+            sent["intra"] += np.where(x, 0, nbytes)
+            if op.kind in ("q", "kv"):
+                arrival[(op.kind, dst)] = arr
+                if rec:
+                    arrivals[(op.kind, dst)] = float(arr[record])
+            else:
+                incoming.setdefault((op.kind, dst), []).append(arr)
+            if rec:
+                lane = f"{op.ring}{'+' if op.direction > 0 else '-'}"
+                timeline.append((lane, float(start[record]), float(fin[record]), f"{op.kind}[{op.src}]"))
+    for kind in ("o",) if not backward else ("dq", "dkv"):
+        fold(kind, 0)
+    finish = compute_free.copy()
+    for v in chan_free.values():
+        finish = np.maximum(finish, v)
+    return PhaseResult(finish, busy, sent, by_cat, timeline, arrivals)
+
+
+# --- CLI ---------------------------------------------------------------------------------------
+
+
+def _parse_size(text: str) -> int:
+    t = text.strip().upper()
+    mult = 1
+    if t.endswith("K"):
+        mult, t = 1024, t[:-1]
+    elif t.endswith("M"):
+        mult, t = 1024 * 1024, t[:-1]
+    return int(float(t) * mult)
+
+
+def main(argv=None) -> int:
+    from .baselines import ALGORITHMS, compare, format_table, plot_timelines
+
+    p = argparse.ArgumentParser(
+        prog="python -m megatron_mesh_cp.simulate",
+        description="Simulate CP attention algorithms on a cluster: time, traffic, exposed communication.",
+    )
+    p.add_argument("--cp", type=int, required=True, help="context-parallel size n")
+    p.add_argument("--seq", type=_parse_size, required=True, help="global sequence length (e.g. 1048576, 128K, 1M)")
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=None, help="default: --heads (MHA)")
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--cluster", default="h100-ib400", help="preset name or YAML path")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (CP ranks are TP GPUs apart)")
+    p.add_argument("--no-causal", action="store_true")
+    p.add_argument("--partial-dtype", choices=("fp32", "bf16"), default="fp32",
+                   help="wire dtype of partial O/dQ/dKV (all ring-style algorithms alike)")
+    p.add_argument("--algos", default="ring,usp,mesh", help=f"comma list of {','.join(ALGORITHMS)} or mesh:AxB")
+    p.add_argument("--plot", default=None, metavar="FILE.png", help="draw one rank's timeline per algorithm")
+    p.add_argument("--max-live", type=int, default=None, help="memory budget (live chunks) for mesh plans")
+    args = p.parse_args(argv)
+    try:
+        cluster = load_cluster(args.cluster)
+        kv = args.kv_heads or args.heads
+        if args.seq % (2 * args.cp):
+            raise ValueError(f"--seq {args.seq} is not divisible by 2*cp = {2 * args.cp}")
+        w = Workload(
+            seq_local=args.seq // args.cp, heads=args.heads // args.tp, kv_heads=max(1, kv // args.tp),
+            head_dim=args.head_dim, batch=args.batch, causal=not args.no_causal,
+            bytes_per_element=cluster.bytes_per_element, partial_bytes=4 if args.partial_dtype == "fp32" else 2,
+        )
+        results = compare([a.strip() for a in args.algos.split(",") if a.strip()], args.cp, cluster, w,
+                          tp=args.tp, max_live=args.max_live)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(
+        f"CP={args.cp}  S={args.seq}  heads={args.heads}/{kv} kv  d={args.head_dim}  "
+        f"{'causal' if w.causal else 'full'}  cluster={cluster.name}  tp={args.tp}  partials={args.partial_dtype}"
+    )
+    print(format_table(results))
+    if args.plot:
+        plot_timelines(results, args.plot)
+        print(f"timeline written to {args.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
