@@ -52,7 +52,8 @@ def choose_shape(
     best_t, best = timed[0]
     ring = next((t for s, t, _ in rows if s == (1, n)), None)
     runner = f", next {timed[1][1][0]}x{timed[1][1][1]} {timed[1][0] * 1e3:.2f} ms" if len(timed) > 1 else ""
-    vs_ring = f", Ring 1x{n} {ring * 1e3:.2f} ms ({ring / best_t:.2f}x slower)" if ring and best != (1, n) else ""
+    vs_ring = (f", 1x{n} (Ring layout) {ring * 1e3:.2f} ms ({ring / best_t:.2f}x slower)"
+               if ring and best != (1, n) else "")
     text = (
         f"mesh_shape=auto -> {best[0]}x{best[1]} for CP={n} (S/rank={workload.seq_local}, heads "
         f"{workload.heads}/{workload.kv_heads} kv, d={workload.head_dim}, {cluster.name}, stride {stride}): "

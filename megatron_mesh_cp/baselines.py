@@ -42,6 +42,7 @@ class SimResult:
     shape: str = ""
     note: str = ""
     timeline: List[Tuple[str, float, float, str]] = field(default_factory=list)
+    bytes_by_phase: Dict[str, float] = field(default_factory=dict)  # forward / backward, per rank
 
     @property
     def exposed(self) -> float:
@@ -56,10 +57,11 @@ def _from_phases(algo: str, fwd: PhaseResult, bwd: PhaseResult, shape: str, note
         fwd.time + bwd.time,
         float(fwd.busy[fwd.critical] + bwd.busy[bwd.critical]),
         float(sum(v[0] for v in fwd.sent.values()) + sum(v[0] for v in bwd.sent.values())),
-        float(fwd.sent["inter"][0] + bwd.sent["inter"][0]),
+        float(fwd.sent["inter"].mean() + bwd.sent["inter"].mean()),  # mean over ranks
         shape,
         note,
         timeline,
+        {ph: float(sum(v[0] for v in r.sent.values())) for ph, r in (("forward", fwd), ("backward", bwd))},
     )
 
 
