@@ -1,0 +1,184 @@
+"""``MeshCoreAttention``: a Megatron core-attention module that runs Mesh-Attention under CP.
+
+It has Megatron's core-attention contract (constructor and forward as ``DotProductAttention`` /
+``TEDotProductAttention``; [s, b, h, d] in, [s, b, h*d] out), so one layer spec serves every run:
+
+* CP > 1 and ``cp_comm_type == "mesh"``: mesh attention on the CP group, with Megatron's
+  hierarchical CP groups (sizes [a, b]) as the row and column rings;
+* otherwise it hands off to Transformer Engine's ``TEDotProductAttention`` when TE is installed,
+  else to Megatron's local ``DotProductAttention``.
+
+Combinations mesh CP does not support fail at construction (or, for per-call inputs such as packed
+sequences and attention bias, before any communication) with a message naming the fix.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Dict, Optional
+
+import torch
+
+from megatron.core import parallel_state
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+
+from ..attention import mesh_attention
+from ..groups import MeshGroups
+from .settings import SETTINGS
+
+__all__ = ["MeshCoreAttention", "mesh_groups_for", "attention_traffic"]
+
+_MESHES: Dict[tuple, MeshGroups] = {}
+_SUPPORTED_MASKS = (AttnMaskType.causal, AttnMaskType.no_mask)
+
+
+def _te_attention():
+    try:
+        from megatron.core.extensions.transformer_engine import TEDotProductAttention, HAVE_TE
+    except ImportError:
+        return None
+    return TEDotProductAttention if HAVE_TE else None
+
+
+def mesh_groups_for(pg_collection=None) -> MeshGroups:
+    """The (cached) MeshGroups of this rank's CP group, from Megatron's hierarchical CP groups."""
+    cp = getattr(pg_collection, "cp", None) if pg_collection is not None else None
+    hcp = getattr(pg_collection, "hcp", None) if pg_collection is not None else None
+    if cp is None:
+        cp = parallel_state.get_context_parallel_group()
+    if not hcp:
+        hcp = parallel_state.get_hierarchical_context_parallel_groups(check_initialized=False)
+    if not hcp or len(hcp) != 2:
+        raise ValueError(
+            "mesh CP needs Megatron's hierarchical CP groups for sizes [a, b]; pass --mesh-shape AxB (or auto) "
+            "through megatron_mesh_cp's arguments, or initialize_model_parallel(..., "
+            "hierarchical_context_parallel_sizes=[a, b])"
+        )
+    key = tuple(torch.distributed.get_process_group_ranks(cp))
+    if key not in _MESHES:
+        mesh = MeshGroups.from_groups(cp, hcp[0], hcp[1])
+        mesh.cluster = SETTINGS.cluster
+        mesh.stride = parallel_state.get_tensor_model_parallel_world_size() if parallel_state.model_parallel_is_initialized() else 1
+        _MESHES[key] = mesh
+    return _MESHES[key]
+
+
+def attention_traffic() -> Dict[str, int]:
+    """Bytes this rank sent for mesh attention so far, and what Ring would have sent for the same calls."""
+    sent = sum(m.traffic.total_sent() for m in _MESHES.values())
+    return {"mesh_bytes": sent, "ring_bytes": SETTINGS.ring_bytes, "calls": SETTINGS.calls}
+
+
+class MeshCoreAttention(MegatronModule):
+    """Core attention with Mesh-Attention context parallelism (see module docstring)."""
+
+    def __init__(
+        self,
+        config,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str,
+        attention_dropout: Optional[float] = None,
+        softmax_scale: Optional[float] = None,
+        k_channels: Optional[int] = None,
+        v_channels: Optional[int] = None,
+        cp_comm_type: Optional[str] = None,
+        pg_collection=None,
+    ) -> None:
+        super().__init__(config=config)
+        self.config = config
+        cp_size = config.context_parallel_size
+        self.use_mesh = cp_size > 1 and cp_comm_type == "mesh"
+        if not self.use_mesh:
+            self.inner = self._fallback(
+                config, layer_number, attn_mask_type, attention_type, attention_dropout, softmax_scale,
+                k_channels, v_channels, cp_comm_type, pg_collection,
+            )
+            return
+        self.inner = None
+        dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+        if dropout and dropout > 0:
+            raise ValueError(
+                f"mesh CP does not support attention dropout ({dropout}); set --attention-dropout 0"
+            )
+        if attn_mask_type not in _SUPPORTED_MASKS:
+            raise ValueError(
+                f"mesh CP supports causal and no-mask attention, not {attn_mask_type.name}; "
+                "use a causal (GPT) or unmasked model, or another --context-parallel-algo"
+            )
+        if getattr(config, "window_size", None) is not None:
+            raise ValueError("mesh CP does not support sliding-window attention yet; drop --window-size")
+        if getattr(config, "softmax_type", "vanilla") != "vanilla":
+            raise ValueError(f"mesh CP supports the vanilla softmax only, not {config.softmax_type!r}")
+        kv = config.kv_channels
+        k_ch, v_ch = k_channels or kv, v_channels or kv
+        if k_ch != v_ch:
+            raise ValueError(f"mesh CP needs equal key and value head dims, got {k_ch} and {v_ch}")
+        self.attn_mask_type = attn_mask_type
+        self.layer_number = layer_number
+        self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(k_ch)
+        self.mesh = mesh_groups_for(pg_collection)
+        if self.mesh.shape.n != cp_size:
+            raise ValueError(
+                f"the CP group has {self.mesh.shape.n} ranks but context_parallel_size is {cp_size}"
+            )
+
+    @staticmethod
+    def _fallback(config, layer_number, attn_mask_type, attention_type, attention_dropout, softmax_scale,
+                  k_channels, v_channels, cp_comm_type, pg_collection):
+        te = _te_attention()
+        if te is not None:
+            return te(
+                config=config, layer_number=layer_number, attn_mask_type=attn_mask_type,
+                attention_type=attention_type, attention_dropout=attention_dropout, softmax_scale=softmax_scale,
+                k_channels=k_channels, v_channels=v_channels, cp_comm_type=cp_comm_type, pg_collection=pg_collection,
+            )
+        if config.context_parallel_size > 1:
+            raise ValueError(
+                f"context parallelism with cp_comm_type={cp_comm_type!r} needs Transformer Engine, which is not "
+                "installed; use --context-parallel-algo mesh (runs without TE) or install TE"
+            )
+        from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+        return DotProductAttention(
+            config=config, layer_number=layer_number, attn_mask_type=attn_mask_type,
+            attention_type=attention_type, attention_dropout=attention_dropout, softmax_scale=softmax_scale,
+            cp_comm_type=cp_comm_type, pg_collection=pg_collection,
+        )
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: Optional[torch.Tensor],
+        attn_mask_type: Optional[AttnMaskType] = None,
+        attention_bias: Optional[torch.Tensor] = None,
+        packed_seq_params=None,
+        **kwargs,
+    ) -> torch.Tensor:
+        if not self.use_mesh:
+            return self.inner(
+                query, key, value, attention_mask, attn_mask_type=attn_mask_type,
+                attention_bias=attention_bias, packed_seq_params=packed_seq_params, **kwargs,
+            )
+        if packed_seq_params is not None:
+            raise ValueError(
+                "mesh CP does not support packed sequences (THD) yet; disable sequence packing "
+                "(--sft / --dataloader-inter-document-masking) or use another --context-parallel-algo"
+            )
+        if attention_bias is not None:
+            raise ValueError("mesh CP does not support an attention bias; drop it or use another --context-parallel-algo")
+        mask = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
+        if mask not in _SUPPORTED_MASKS:
+            raise ValueError(f"mesh CP supports causal and no-mask attention, not {mask.name}")
+        # the attention_mask tensor of a causal model is the standard causal mask; like TE, it is
+        # implied by the mask type and not read
+        out = mesh_attention(
+            query, key, value, self.mesh, causal=mask == AttnMaskType.causal, softmax_scale=self.softmax_scale,
+            layout="sbhd", kernel=SETTINGS.kernel, partial_dtype=SETTINGS.partial_dtype, planner=SETTINGS.planner,
+        )
+        SETTINGS.count_call(query, key, self.mesh.shape.n, training=torch.is_grad_enabled())
+        s, b = out.shape[0], out.shape[1]
+        return out.reshape(s, b, -1)

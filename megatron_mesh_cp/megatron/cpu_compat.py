@@ -1,0 +1,189 @@
+"""Run Megatron's real training loop on CPU (gloo): a small, separate compatibility layer.
+
+Megatron-LM's training loop assumes CUDA throughout (see docs/megatron_on_cpu.md). On a machine
+without CUDA, :func:`activate` installs:
+
+* one generic ``TorchFunctionMode`` that rewrites ``device="cuda"`` (str, ``torch.device`` or int)
+  to CPU, makes ``Tensor.cuda()`` / ``Tensor.to("cuda")`` / ``pin_memory`` no-ops;
+* no-op stand-ins for ``torch.cuda`` streams, events, ``synchronize`` and ``current_device``;
+* a separate CPU generator standing in for the CUDA one: random tensors asked for on "cuda" draw
+  from it, and ``torch.cuda.manual_seed`` / ``get_rng_state`` / ``set_rng_state`` act on it. So
+  CUDA-side randomness (e.g. Megatron's JIT warm-up, sized by the CP degree) never shifts the CPU
+  generator that initialises the weights, and runs with different CP sizes start identically;
+* four pinned one-line patches of Megatron names (listed in :data:`PATCHES`): the ``allow_no_cuda``
+  initialisation, the dataset-helper compile step (the wheel ships the built helper), the model-
+  parallel RNG fork (dropout uses the CPU generator), and the device-architecture query.
+
+It is never active when CUDA is present (``activate`` refuses), and it fails loudly, naming the
+attribute, if a Megatron release moved a name it patches. Process-group setup (gloo, and model-
+parallel groups before ``pretrain``) is the launcher's job, not this module's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+from typing import Callable, Dict, List, Tuple
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+__all__ = ["activate", "is_active", "PATCHES"]
+
+_ACTIVE = False
+_MODE = None
+
+#: (module, attribute, why) for every Megatron name this module replaces.
+PATCHES: List[Tuple[str, str, str]] = [
+    ("megatron.training.training", "initialize_megatron", "pass allow_no_cuda=True"),
+    ("megatron.core.datasets.utils", "compile_helpers", "the wheel ships the built helper and no Makefile"),
+    ("megatron.core.tensor_parallel.random", "CudaRNGStatesTracker.fork", "no CUDA RNG states: use the CPU generator"),
+    ("megatron.training.arguments", "get_device_arch_version", "no device to query"),
+]
+
+
+def _is_cuda(device) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    return isinstance(device, int) and not isinstance(device, bool)
+
+
+_CUDA_GENERATOR = torch.Generator()  # stands in for the CUDA default generator
+_RANDOM_FACTORIES = {torch.rand, torch.randn, torch.randint, torch.randperm, torch.normal}
+
+
+class _CudaToCpu(TorchFunctionMode):
+    """Send every CUDA placement to the CPU."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is torch.Tensor.cuda or func is torch.Tensor.pin_memory:
+            return args[0]
+        if "device" in kwargs and _is_cuda(kwargs["device"]):
+            kwargs["device"] = "cpu"
+            if func in _RANDOM_FACTORIES and kwargs.get("generator") is None:
+                kwargs["generator"] = _CUDA_GENERATOR
+        if kwargs.get("pin_memory"):
+            kwargs["pin_memory"] = False
+        if func is torch.Tensor.to and len(args) > 1 and _is_cuda(args[1]):
+            args = (args[0], "cpu") + tuple(args[2:])
+        return func(*args, **kwargs)
+
+
+class _FakeStream:
+    def __init__(self, *args, **kwargs) -> None:
+        pass
+
+    def wait_stream(self, *args, **kwargs) -> None:
+        pass
+
+    def wait_event(self, *args, **kwargs) -> None:
+        pass
+
+    def record_event(self, event=None):
+        return event or _FakeEvent()
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+class _FakeEvent:
+    def __init__(self, *args, **kwargs) -> None:
+        pass
+
+    def record(self, *args, **kwargs) -> None:
+        pass
+
+    def wait(self, *args, **kwargs) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, other) -> float:
+        return 0.0
+
+
+def _resolve(module: str, attr: str):
+    """(owner object, leaf name) of ``module.attr``; raises naming what moved."""
+    try:
+        owner = importlib.import_module(module)
+    except ImportError as exc:
+        raise RuntimeError(f"cpu_compat: cannot import {module} ({exc}); Megatron moved it, update PATCHES") from None
+    parts = attr.split(".")
+    for p in parts[:-1]:
+        owner = getattr(owner, p, None)
+        if owner is None:
+            raise RuntimeError(f"cpu_compat: {module}.{attr} no longer exists; Megatron moved it, update PATCHES")
+    if not hasattr(owner, parts[-1]):
+        raise RuntimeError(f"cpu_compat: {module}.{attr} no longer exists; Megatron moved it, update PATCHES")
+    return owner, parts[-1]
+
+
+def _patch_megatron() -> None:
+    replacements: Dict[str, Callable] = {}
+
+    owner, name = _resolve("megatron.training.training", "initialize_megatron")
+    replacements["initialize_megatron"] = functools.partial(getattr(owner, name), allow_no_cuda=True)
+    setattr(owner, name, replacements["initialize_megatron"])
+
+    owner, name = _resolve("megatron.core.datasets.utils", "compile_helpers")
+    setattr(owner, name, lambda: None)
+
+    owner, name = _resolve("megatron.core.tensor_parallel.random", "CudaRNGStatesTracker.fork")
+
+    @contextlib.contextmanager
+    def fork(self, name="model-parallel-rng"):
+        yield
+
+    setattr(owner, name, fork)
+
+    owner, name = _resolve("megatron.training.arguments", "get_device_arch_version")
+    setattr(owner, name, lambda: 9)
+
+
+def _patch_torch_cuda() -> None:
+    cuda = torch.cuda
+    cuda.current_device = lambda: 0
+    cuda.synchronize = lambda *a, **k: None
+    cuda.Stream = _FakeStream
+    cuda.Event = _FakeEvent
+    cuda.current_stream = lambda *a, **k: _FakeStream()
+    cuda.default_stream = lambda *a, **k: _FakeStream()
+    cuda.stream = lambda *a, **k: contextlib.nullcontext()
+    cuda.get_rng_state = lambda *a, **k: _CUDA_GENERATOR.get_state()
+    cuda.set_rng_state = lambda state, *a, **k: _CUDA_GENERATOR.set_state(state)
+    cuda.manual_seed = lambda seed: _CUDA_GENERATOR.manual_seed(int(seed))
+    cuda.manual_seed_all = lambda seed: _CUDA_GENERATOR.manual_seed(int(seed))
+    cuda.empty_cache = lambda: None
+    cuda.memory_allocated = lambda *a, **k: 0
+    cuda.max_memory_allocated = lambda *a, **k: 0
+    cuda.memory_reserved = lambda *a, **k: 0
+    cuda.max_memory_reserved = lambda *a, **k: 0
+
+
+def activate() -> None:
+    """Install the CPU stand-ins (idempotent). Refuses when CUDA is available."""
+    global _ACTIVE, _MODE
+    if _ACTIVE:
+        return
+    if torch.cuda.is_available():
+        raise RuntimeError("cpu_compat must not be activated on a machine with CUDA; run the GPU path instead")
+    _patch_megatron()
+    _patch_torch_cuda()
+    _MODE = _CudaToCpu()
+    _MODE.__enter__()
+    _ACTIVE = True
+
+
+def is_active() -> bool:
+    return _ACTIVE

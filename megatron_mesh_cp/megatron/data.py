@@ -1,0 +1,64 @@
+"""A real-text corpus every machine has: the Python standard library's own sources, byte-level.
+
+Each ``.py`` file of the running interpreter's standard library (sorted, so the corpus is
+deterministic for a given Python) becomes one document of byte tokens 0..255 followed by the
+end-of-document token 256; the result is written in Megatron's indexed-dataset format with
+megatron.core's own ``IndexedDatasetBuilder``. Use ``--tokenizer-type NullTokenizer --vocab-size 257``.
+"""
+
+from __future__ import annotations
+
+import os
+import sysconfig
+import time
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+
+__all__ = ["EOD", "VOCAB_SIZE", "build_stdlib_corpus", "ensure_stdlib_corpus"]
+
+EOD = 256
+VOCAB_SIZE = 257
+
+
+def build_stdlib_corpus(prefix: str, max_bytes: int = 8 << 20) -> str:
+    """Write ``prefix.bin`` / ``prefix.idx`` (at most ``max_bytes`` of source); returns ``prefix``."""
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts and "test" not in p.parts)
+    tmp = f"{prefix}.tmp{os.getpid()}"
+    builder = IndexedDatasetBuilder(f"{tmp}.bin", dtype=np.uint16)
+    total = 0
+    for path in files:
+        data = path.read_bytes()
+        if not data.strip():
+            continue
+        tokens = np.frombuffer(data, dtype=np.uint8).astype(np.int64)
+        builder.add_item(torch.from_numpy(np.append(tokens, EOD)))
+        builder.end_document()
+        total += len(data)
+        if total >= max_bytes:
+            break
+    builder.finalize(f"{tmp}.idx")
+    os.replace(f"{tmp}.bin", f"{prefix}.bin")  # .bin first: readers wait for the .idx
+    os.replace(f"{tmp}.idx", f"{prefix}.idx")
+    return prefix
+
+
+def ensure_stdlib_corpus(prefix: str, local_rank: Optional[int] = None, timeout_s: float = 600) -> str:
+    """Build the corpus once per machine (local rank 0); other ranks wait for it to appear."""
+    local_rank = int(os.environ.get("LOCAL_RANK", "0")) if local_rank is None else local_rank
+    Path(prefix).parent.mkdir(parents=True, exist_ok=True)
+    if os.path.exists(f"{prefix}.idx"):
+        return prefix
+    if local_rank == 0:
+        return build_stdlib_corpus(prefix)
+    deadline = time.time() + timeout_s
+    while not os.path.exists(f"{prefix}.idx"):
+        if time.time() > deadline:
+            raise RuntimeError(f"timed out waiting for local rank 0 to build {prefix}.idx")
+        time.sleep(0.2)
+    return prefix

@@ -1,0 +1,389 @@
+"""GPT pretraining through Megatron's real training loop with mesh CP (megatron-core 0.19.x).
+
+``scripts/pretrain_gpt_mesh.py`` calls :func:`main`. Megatron's own arguments plus the mesh-CP
+switches (``--context-parallel-algo mesh --mesh-shape AxB|auto``...) and a few launcher options:
+
+* ``--config FILE.yaml`` -- a flat YAML of Megatron arguments (``context_parallel_algo: mesh``,
+  ``mesh_shape: 2x2``...); command-line flags after it override it;
+* ``--summary-json FILE`` -- per-iteration lm loss and attention bytes, written by the last rank;
+* ``--plot-loss FILE.png`` -- after training, rerun the same config with CP = 1 on one process and
+  plot both loss curves;
+* ``--dump-grads FILE`` -- save every parameter's reduced gradient of the first step (parity tests).
+
+Without ``--data-path`` (and without ``--mock-data``) it trains on the Python standard library's
+sources, byte-level (``megatron_mesh_cp.megatron.data``). On a machine without CUDA it runs on gloo
+through :mod:`megatron_mesh_cp.megatron.cpu_compat`; with CUDA that module is never touched.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from functools import partial
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+import torch
+
+__all__ = ["main", "config_to_argv", "parse_megatron_args"]
+
+LAUNCHER_FLAGS = ("--config", "--summary-json", "--plot-loss", "--dump-grads", "--data-cache-dir")
+_LOSSES: List[List[float]] = []
+
+
+def config_to_argv(path: str) -> List[str]:
+    """Flat YAML (``name: value``) -> Megatron flags: ``true`` -> ``--name``, lists -> repeated values."""
+    import yaml
+
+    with open(path) as f:
+        cfg = yaml.safe_load(f) or {}
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{path}: expected a mapping of argument names to values")
+    argv: List[str] = []
+    for key, value in cfg.items():
+        flag = "--" + str(key).replace("_", "-")
+        if value is None or value is False:
+            continue
+        if value is True:
+            argv.append(flag)
+        elif isinstance(value, (list, tuple)):
+            argv += [flag] + [str(v) for v in value]
+        else:
+            argv += [flag, str(value)]
+    return argv
+
+
+def _has(argv: Sequence[str], flag: str) -> bool:
+    return any(a == flag or a.startswith(flag + "=") for a in argv)
+
+
+def parse_megatron_args(argv: Sequence[str], defaults: Optional[Dict] = None):
+    """Megatron's parse -> mesh mapping/validation -> Megatron's validation -> global variables."""
+    from megatron.training.arguments import parse_args, validate_args
+    from megatron.training.global_vars import set_global_variables
+
+    from .arguments import add_mesh_args, apply_mesh_args
+
+    saved = sys.argv
+    sys.argv = [saved[0]] + list(argv)
+    try:
+        args = parse_args(extra_args_provider=add_mesh_args)
+    finally:
+        sys.argv = saved
+    apply_mesh_args(args, argv)
+    if getattr(args, "yaml_cfg", None):
+        from megatron.training.yaml_arguments import validate_yaml
+
+        args = validate_yaml(args, defaults or {})
+    else:
+        validate_args(args, defaults or {})
+    set_global_variables(args)
+    return args
+
+
+def _init_distributed_cpu(args) -> None:
+    """What Megatron's initialisation skips without a GPU: gloo process group and model-parallel groups."""
+    from datetime import timedelta
+
+    from megatron.core import parallel_state as mpu
+
+    if not torch.distributed.is_initialized():
+        torch.distributed.init_process_group(
+            backend="gloo", world_size=args.world_size, rank=args.rank,
+            timeout=timedelta(minutes=args.distributed_timeout_minutes),
+        )
+    if not mpu.model_parallel_is_initialized():
+        mpu.initialize_model_parallel(
+            args.tensor_model_parallel_size,
+            args.pipeline_model_parallel_size,
+            args.virtual_pipeline_model_parallel_size,
+            context_parallel_size=args.context_parallel_size,
+            hierarchical_context_parallel_sizes=args.hierarchical_context_parallel_sizes,
+            expert_model_parallel_size=args.expert_model_parallel_size,
+            expert_tensor_parallel_size=args.expert_tensor_parallel_size,
+            distributed_timeout_minutes=args.distributed_timeout_minutes,
+            order="tp-cp-ep-dp-pp",
+        )
+
+
+def _pinned(module, name: str):
+    if not hasattr(module, name):
+        raise RuntimeError(f"{module.__name__}.{name} is gone; this launcher supports megatron-core 0.19.x")
+    return getattr(module, name)
+
+
+def _capture_losses() -> None:
+    """Record the lm loss Megatron logs each iteration (already averaged over data and CP ranks)."""
+    import megatron.training.training as training
+
+    orig = _pinned(training, "training_log")
+
+    def training_log(loss_dict, total_loss_dict, learning_rate, iteration, *a, **k):
+        if "lm loss" in loss_dict:
+            v = loss_dict["lm loss"]
+            _LOSSES.append([int(iteration), float(v.item() if torch.is_tensor(v) else v)])
+        return orig(loss_dict, total_loss_dict, learning_rate, iteration, *a, **k)
+
+    training.training_log = training_log
+
+
+def _capture_first_grads(path: str) -> None:
+    """Save every parameter's reduced gradient right before the first optimizer step."""
+    import megatron.training.training as training
+
+    orig = _pinned(training, "train_step")
+    state = {"done": False}
+
+    def train_step(forward_step_func, data_iterator, model, optimizer, *a, **k):
+        if not state["done"]:
+            state["done"] = True
+            step = optimizer.step
+
+            def first_step(*sa, **sk):
+                grads = {}
+                for chunk in model:
+                    for name, p in chunk.named_parameters():
+                        g = getattr(p, "main_grad", None)
+                        g = p.grad if g is None else g
+                        if g is not None:
+                            grads[name] = g.detach().double().cpu().clone()
+                if torch.distributed.get_rank() == 0:
+                    torch.save(grads, path)
+                optimizer.step = step
+                return step(*sa, **sk)
+
+            optimizer.step = first_step
+        return orig(forward_step_func, data_iterator, model, optimizer, *a, **k)
+
+    training.train_step = train_step
+
+
+# --- the GPT step (the same contract as Megatron's pretrain_gpt.py, no packed sequences) ------
+
+
+def _get_batch(data_iterator):
+    from megatron.core import mpu
+    from megatron.core.utils import get_batch_on_this_cp_rank, get_batch_on_this_tp_rank
+    from megatron.training import get_args
+
+    args = get_args()
+    keys = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids")
+    batch = {}
+    if mpu.get_tensor_model_parallel_rank() == 0:
+        raw = next(data_iterator)
+        batch = {k: (raw[k].cuda(non_blocking=True) if raw.get(k) is not None else None) for k in keys}
+    if args.tensor_model_parallel_size > 1:
+        batch = get_batch_on_this_tp_rank(
+            batch, has_cu_seqlens=False, is_hybrid_cp=False,
+            create_attention_mask_in_dataloader=args.create_attention_mask_in_dataloader,
+            broadcast_src_rank=mpu.get_tensor_model_parallel_src_rank(),
+            broadcast_group=mpu.get_tensor_model_parallel_group(), cp_size=args.context_parallel_size,
+            tp_rank=mpu.get_tensor_model_parallel_rank(), micro_batch_size=args.micro_batch_size,
+            seq_length=args.seq_length, mtp_on_this_rank=False,
+            pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+            is_pipeline_first_stage=mpu.is_pipeline_first_stage(), is_pipeline_last_stage=mpu.is_pipeline_last_stage(),
+        )
+    batch = get_batch_on_this_cp_rank(batch, is_hybrid_cp=False, cp_group=mpu.get_context_parallel_group())
+    return [batch.get(k) for k in keys]
+
+
+def _loss_func(loss_mask, output_tensor):
+    losses = output_tensor.view(-1).float()
+    loss_mask = loss_mask.view(-1).float()
+    loss = torch.sum(losses * loss_mask)
+    num_tokens = loss_mask.sum().clone().detach().to(torch.int)
+    return loss, num_tokens, {"lm loss": torch.cat([loss.clone().detach().view(1), num_tokens.view(1)])}
+
+
+def forward_step(data_iterator, model):
+    tokens, labels, loss_mask, attention_mask, position_ids = _get_batch(data_iterator)
+    output = model(tokens, position_ids, attention_mask, labels=labels, loss_mask=loss_mask)
+    return output, partial(_loss_func, loss_mask)
+
+
+def datasets_provider(train_val_test_num_samples, vp_stage=None):
+    from megatron.core import mpu
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
+    from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer
+    from megatron.training import get_args
+    from megatron.training.utils import get_blend_and_blend_per_split
+
+    args = get_args()
+    blend, blend_per_split = get_blend_and_blend_per_split(args)
+    config = GPTDatasetConfig(
+        random_seed=args.seed, sequence_length=args.seq_length, blend=blend, blend_per_split=blend_per_split,
+        split=args.split, path_to_cache=args.data_cache_path, mmap_bin_files=args.mmap_bin_files,
+        tokenizer=build_tokenizer(args), reset_position_ids=args.reset_position_ids,
+        reset_attention_mask=args.reset_attention_mask, eod_mask_loss=args.eod_mask_loss,
+        create_attention_mask=args.create_attention_mask_in_dataloader,
+        context_parallel_size=args.context_parallel_size, data_parallel_size=args.data_parallel_size,
+    )
+    cls = MockGPTDataset if args.mock_data else GPTDataset
+    built = lambda: mpu.get_tensor_model_parallel_rank() == 0  # noqa: E731
+    return BlendedMegatronDatasetBuilder(cls, train_val_test_num_samples, built, config).build()
+
+
+datasets_provider.is_distributed = True
+
+
+# --- main ---------------------------------------------------------------------------------------
+
+
+def _launcher_options(argv: Sequence[str]):
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--config", default=None)
+    p.add_argument("--summary-json", default=None)
+    p.add_argument("--plot-loss", default=None)
+    p.add_argument("--dump-grads", default=None)
+    p.add_argument("--data-cache-dir", default=os.environ.get("MESH_CP_DATA_DIR", str(Path.home() / ".cache" / "megatron-mesh-cp")))
+    return p.parse_known_args(list(argv))
+
+
+def _default_data(argv: List[str], cache_dir: str) -> List[str]:
+    if _has(argv, "--data-path") or _has(argv, "--mock-data") or _has(argv, "--yaml-cfg"):
+        return argv
+    from .data import VOCAB_SIZE, ensure_stdlib_corpus
+
+    prefix = ensure_stdlib_corpus(os.path.join(cache_dir, f"stdlib-py{sys.version_info[0]}{sys.version_info[1]}_text_document"))
+    extra = ["--data-path", prefix, "--data-cache-path", os.path.join(cache_dir, "index-cache")]
+    if not _has(argv, "--tokenizer-type"):
+        extra += ["--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB_SIZE)]
+    if not _has(argv, "--split"):
+        extra += ["--split", "98,2,0"]
+    return argv + extra
+
+
+def _summary(args, opts, started: float) -> Dict:
+    from .attention import attention_traffic
+    from .settings import SETTINGS
+
+    traffic = attention_traffic()
+    return {
+        "losses": _LOSSES,
+        "context_parallel_size": args.context_parallel_size,
+        "algo": getattr(args, "context_parallel_algo", None) or "p2p",
+        "mesh_shape": getattr(args, "mesh_shape", None),
+        "shape_explanation": SETTINGS.shape_explanation,
+        "attention_bytes_sent_per_rank": traffic["mesh_bytes"],
+        "ring_bytes_per_rank": traffic["ring_bytes"],
+        "attention_calls": traffic["calls"],
+        "seconds": time.time() - started,
+    }
+
+
+def _print_summary(s: Dict) -> None:
+    if s["losses"]:
+        it, loss = s["losses"][-1]
+        print(f"[mesh-cp] final lm loss {loss:.6f} at iteration {it} "
+              f"(CP={s['context_parallel_size']}, {s['algo']}{' ' + s['mesh_shape'] if s['mesh_shape'] else ''})")
+    if s["attention_calls"]:
+        mesh, ring = s["attention_bytes_sent_per_rank"], s["ring_bytes_per_rank"]
+        n = s["context_parallel_size"]
+        print(f"[mesh-cp] attention bytes sent by this rank: {mesh / 2**20:.2f} MiB over {s['attention_calls']} "
+              f"layer calls; Ring (1x{n}) would have sent {ring / 2**20:.2f} MiB "
+              f"({(1 - mesh / ring) if ring else 0:.1%} less with mesh)")
+    print(f"[mesh-cp] done in {s['seconds']:.1f} s", flush=True)
+
+
+def _reference_run(argv: List[str], out_json: str) -> Dict:
+    """The same Megatron arguments with CP = 1 on one process (for the loss plot)."""
+    import socket
+
+    drop = {"--context-parallel-algo", "--mesh-shape", "--hierarchical-context-parallel-sizes", "--cp-comm-type",
+            "--context-parallel-size"}
+    clean, skip = [], False
+    for a in argv:
+        if skip:
+            if a.startswith("--"):
+                skip = False
+            else:
+                continue
+        if a.split("=")[0] in drop:
+            skip = "=" not in a
+            continue
+        clean.append(a)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, WORLD_SIZE="1", RANK="0", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    cmd = [sys.executable, os.path.abspath(sys.argv[0])] + clean + ["--context-parallel-size", "1", "--summary-json", out_json]
+    print("[mesh-cp] reference run (CP=1): " + " ".join(cmd[1:3]) + " ...", flush=True)
+    subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL)
+    with open(out_json) as f:
+        return json.load(f)
+
+
+def _plot(summary: Dict, ref: Dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for s, label, style in ((ref, "CP=1", "-"), (summary, f"CP={summary['context_parallel_size']} {summary['algo']} "
+                                                 f"{summary['mesh_shape'] or ''}", "--")):
+        xs, ys = zip(*s["losses"]) if s["losses"] else ((), ())
+        ax.plot(xs, ys, style, marker="o", ms=3, label=label)
+    ax.set_xlabel("iteration")
+    ax.set_ylabel("lm loss")
+    ax.set_title("GPT on the Python stdlib (byte-level): mesh CP vs no CP")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    started = time.time()
+    raw = list(sys.argv[1:] if argv is None else argv)
+    opts, rest = _launcher_options(raw)
+    megatron_argv = (config_to_argv(opts.config) if opts.config else []) + rest
+    cpu = not torch.cuda.is_available()
+    if cpu:
+        from . import cpu_compat
+
+        cpu_compat.activate()
+    megatron_argv = _default_data(megatron_argv, opts.data_cache_dir)
+    from .arguments import MeshArgumentError
+
+    try:
+        args = parse_megatron_args(megatron_argv)
+    except MeshArgumentError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    if cpu:
+        _init_distributed_cpu(args)
+    _capture_losses()
+    if opts.dump_grads:
+        _capture_first_grads(opts.dump_grads)
+
+    from megatron.core.enums import ModelType
+    from megatron.training import pretrain
+    from megatron.training.argument_utils import gpt_config_from_args, pretrain_cfg_container_from_args
+
+    from .specs import gpt_mesh_spec
+
+    model_cfg = gpt_config_from_args(args)
+    if args.spec is None:
+        model_cfg.transformer_layer_spec = gpt_mesh_spec
+    container = pretrain_cfg_container_from_args(args, model_cfg)
+    pretrain(container, datasets_provider, ModelType.encoder_or_decoder, forward_step)
+
+    last = torch.distributed.get_rank() == torch.distributed.get_world_size() - 1
+    summary = _summary(args, opts, started)
+    if last:
+        _print_summary(summary)
+        if opts.summary_json:
+            Path(opts.summary_json).parent.mkdir(parents=True, exist_ok=True)
+            with open(opts.summary_json, "w") as f:
+                json.dump(summary, f, indent=1)
+        if opts.plot_loss and args.context_parallel_size > 1:
+            ref = _reference_run(megatron_argv, str(Path(opts.plot_loss).with_suffix(".cp1.json")))
+            _plot(summary, ref, opts.plot_loss)
+            print(f"[mesh-cp] loss curve (vs CP=1) written to {opts.plot_loss}", flush=True)

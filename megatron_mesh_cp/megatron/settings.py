@@ -1,0 +1,37 @@
+"""Process-wide mesh-CP settings chosen from the command line, read by every MeshCoreAttention."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+__all__ = ["MeshSettings", "SETTINGS"]
+
+
+@dataclass
+class MeshSettings:
+    kernel: str = "auto"
+    partial_dtype: Optional[torch.dtype] = None  # None: fp32 partials (exact)
+    planner: str = "greedy"
+    cluster: object = None  # a megatron_mesh_cp.cluster.Cluster, or None for the default
+    shape_explanation: str = ""
+    # what Ring would have sent for the calls made so far (like-for-like partial dtype)
+    ring_bytes: int = 0
+    calls: int = 0
+
+    def count_call(self, query: torch.Tensor, key: torch.Tensor, n: int, training: bool) -> None:
+        from ..kernels import lse_dtype
+        from ..plan import ChunkDims, plan_traffic
+        from ..schedule import in_order_plan
+
+        s, b, h, d = query.shape
+        acc = lse_dtype(query.dtype)
+        dims = ChunkDims(b, s, h, key.shape[2], d, query.dtype, acc, self.partial_dtype)
+        phases = ("forward", "backward") if training else ("forward",)
+        self.ring_bytes += sum(sum(plan_traffic(in_order_plan(1, n, ph), dims).values()) for ph in phases)
+        self.calls += 1
+
+
+SETTINGS = MeshSettings()

@@ -1,0 +1,96 @@
+"""Helpers for tests that run the GPT launcher (Megatron's real training loop) on local gloo ranks."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Dict, List, Sequence
+
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+LAUNCHER = ROOT / "scripts" / "pretrain_gpt_mesh.py"
+
+#: a tiny GPT with RoPE, GQA (4 heads, 2 groups), causal mask, no dropout, fp32
+BASE = {
+    "distributed_backend": "gloo", "transformer_impl": "local", "num_layers": 2, "hidden_size": 64,
+    "ffn_hidden_size": 128, "num_attention_heads": 4, "group_query_attention": True, "num_query_groups": 2,
+    "position_embedding_type": "rope", "no_rope_fusion": True, "seq_length": 128, "max_position_embeddings": 128,
+    "micro_batch_size": 2, "global_batch_size": 2, "attention_dropout": 0.0, "hidden_dropout": 0.0,
+    "lr": 3.0e-3, "min_lr": 3.0e-4, "lr_decay_style": "cosine", "lr_warmup_iters": 2, "train_iters": 10,
+    "weight_decay": 0.01, "clip_grad": 0.0, "seed": 1234, "log_interval": 1, "eval_iters": 0, "eval_interval": 1000,
+    "no_gradient_accumulation_fusion": True, "no_masked_softmax_fusion": True, "no_persist_layer_norm": True,
+    "rerun_mode": "disabled",
+}
+
+
+def env(tmp: Path) -> Dict[str, str]:
+    e = dict(os.environ)
+    e.update(CUDA_DEVICE_MAX_CONNECTIONS="1", PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1",
+             MESH_CP_DATA_DIR=str(tmp / "data"))
+    return e
+
+
+def write_config(tmp: Path, name: str, **overrides) -> Path:
+    cfg = dict(BASE, **overrides)
+    path = tmp / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def train(tmp: Path, name: str, nproc: int, extra: Sequence[str] = (), timeout: int = 600, **overrides) -> Dict:
+    """Run the launcher under torchrun; return its summary JSON (and the grads file path)."""
+    cfg = write_config(tmp, name, **overrides)
+    summary = tmp / f"{name}.json"
+    grads = tmp / f"{name}.grads.pt"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", str(_port()),
+           str(LAUNCHER), "--config", str(cfg), "--summary-json", str(summary), "--dump-grads", str(grads), *extra]
+    out = subprocess.run(cmd, env=env(tmp), capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    if out.returncode != 0:
+        raise AssertionError(f"{name} failed ({out.returncode}):\n{out.stdout[-4000:]}\n{out.stderr[-6000:]}")
+    result = json.loads(summary.read_text())
+    result["grads_path"] = str(grads)
+    result["stdout"] = out.stdout
+    return result
+
+
+def _port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_bad_args(cases: List[List[str]], tmp: Path, world_size: int = 4) -> List[Dict]:
+    """Run the launcher's argument handling for each argv in one subprocess; report exit code + stderr."""
+    script = tmp / "bad_args.py"
+    script.write_text(
+        "import contextlib, io, json, sys\n"
+        f"sys.path.insert(0, {str(ROOT)!r})\n"
+        "from megatron_mesh_cp.megatron.pretrain import main\n"
+        "out = []\n"
+        "for argv in json.loads(sys.argv[1]):\n"
+        "    err = io.StringIO()\n"
+        "    code = 0\n"
+        "    with contextlib.redirect_stderr(err):\n"
+        "        try:\n"
+        "            main(argv)\n"
+        "        except SystemExit as e:\n"
+        "            code = e.code\n"
+        "        except Exception as e:\n"
+        "            code, _ = 'exception', err.write(f'{type(e).__name__}: {e}')\n"
+        "    out.append({'argv': argv, 'code': code, 'stderr': err.getvalue()[-2000:]})\n"
+        "print('RESULT' + json.dumps(out))\n"
+    )
+    e = env(tmp)
+    e.update(WORLD_SIZE=str(world_size), RANK="0", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_port()))
+    out = subprocess.run([sys.executable, str(script), json.dumps(cases)], env=e, capture_output=True, text=True,
+                         timeout=600, cwd=ROOT)
+    line = next((l for l in out.stdout.splitlines() if l.startswith("RESULT")), None)
+    if line is None:
+        raise AssertionError(f"bad-args runner failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
+    return json.loads(line[len("RESULT"):])

@@ -1,0 +1,208 @@
+"""Megatron integration: loss/gradient parity through the real training loop, bad arguments, specs."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.training", reason="megatron-core >= 0.17 (Python 3.12) is needed")
+
+from megatron_runs import BASE, run_bad_args, train  # noqa: E402
+
+from megatron_mesh_cp.megatron.arguments import MeshArgumentError, apply_mesh_args  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    return tmp_path_factory.mktemp("megatron")
+
+
+@pytest.fixture(scope="module")
+def parity_runs(work):
+    runs = {
+        "cp1": train(work, "cp1", 1, context_parallel_size=1),
+        "mesh2x2": train(work, "mesh2x2", 4, context_parallel_size=4, context_parallel_algo="mesh", mesh_shape="2x2"),
+        "ring1x4": train(work, "ring1x4", 4, context_parallel_size=4, context_parallel_algo="mesh", mesh_shape="1x4"),
+        "cp2": train(work, "cp2", 2, context_parallel_size=2, context_parallel_algo="mesh", mesh_shape="auto"),
+    }
+    return runs
+
+
+def _rel(a, b):
+    return abs(a - b) / abs(b)
+
+
+@pytest.mark.parametrize("name", ["mesh2x2", "ring1x4", "cp2"])
+def test_loss_parity_through_megatron_loop(parity_runs, name):
+    ref = parity_runs["cp1"]["losses"]
+    got = parity_runs[name]["losses"]
+    assert [it for it, _ in got] == list(range(1, 11)) == [it for it, _ in ref]
+    for (it, a), (_, b) in zip(got, ref):
+        assert _rel(a, b) <= 1e-5, (name, it, a, b)
+    assert ref[-1][1] < ref[0][1]  # it learns
+
+
+@pytest.mark.parametrize("name", ["mesh2x2", "ring1x4", "cp2"])
+def test_gradient_parity_of_one_step(parity_runs, name):
+    ref = torch.load(parity_runs["cp1"]["grads_path"])
+    got = torch.load(parity_runs[name]["grads_path"])
+    assert set(ref) == set(got) and len(ref) > 10
+    for key in ref:
+        err = float((got[key] - ref[key]).norm() / ref[key].norm().clamp_min(1e-30))
+        assert err <= 1e-5, (name, key, err)
+
+
+def test_mesh_runs_report_bytes_and_shape(parity_runs):
+    mesh = parity_runs["mesh2x2"]
+    assert mesh["mesh_shape"] == "2x2" and mesh["algo"] == "mesh"
+    assert mesh["attention_calls"] == 2 * 10 * 1  # 2 layers x 10 iterations x 1 micro-batch
+    assert 0 < mesh["attention_bytes_sent_per_rank"]
+    ring = parity_runs["ring1x4"]
+    # the 1x4 mesh is Ring: it sends exactly what the Ring estimate says
+    assert ring["attention_bytes_sent_per_rank"] == ring["ring_bytes_per_rank"]
+    assert "[mesh-cp] final lm loss" in mesh["stdout"] and "Ring (1x4) would have sent" in mesh["stdout"]
+    assert "mesh_shape=auto" in parity_runs["cp2"]["shape_explanation"]
+    # CP = 1 ran through the same spec: MeshCoreAttention handed off to Megatron's local attention
+    assert parity_runs["cp1"]["attention_calls"] == 0 and parity_runs["cp1"]["losses"]
+
+
+BAD = [
+    (["--context-parallel-size", "4", "--context-parallel-algo", "mesh", "--mesh-shape", "2x3"], "has 6 ranks but the CP group has 4"),
+    (["--context-parallel-size", "1", "--context-parallel-algo", "mesh"], "needs --context-parallel-size > 1"),
+    (["--context-parallel-size", "4", "--context-parallel-algo", "mesh", "--cp-comm-type", "p2p"], "contradicts --cp-comm-type p2p"),
+    (["--context-parallel-size", "4", "--context-parallel-algo", "a2a", "--cp-comm-type", "p2p"], "contradicts --cp-comm-type p2p"),
+    (["--context-parallel-size", "4", "--context-parallel-algo", "mesh", "--seq-length", "100",
+      "--max-position-embeddings", "100"], "not divisible by 2 * context-parallel-size = 8"),
+    (["--context-parallel-size", "4", "--context-parallel-algo", "mesh", "--attention-dropout", "0.1"], "attention dropout"),
+    (["--context-parallel-size", "4", "--mesh-shape", "2x2"], "--mesh-shape needs --context-parallel-algo mesh"),
+    (["--context-parallel-size", "4", "--context-parallel-algo", "p2p", "--mesh-shape", "2x2"], "only applies to --context-parallel-algo mesh"),
+    (["--context-parallel-size", "4", "--context-parallel-algo", "mesh", "--mesh-shape", "2x2",
+      "--hierarchical-context-parallel-sizes", "4", "1"], "contradicts mesh shape 2x2"),
+    (["--context-parallel-size", "4", "--context-parallel-algo", "mesh", "--attention-backend", "local"], "--attention-backend local"),
+    (["--context-parallel-size", "4", "--context-parallel-algo", "mesh", "--mesh-cluster", "nope"], "unknown cluster 'nope'"),
+    (["--context-parallel-size", "4", "--context-parallel-algo", "mesh", "--mesh-shape", "four"], "AxB"),
+]
+
+
+def test_bad_arguments_exit_before_training(work):
+    from megatron_runs import write_config
+
+    cfg = write_config(work, "bad-base")
+    results = run_bad_args([["--config", str(cfg)] + argv for argv, _ in BAD], work)
+    for (argv, needle), res in zip(BAD, results):
+        assert res["code"] == 2, (argv, res)
+        assert needle in res["stderr"], (argv, res["stderr"])
+        assert "iteration" not in res["stderr"]
+
+
+def test_p2p_without_transformer_engine_fails_loudly(work):
+    with pytest.raises(AssertionError, match="needs Transformer Engine.*--context-parallel-algo mesh"):
+        train(work, "p2p-no-te", 2, context_parallel_size=2, context_parallel_algo="p2p", train_iters=3)
+
+
+# --- argument mapping in-process (flat and Megatron --yaml-cfg namespaces) ---------------------
+
+
+def _flat(**kw):
+    base = dict(context_parallel_algo=None, mesh_shape=None, context_parallel_size=1, cp_comm_type=["p2p"],
+                seq_length=1024, attention_dropout=0.0, attention_backend=None, sft=False,
+                dataloader_inter_document_masking=False, window_size=None, hierarchical_context_parallel_sizes=None,
+                mesh_kernel="auto", mesh_partial_dtype="fp32", mesh_planner="greedy", mesh_cluster=None,
+                tensor_model_parallel_size=1, num_attention_heads=32, num_query_groups=8, group_query_attention=True,
+                kv_channels=None, hidden_size=4096, micro_batch_size=1, bf16=True, fp16=False, rank=0, yaml_cfg=None)
+    base.update(kw)
+    return SimpleNamespace(**base)
+
+
+def test_apply_maps_mesh_onto_megatron_settings():
+    args = apply_mesh_args(_flat(context_parallel_size=8, context_parallel_algo="mesh", mesh_shape="2x4"), argv=[])
+    assert args.cp_comm_type == ["mesh"] and args.hierarchical_context_parallel_sizes == [2, 4]
+    args = apply_mesh_args(_flat(context_parallel_size=8, context_parallel_algo="a2a+p2p"), argv=[])
+    assert args.cp_comm_type == ["a2a+p2p"] and args.hierarchical_context_parallel_sizes is None
+    args = apply_mesh_args(_flat(context_parallel_size=8, cp_comm_type=["mesh"], mesh_shape="4x2"), argv=["--cp-comm-type", "mesh"])
+    assert args.hierarchical_context_parallel_sizes == [4, 2]
+    untouched = apply_mesh_args(_flat(context_parallel_size=8), argv=[])
+    assert untouched.cp_comm_type == ["p2p"] and untouched.hierarchical_context_parallel_sizes is None
+
+
+def test_apply_auto_shape_uses_the_model(capsys):
+    args = apply_mesh_args(_flat(context_parallel_size=16, context_parallel_algo="mesh", seq_length=16 * 4096), argv=[])
+    a, b = args.hierarchical_context_parallel_sizes
+    assert a * b == 16 and args.mesh_shape == f"{a}x{b}"
+    assert "mesh_shape=auto" in capsys.readouterr().out
+
+
+def test_apply_on_megatron_yaml_namespace():
+    """--yaml-cfg: Megatron keeps parallel settings under model_parallel; mesh keys may live there."""
+    mp = SimpleNamespace(context_parallel_size=4, cp_comm_type="p2p", hierarchical_context_parallel_sizes=None,
+                         context_parallel_algo="mesh", mesh_shape="2x2")
+    args = _flat(yaml_cfg="x.yaml", context_parallel_size=None)
+    del args.context_parallel_algo, args.mesh_shape
+    args.model_parallel = mp
+    apply_mesh_args(args, argv=[])
+    assert mp.cp_comm_type == ["mesh"] and mp.hierarchical_context_parallel_sizes == [2, 2]
+    mp.mesh_shape, mp.hierarchical_context_parallel_sizes = "3x3", None
+    with pytest.raises(MeshArgumentError, match="has 9 ranks but the CP group has 4"):
+        apply_mesh_args(args, argv=[])
+
+
+def test_megatron_yaml_config_file_parses_with_mesh(tmp_path):
+    """The shipped Megatron-format YAML goes through Megatron's own loader and our mapping."""
+    from megatron.training.yaml_arguments import load_yaml
+
+    root = Path(__file__).resolve().parent.parent
+    args = load_yaml(str(root / "configs" / "megatron_yaml" / "gpt_tiny_mesh.yaml"))
+    apply_mesh_args(args, argv=[])
+    assert args.model_parallel.cp_comm_type == ["mesh"]
+    assert args.model_parallel.hierarchical_context_parallel_sizes == [2, 2]
+
+
+# --- core attention and specs without process groups -------------------------------------------
+
+
+def _config(cp=1, **kw):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
+                             context_parallel_size=cp, attention_dropout=0.0, hidden_dropout=0.0, **kw)
+
+
+def test_core_attention_validates_at_construction():
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from megatron_mesh_cp.megatron.attention import MeshCoreAttention
+
+    kw = dict(layer_number=1, attention_type="self", cp_comm_type="mesh")
+    with pytest.raises(ValueError, match="attention dropout.*--attention-dropout 0"):
+        MeshCoreAttention(_config(4), attn_mask_type=AttnMaskType.causal, attention_dropout=0.1, **kw)
+    with pytest.raises(ValueError, match="causal and no-mask attention, not padding"):
+        MeshCoreAttention(_config(4), attn_mask_type=AttnMaskType.padding, **kw)
+    with pytest.raises(ValueError, match="equal key and value head dims"):
+        MeshCoreAttention(_config(4), attn_mask_type=AttnMaskType.causal, k_channels=16, v_channels=32, **kw)
+
+
+def test_specs_swap_core_attention_only():
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from megatron_mesh_cp.megatron.attention import MeshCoreAttention
+    from megatron_mesh_cp.megatron.specs import gpt_local_mesh_spec, gpt_mesh_spec, with_mesh_attention
+
+    stock = get_gpt_layer_local_spec()
+    swapped = with_mesh_attention(stock)
+    assert swapped.submodules.self_attention.submodules.core_attention is MeshCoreAttention
+    assert stock.submodules.self_attention.submodules.core_attention is not MeshCoreAttention  # a copy
+    assert repr(swapped.submodules.mlp) == repr(stock.submodules.mlp)
+    assert gpt_local_mesh_spec.submodules.self_attention.submodules.core_attention is MeshCoreAttention
+    spec = gpt_mesh_spec(_config(1, normalization="RMSNorm", transformer_impl="local"))
+    assert spec.submodules.self_attention.submodules.core_attention is MeshCoreAttention
+    from megatron_mesh_cp.megatron.attention import _te_attention
+
+    if _te_attention() is None:
+        with pytest.raises(ValueError, match="needs Transformer Engine.*--transformer-impl local"):
+            gpt_mesh_spec(_config(1, transformer_impl="transformer_engine"))
+    with pytest.raises(ValueError, match="standard GPT layer spec"):
+        with_mesh_attention(SimpleNamespace(submodules=SimpleNamespace()))
