@@ -5,7 +5,7 @@
     torchrun ... scripts/pretrain_gpt_mesh.py <Megatron args> --context-parallel-algo mesh --mesh-shape auto
 
 See megatron_mesh_cp/megatron/pretrain.py for the launcher options (--config, --summary-json,
---plot-loss, --dump-grads).
+--plot-loss, --dump-grads, --dry-run).
 """
 
 import os
@@ -13,8 +13,12 @@ import sys
 import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-if os.environ.get("RANK", "0") != "0":
-    warnings.filterwarnings("ignore")
+# Megatron requires one CUDA connection with TP/CP > 1; it must be set before CUDA starts
+os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+if not os.environ.get("MESH_CP_VERBOSE"):
+    warnings.filterwarnings("ignore", category=UserWarning)
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
 
 from megatron_mesh_cp.megatron.pretrain import main  # noqa: E402
 

@@ -1,7 +1,13 @@
 #!/usr/bin/env bash
-# The project's test command: make sure the environment exists, then run the whole suite.
+# The project's test command: make sure both environments exist, then run the suite in each.
+#   main   (.venv,    Python 3.12, megatron-core 0.19.2): every test
+#   compat (.venv311, Python 3.11, megatron-core 0.16.1): the core-attention/spec tests on GPTModel
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-bash "$root/scripts/env.sh"
 cd "$root"
-exec "$root/.venv/bin/python" -m pytest -q tests "$@"
+bash scripts/env.sh main
+bash scripts/env.sh compat
+export PYTHONWARNINGS="${PYTHONWARNINGS:-ignore}"
+"$root/.venv/bin/python" -m pytest -q tests "$@"
+echo "--- megatron-core 0.16.1 (Python 3.11) ---"
+"$root/.venv311/bin/python" -m pytest -q tests/test_megatron_core_direct.py

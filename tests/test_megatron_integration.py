@@ -206,3 +206,44 @@ def test_specs_swap_core_attention_only():
             gpt_mesh_spec(_config(1, transformer_impl="transformer_engine"))
     with pytest.raises(ValueError, match="standard GPT layer spec"):
         with_mesh_attention(SimpleNamespace(submodules=SimpleNamespace()))
+
+
+# --- the main job and the shipped configs -----------------------------------------------------
+
+
+def test_main_job_config_trains_and_plots(work):
+    """What the README's run command runs (fewer iterations), with the CP=1 loss plot."""
+    import subprocess
+    import sys
+
+    from megatron_runs import LAUNCHER, ROOT, _port, env
+
+    png = work / "loss.png"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--master_port", str(_port()),
+           str(LAUNCHER), "--config", str(ROOT / "configs" / "gpt_tiny_cpu.yaml"), "--train-iters", "6",
+           "--plot-loss", str(png)]
+    out = subprocess.run(cmd, env=env(work), capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert "iteration        6/       6" in out.stdout and "lm loss:" in out.stdout
+    assert "[mesh-cp] final lm loss" in out.stdout and "(CP=4, mesh 2x2)" in out.stdout
+    assert "less with mesh" in out.stdout and png.stat().st_size > 10_000
+    import json
+
+    ref = json.loads(png.with_suffix(".cp1.json").read_text())
+    assert ref["context_parallel_size"] == 1 and len(ref["losses"]) == 6
+
+
+def test_llama3_8b_cp256_config_resolves(work):
+    """The 256-GPU config parses through Megatron and picks a mesh shape, without starting anything."""
+    import subprocess
+    import sys
+
+    from megatron_runs import LAUNCHER, ROOT, env
+
+    e = env(work)
+    e.update(WORLD_SIZE="256", RANK="0", TOKENIZER_MODEL="/nonexistent/tokenizer", DATA_PATH="/nonexistent/data")
+    out = subprocess.run([sys.executable, str(LAUNCHER), "--config", str(ROOT / "configs" / "llama3_8b_1m_cp256_mesh.yaml"),
+                          "--dry-run"], env=e, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "TP 1 x PP 1 x CP 256 x DP 1; CP algorithm mesh, mesh shape" in out.stdout
+    assert "mesh_shape=auto ->" in out.stdout

@@ -31,18 +31,26 @@ class MeshArgumentError(ValueError):
 
 
 def add_mesh_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add the mesh-CP switches to a Megatron argument parser (usable as ``extra_args_provider``)."""
+    """Add the mesh-CP switches to a Megatron argument parser (usable as ``extra_args_provider``).
+
+    Flags a patched Megatron (patches/) already defines are left as they are.
+    """
     g = parser.add_argument_group(title="mesh context parallelism (megatron-mesh-cp)")
-    g.add_argument("--context-parallel-algo", choices=ALGORITHMS, default=None,
-                   help="CP algorithm; mesh = Mesh-Attention, the others alias --cp-comm-type")
-    g.add_argument("--mesh-shape", default=None,
-                   help="mesh tile AxB with A*B = --context-parallel-size, or auto (default with mesh)")
-    g.add_argument("--mesh-kernel", choices=KERNELS, default="auto", help="block-kernel backend for mesh CP")
-    g.add_argument("--mesh-partial-dtype", choices=("fp32", "bf16"), default="fp32",
-                   help="wire dtype of partial O/dQ/dKV (fp32: exact; bf16: half the reduction bytes)")
-    g.add_argument("--mesh-planner", choices=("greedy", "in-order"), default="greedy")
-    g.add_argument("--mesh-cluster", default=None,
-                   help="cluster preset or YAML the greedy planner and mesh-shape=auto tune for (default h100-ib400)")
+    have = set(parser._option_string_actions)
+
+    def add(flag, **kw):
+        if flag not in have:
+            g.add_argument(flag, **kw)
+
+    add("--context-parallel-algo", choices=ALGORITHMS, default=None,
+        help="CP algorithm; mesh = Mesh-Attention, the others alias --cp-comm-type")
+    add("--mesh-shape", default=None, help="mesh tile AxB with A*B = --context-parallel-size, or auto (default with mesh)")
+    add("--mesh-kernel", choices=KERNELS, default="auto", help="block-kernel backend for mesh CP")
+    add("--mesh-partial-dtype", choices=("fp32", "bf16"), default="fp32",
+        help="wire dtype of partial O/dQ/dKV (fp32: exact; bf16: half the reduction bytes)")
+    add("--mesh-planner", choices=("greedy", "in-order"), default="greedy")
+    add("--mesh-cluster", default=None,
+        help="cluster preset or YAML the greedy planner and mesh-shape=auto tune for (default h100-ib400)")
     return parser
 
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
-from typing import Callable, Dict, List, Tuple
+from typing import List, Tuple
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -34,11 +34,12 @@ __all__ = ["activate", "is_active", "PATCHES"]
 _ACTIVE = False
 _MODE = None
 
-#: (module, attribute, why) for every Megatron name this module replaces.
+#: (module, attribute, why) for every Megatron name this module replaces (the first also without
+#: the training loop).
 PATCHES: List[Tuple[str, str, str]] = [
+    ("megatron.core.tensor_parallel.random", "CudaRNGStatesTracker.fork", "no CUDA RNG states: use the CPU generator"),
     ("megatron.training.training", "initialize_megatron", "pass allow_no_cuda=True"),
     ("megatron.core.datasets.utils", "compile_helpers", "the wheel ships the built helper and no Makefile"),
-    ("megatron.core.tensor_parallel.random", "CudaRNGStatesTracker.fork", "no CUDA RNG states: use the CPU generator"),
     ("megatron.training.arguments", "get_device_arch_version", "no device to query"),
 ]
 
@@ -129,16 +130,7 @@ def _resolve(module: str, attr: str):
     return owner, parts[-1]
 
 
-def _patch_megatron() -> None:
-    replacements: Dict[str, Callable] = {}
-
-    owner, name = _resolve("megatron.training.training", "initialize_megatron")
-    replacements["initialize_megatron"] = functools.partial(getattr(owner, name), allow_no_cuda=True)
-    setattr(owner, name, replacements["initialize_megatron"])
-
-    owner, name = _resolve("megatron.core.datasets.utils", "compile_helpers")
-    setattr(owner, name, lambda: None)
-
+def _patch_megatron(training: bool) -> None:
     owner, name = _resolve("megatron.core.tensor_parallel.random", "CudaRNGStatesTracker.fork")
 
     @contextlib.contextmanager
@@ -146,6 +138,13 @@ def _patch_megatron() -> None:
         yield
 
     setattr(owner, name, fork)
+    if not training:
+        return
+    owner, name = _resolve("megatron.training.training", "initialize_megatron")
+    setattr(owner, name, functools.partial(getattr(owner, name), allow_no_cuda=True))
+
+    owner, name = _resolve("megatron.core.datasets.utils", "compile_helpers")
+    setattr(owner, name, lambda: None)
 
     owner, name = _resolve("megatron.training.arguments", "get_device_arch_version")
     setattr(owner, name, lambda: 9)
@@ -171,14 +170,18 @@ def _patch_torch_cuda() -> None:
     cuda.max_memory_reserved = lambda *a, **k: 0
 
 
-def activate() -> None:
-    """Install the CPU stand-ins (idempotent). Refuses when CUDA is available."""
+def activate(training: bool = True) -> None:
+    """Install the CPU stand-ins (idempotent). Refuses when CUDA is available.
+
+    ``training=False`` leaves ``megatron.training`` alone (megatron-core without the training loop,
+    e.g. 0.16.x, or a model built directly).
+    """
     global _ACTIVE, _MODE
     if _ACTIVE:
         return
     if torch.cuda.is_available():
         raise RuntimeError("cpu_compat must not be activated on a machine with CUDA; run the GPU path instead")
-    _patch_megatron()
+    _patch_megatron(training)
     _patch_torch_cuda()
     _MODE = _CudaToCpu()
     _MODE.__enter__()

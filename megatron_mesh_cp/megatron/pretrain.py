@@ -8,7 +8,8 @@ switches (``--context-parallel-algo mesh --mesh-shape AxB|auto``...) and a few l
 * ``--summary-json FILE`` -- per-iteration lm loss and attention bytes, written by the last rank;
 * ``--plot-loss FILE.png`` -- after training, rerun the same config with CP = 1 on one process and
   plot both loss curves;
-* ``--dump-grads FILE`` -- save every parameter's reduced gradient of the first step (parity tests).
+* ``--dump-grads FILE`` -- save every parameter's reduced gradient of the first step (parity tests);
+* ``--dry-run`` -- resolve and validate the arguments (mesh shape included), print them, start nothing.
 
 Without ``--data-path`` (and without ``--mock-data``) it trains on the Python standard library's
 sources, byte-level (``megatron_mesh_cp.megatron.data``). On a machine without CUDA it runs on gloo
@@ -36,7 +37,10 @@ _LOSSES: List[List[float]] = []
 
 
 def config_to_argv(path: str) -> List[str]:
-    """Flat YAML (``name: value``) -> Megatron flags: ``true`` -> ``--name``, lists -> repeated values."""
+    """Flat YAML (``name: value``) -> Megatron flags: ``true`` -> ``--name``, lists -> repeated values.
+
+    ``$VAR`` / ``${VAR}`` in string values are expanded from the environment (paths, tokenizers).
+    """
     import yaml
 
     with open(path) as f:
@@ -53,7 +57,7 @@ def config_to_argv(path: str) -> List[str]:
         elif isinstance(value, (list, tuple)):
             argv += [flag] + [str(v) for v in value]
         else:
-            argv += [flag, str(value)]
+            argv += [flag, os.path.expandvars(str(value))]
     return argv
 
 
@@ -61,7 +65,7 @@ def _has(argv: Sequence[str], flag: str) -> bool:
     return any(a == flag or a.startswith(flag + "=") for a in argv)
 
 
-def parse_megatron_args(argv: Sequence[str], defaults: Optional[Dict] = None):
+def parse_megatron_args(argv: Sequence[str], defaults: Optional[Dict] = None, set_globals: bool = True):
     """Megatron's parse -> mesh mapping/validation -> Megatron's validation -> global variables."""
     from megatron.training.arguments import parse_args, validate_args
     from megatron.training.global_vars import set_global_variables
@@ -81,7 +85,8 @@ def parse_megatron_args(argv: Sequence[str], defaults: Optional[Dict] = None):
         args = validate_yaml(args, defaults or {})
     else:
         validate_args(args, defaults or {})
-    set_global_variables(args)
+    if set_globals:
+        set_global_variables(args)
     return args
 
 
@@ -240,6 +245,7 @@ def _launcher_options(argv: Sequence[str]):
     p.add_argument("--summary-json", default=None)
     p.add_argument("--plot-loss", default=None)
     p.add_argument("--dump-grads", default=None)
+    p.add_argument("--dry-run", action="store_true")
     p.add_argument("--data-cache-dir", default=os.environ.get("MESH_CP_DATA_DIR", str(Path.home() / ".cache" / "megatron-mesh-cp")))
     return p.parse_known_args(list(argv))
 
@@ -276,6 +282,20 @@ def _summary(args, opts, started: float) -> Dict:
     }
 
 
+def _print_resolved(args) -> None:
+    """--dry-run: the parallel layout and CP algorithm the arguments resolve to (nothing is started)."""
+    from .settings import SETTINGS
+
+    algo = getattr(args, "context_parallel_algo", None) or (args.cp_comm_type[0] if args.cp_comm_type else "p2p")
+    print(f"[mesh-cp] world {args.world_size}: TP {args.tensor_model_parallel_size} x PP "
+          f"{args.pipeline_model_parallel_size} x CP {args.context_parallel_size} x DP {args.data_parallel_size}; "
+          f"CP algorithm {algo}" + (f", mesh shape {args.mesh_shape}" if algo == "mesh" else "")
+          + f"; seq {args.seq_length}, {args.num_layers} layers, heads {args.num_attention_heads}"
+          f"/{args.num_query_groups if args.group_query_attention else args.num_attention_heads} kv", flush=True)
+    if SETTINGS.shape_explanation:
+        print(f"[mesh-cp] {SETTINGS.shape_explanation}", flush=True)
+
+
 def _print_summary(s: Dict) -> None:
     if s["losses"]:
         it, loss = s["losses"][-1]
@@ -310,11 +330,13 @@ def _reference_run(argv: List[str], out_json: str) -> Dict:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = dict(os.environ, WORLD_SIZE="1", RANK="0", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+    # a standalone single process: none of torchrun's agent settings (its store would be used)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC_", "GROUP_", "ROLE_"))}
+    env.update(WORLD_SIZE="1", RANK="0", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     cmd = [sys.executable, os.path.abspath(sys.argv[0])] + clean + ["--context-parallel-size", "1", "--summary-json", out_json]
     print("[mesh-cp] reference run (CP=1): " + " ".join(cmd[1:3]) + " ...", flush=True)
-    subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL)
+    subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL, timeout=900)
     with open(out_json) as f:
         return json.load(f)
 
@@ -349,14 +371,18 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         from . import cpu_compat
 
         cpu_compat.activate()
-    megatron_argv = _default_data(megatron_argv, opts.data_cache_dir)
+    if not opts.dry_run:
+        megatron_argv = _default_data(megatron_argv, opts.data_cache_dir)
     from .arguments import MeshArgumentError
 
     try:
-        args = parse_megatron_args(megatron_argv)
+        args = parse_megatron_args(megatron_argv, set_globals=not opts.dry_run)
     except MeshArgumentError as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         sys.exit(2)
+    if opts.dry_run:
+        _print_resolved(args)
+        return
     if cpu:
         _init_distributed_cpu(args)
     _capture_losses()

@@ -1,0 +1,61 @@
+"""Rank functions for the direct-GPTModel test (megatron-core 0.16.x and 0.19.x, no training loop)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megatron_mesh_cp import zigzag_shard
+
+
+def gpt_direct(ctx, cp, shape, seed=0, seq=64, batch=2, vocab=128):
+    """Build a tiny GPT (RoPE, GQA) with the mesh spec, run one forward/backward on this rank's share.
+
+    Returns the global loss sum and, on rank 0, the CP-summed gradients of every parameter.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_mesh_cp.megatron import cpu_compat
+    from megatron_mesh_cp.megatron.attention import _MESHES
+    from megatron_mesh_cp.megatron.specs import gpt_mesh_spec
+
+    cpu_compat.activate(training=False)
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    _MESHES.clear()
+    parallel_state.initialize_model_parallel(
+        1, 1, context_parallel_size=cp, hierarchical_context_parallel_sizes=list(shape) if cp > 1 else None
+    )
+    torch.manual_seed(seed)
+    config = TransformerConfig(
+        num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_query_groups=2,
+        context_parallel_size=cp, cp_comm_type="mesh" if cp > 1 else None,
+        hierarchical_context_parallel_sizes=list(shape) if cp > 1 else None,
+        attention_dropout=0.0, hidden_dropout=0.0, use_cpu_initialization=True, transformer_impl="local",
+        masked_softmax_fusion=False, gradient_accumulation_fusion=False, apply_rope_fusion=False,
+        persist_layer_norm=False, bias_dropout_fusion=False,
+    )
+    model = GPTModel(config, transformer_layer_spec=gpt_mesh_spec(config), vocab_size=vocab,
+                     max_sequence_length=seq, position_embedding_type="rope")
+    g = torch.Generator().manual_seed(seed + 1)
+    tokens = torch.randint(0, vocab, (batch, seq + 1), generator=g)
+    inputs, labels = tokens[:, :-1], tokens[:, 1:]
+    positions = torch.arange(seq).unsqueeze(0).expand(batch, -1)
+    mask = torch.ones(1, 1, seq, seq, dtype=torch.bool).tril().logical_not()
+    if cp > 1:
+        r = parallel_state.get_context_parallel_rank()
+        inputs, labels, positions = (zigzag_shard(x, cp, r, dim=1) for x in (inputs, labels, positions))
+        mask = None
+    losses = model(inputs, positions, mask, labels=labels)
+    loss = losses.float().sum()
+    loss.backward()
+    total = loss.detach().clone()
+    grads = {n: p.grad.detach().double().clone() for n, p in model.named_parameters() if p.grad is not None}
+    if cp > 1:
+        group = parallel_state.get_context_parallel_group()
+        dist.all_reduce(total, group=group)
+        for v in grads.values():
+            dist.all_reduce(v, group=group)
+    return {"loss": float(total), "grads": grads if dist.get_rank() == 0 else None}
