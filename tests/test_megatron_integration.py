@@ -247,3 +247,16 @@ def test_llama3_8b_cp256_config_resolves(work):
     assert out.returncode == 0, out.stderr[-3000:]
     assert "TP 1 x PP 1 x CP 256 x DP 1; CP algorithm mesh, mesh shape" in out.stdout
     assert "mesh_shape=auto ->" in out.stdout
+
+
+def test_cpu_compat_fails_loudly_when_a_pinned_name_moves():
+    from megatron_mesh_cp.megatron import cpu_compat
+
+    owner, name = cpu_compat._resolve("megatron.core.tensor_parallel.random", "CudaRNGStatesTracker.fork")
+    assert name == "fork"
+    with pytest.raises(RuntimeError, match=r"megatron.core.tensor_parallel.random.NoSuchTracker.fork no longer exists"):
+        cpu_compat._resolve("megatron.core.tensor_parallel.random", "NoSuchTracker.fork")
+    with pytest.raises(RuntimeError, match="cannot import megatron.no_such_module"):
+        cpu_compat._resolve("megatron.no_such_module", "x")
+    for module, attr, _ in cpu_compat.PATCHES:  # every pinned name exists in this megatron-core
+        cpu_compat._resolve(module, attr)
