@@ -97,18 +97,21 @@ def plans_for(q, k, mesh, causal: bool, layout: str, partial_dtype, planner: str
 
 
 class _MeshAttention(torch.autograd.Function):
+    """Sequence-major ([s, b, h, d]) in and out; lse out as [b, h, s] fp32."""
+
     @staticmethod
     def forward(ctx, q, k, v, mesh, causal, scale, kernel, plans, partial_dtype):
         from .execute import Executor
 
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         ex = Executor(plans[0], mesh.comm(), kernel, causal=causal, scale=scale,
-                      tensors={"q": q, "k": k, "v": v}, partial_dtype=partial_dtype)
+                      tensors={"q": q, "k": k, "v": v}, partial_dtype=partial_dtype,
+                      buffers=getattr(mesh, "buffers", None))
         out, lse = ex.run()
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.mesh, ctx.causal, ctx.scale, ctx.kernel, ctx.plans = mesh, causal, scale, kernel, plans
         ctx.partial_dtype = partial_dtype
-        lse_out = lse.transpose(1, 2).contiguous()
+        lse_out = lse.permute(1, 2, 0).contiguous()
         ctx.mark_non_differentiable(lse_out)
         return out, lse_out
 
@@ -122,7 +125,7 @@ class _MeshAttention(torch.autograd.Function):
         delta = (dout.to(acc) * out.to(acc)).sum(dim=-1)
         tensors = {"q": q, "k": k, "v": v, "out": out, "lse": lse, "dout": dout, "delta": delta}
         ex = Executor(ctx.plans[1], ctx.mesh.comm(), ctx.kernel, causal=ctx.causal, scale=ctx.scale,
-                      tensors=tensors, partial_dtype=ctx.partial_dtype)
+                      tensors=tensors, partial_dtype=ctx.partial_dtype, buffers=getattr(ctx.mesh, "buffers", None))
         dq, dk, dv = ex.run()
         return dq, dk, dv, None, None, None, None, None, None
 
@@ -154,7 +157,7 @@ def mesh_attention(
     in fp32, exact to accumulation precision; the input dtype halves their bytes.
     """
     check_inputs(q, k, v, mesh, layout, softmax_scale)
-    blk = get_kernel(kernel)
+    blk = get_kernel(kernel, q.device)
     blk.check(q, k)
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     if partial_dtype is not None and (not isinstance(partial_dtype, torch.dtype) or not partial_dtype.is_floating_point):
@@ -163,9 +166,9 @@ def mesh_attention(
         plans = plans_for(q, k, mesh, causal, layout, partial_dtype, planner)
     elif (plans[0].a, plans[0].b, plans[1].a, plans[1].b) != (mesh.shape.a, mesh.shape.b) * 2:
         raise ValueError(f"plans are for {plans[0].a}x{plans[0].b}, the mesh is {mesh.shape}")
-    if layout == "sbhd":
+    if layout == "bshd":  # the executor is sequence-major
         q, k, v = (x.transpose(0, 1) for x in (q, k, v))
     out, lse = _MeshAttention.apply(q, k, v, mesh, bool(causal), scale, blk, plans, partial_dtype)
-    if layout == "sbhd":
+    if layout == "bshd":
         out = out.transpose(0, 1).contiguous()
     return (out, lse) if return_lse else out

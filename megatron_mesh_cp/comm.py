@@ -55,13 +55,25 @@ class Traffic:
 
 
 class _Handle:
-    def __init__(self, works) -> None:
+    """Completion of one exchange; every consumer calls ``wait()``.
+
+    On gloo the first wait blocks the host and later ones return at once (a gloo work must not be
+    waited twice). On NCCL a wait makes the *current CUDA stream* wait, without a host sync, once
+    per stream that consumes the data.
+    """
+
+    def __init__(self, works, cuda: bool = False) -> None:
         self._works = works
+        self._cuda = cuda
+        self._waited = set()
 
     def wait(self) -> None:
+        key = torch.cuda.current_stream() if self._cuda else "host"
+        if key in self._waited:
+            return
         for w in self._works:
             w.wait()
-        self._works = []
+        self._waited.add(key)
 
 
 class RingComm:
@@ -73,10 +85,15 @@ class RingComm:
 
     def exchange(
         self, ring: str, direction: int, send: Sequence[torch.Tensor], recv: Sequence[torch.Tensor],
-        categories: Sequence[str],
+        categories: Sequence[str], after: Sequence = (),
     ):
         """Start sending ``send`` to the ``direction`` neighbour on ``ring`` and receiving ``recv``
-        from the opposite one; return a handle whose ``wait()`` completes both."""
+        from the opposite one; return a handle whose ``wait()`` completes both.
+
+        ``after``: handles of the exchanges that delivered ``send`` (a forwarded chunk). The send
+        waits for exactly those; without them it waits for everything issued so far on the
+        current stream (a partial the compute stream just produced).
+        """
         raise NotImplementedError
 
     def _count(self, send, recv, categories) -> None:
@@ -92,8 +109,9 @@ class ProcessGroupComm(RingComm):
         self.position = mesh.position
         self.traffic = mesh.traffic
         self._seq = 0
+        self._streams: Dict[Tuple[str, int], "torch.cuda.Stream"] = {}
 
-    def exchange(self, ring, direction, send, recv, categories):
+    def exchange(self, ring, direction, send, recv, categories, after=()):
         import torch.distributed as dist
 
         group, peers = self.mesh.ring(ring)
@@ -104,7 +122,24 @@ class ProcessGroupComm(RingComm):
         ops = [dist.P2POp(dist.isend, t, nxt, group=group, tag=base + i) for i, t in enumerate(send)]
         ops += [dist.P2POp(dist.irecv, t, prv, group=group, tag=base + i) for i, t in enumerate(recv)]
         self._count(send, recv, categories)
-        return _Handle(dist.batch_isend_irecv(ops))
+        if not send[0].is_cuda:
+            for h in after:
+                h.wait()
+            return _Handle(dist.batch_isend_irecv(ops))
+        # GPU: each ring direction issues from its own stream, so transfers overlap compute and
+        # each other; dependencies are stream waits, never host synchronisation
+        stream = self._streams.get((ring, direction))
+        if stream is None:
+            stream = self._streams[(ring, direction)] = torch.cuda.Stream(device=send[0].device)
+        if not after:
+            stream.wait_stream(torch.cuda.current_stream(send[0].device))
+        with torch.cuda.stream(stream):
+            for h in after:
+                h.wait()
+            works = dist.batch_isend_irecv(ops)
+        for t in (*send, *recv):
+            t.record_stream(stream)
+        return _Handle(works, cuda=True)
 
 
 class VirtualHub:
@@ -142,8 +177,13 @@ class VirtualComm(RingComm):
         self.position = position
         self.traffic = Traffic()
         self._seq = 0
+        from .execute import BufferPool
 
-    def exchange(self, ring, direction, send, recv, categories):
+        self.buffers = BufferPool()
+
+    def exchange(self, ring, direction, send, recv, categories, after=()):
+        for h in after:  # a forwarded chunk must have landed here before it is read downstream
+            h.wait()
         shape = self.hub.shape
         r, c = shape.coords(self.position)
         prv = shape.rank(r, c - direction) if ring == "row" else shape.rank(r - direction, c)

@@ -5,9 +5,14 @@ asynchronously, waits for a chunk only when an op reads it, computes blocks with
 and folds partial results in a fixed order (so two runs are bitwise identical). Partials are
 accumulated in fp32 (fp64 for fp64 inputs).
 
-Forward inputs per rank: local q, k, v (bshd). Backward inputs: local q, k, v, the final out, its
-lse, dout and ``delta = rowsum(dout * out)``; only those are kept between the passes, never a
-gathered chunk (DESIGN.md section 4).
+Tensors are sequence-major (``[s, b, h, d]``, Megatron's layout), so every block's row or column
+range is a contiguous view and no block copies its inputs. Receive buffers, accumulators and merge
+scratch come from a :class:`BufferPool` that lives with the communicator and is reused by every
+layer of the same shape; nothing the executor hands back aliases it.
+
+Forward inputs per rank: local q, k, v. Backward inputs: local q, k, v, the final out, its lse
+([s, b, h]), dout and ``delta = rowsum(dout * out)``; only those are kept between the passes,
+never a gathered chunk (DESIGN.md section 4).
 """
 
 from __future__ import annotations
@@ -19,11 +24,11 @@ import torch
 from .comm import RingComm, VirtualHub
 from .kernels import BlockKernel, lse_dtype
 from .layout import BlockSlices, block_case
-from .merge import empty_partial, merge_into
-from .plan import BACKWARD, FORWARD, ChunkDims, Compute, Free, Plan, Transfer, payload
+from .merge import merge_into
+from .plan import BACKWARD, FORWARD, ChunkDims, Compute, Free, Plan, TensorSpec, Transfer, payload
 from .topology import MeshShape
 
-__all__ = ["Executor", "delta_stand_in", "run_virtual"]
+__all__ = ["Executor", "BufferPool", "delta_stand_in", "run_virtual"]
 
 
 def delta_stand_in(dout: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
@@ -43,6 +48,30 @@ def delta_stand_in(dout: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
     return torch.where(scale > 0, x, torch.zeros_like(x)).to(dout.dtype)
 
 
+class BufferPool:
+    """Tensors kept across calls, keyed by role and shape: allocated once per layer shape.
+
+    A buffer is only reused by a later executor run (runs never overlap on one rank); the
+    executor copies anything it returns, so reuse never clobbers a saved tensor.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: Dict[tuple, torch.Tensor] = {}
+
+    def get(self, key: tuple, shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        full = (key, tuple(shape), dtype, str(device))
+        t = self._buffers.get(full)
+        if t is None:
+            t = self._buffers[full] = torch.empty(tuple(shape), dtype=dtype, device=device)
+        return t
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._buffers.values())
+
+    def clear(self) -> None:
+        self._buffers.clear()
+
+
 class Executor:
     """One rank running one plan; ``step`` each op in order (or ``run`` all), then ``finish``."""
 
@@ -56,27 +85,32 @@ class Executor:
         scale: float,
         tensors: Dict[str, torch.Tensor],
         partial_dtype: Optional[torch.dtype] = None,
+        buffers: Optional[BufferPool] = None,
     ) -> None:
         self.plan, self.comm, self.kernel = plan, comm, kernel
         self.causal, self.scale = causal, scale
         self.shape = MeshShape(plan.a, plan.b)
         self.position = comm.position
         self.t = tensors
+        self.pool = buffers if buffers is not None else BufferPool()
         q, k = tensors["q"], tensors["k"]
+        self.device = q.device
         self.acc_dtype = lse_dtype(q.dtype)
         self.dims = ChunkDims.of(q, k, self.acc_dtype, partial_dtype)
-        self.seq = q.shape[1]
+        self.seq = q.shape[0]
         fwd = plan.phase == FORWARD
         q_payload = [q] if fwd else [q, tensors["dout"], tensors["delta"], tensors["lse"]]
         self.chunks: Dict[str, Dict[int, List[torch.Tensor]]] = {
             "q": {0: q_payload},
             "kv": {0: [k, tensors["v"]]},
         }
-        self.pending: Dict[Tuple[str, int], object] = {}
+        self.arrivals: Dict[Tuple[str, int], object] = {}  # handle that delivered a gathered chunk
+        self.waited = set()  # chunks the compute stream already waited for
         self.acc: Dict[str, Dict[int, List[torch.Tensor]]] = {"o": {}, "dq": {}, "dkv": {}}
         self.incoming: Dict[str, Dict[int, list]] = {"o": {}, "dq": {}, "dkv": {}}
         self.sends: Dict[Tuple[str, int], list] = {}  # (kind, offset) -> [(handle, tensors)]
         self.stand_ins: Dict[int, torch.Tensor] = {0: tensors["out"]} if not fwd else {}
+        self.kernel_lse: Dict[Tuple[int, int, int], object] = {}
         self.comm.phase = plan.phase
 
     # --- public driving ----------------------------------------------------------------------
@@ -96,45 +130,59 @@ class Executor:
             raise TypeError(f"unknown plan op {op!r}")
 
     def finish(self):
-        """Fold the last partials into the rank's own chunk; wait for outstanding sends."""
+        """Fold the last partials into the rank's own chunk; wait for outstanding sends.
+
+        Returns fresh tensors (never pool buffers): forward ``(out, lse [s, b, h])``, backward
+        ``(dq, dk, dv)``.
+        """
+        dt = self.t["q"].dtype
         if self.plan.phase == FORWARD:
             out, lse = self._folded("o", 0)
-            result = (out.to(self.t["q"].dtype), lse)
+            result = (out.to(dt, copy=True), lse.clone())
         else:
             (dq,) = self._folded("dq", 0)
             dk, dv = self._folded("dkv", 0)
-            dt = self.t["q"].dtype
-            result = (dq.to(dt), dk.to(dt), dv.to(dt))
+            result = (dq.to(dt, copy=True), dk.to(dt, copy=True), dv.to(dt, copy=True))
         for handles in self.sends.values():
             for h, _ in handles:
                 h.wait()
         self.sends.clear()
         return result
 
+    # --- buffers -----------------------------------------------------------------------------
+    def _buf(self, role: tuple, spec: TensorSpec) -> torch.Tensor:
+        return self.pool.get((self.plan.phase,) + role, spec.shape, spec.dtype, self.device)
+
     # --- ops ---------------------------------------------------------------------------------
     def _chunk(self, kind: str, off: int) -> List[torch.Tensor]:
-        h = self.pending.pop((kind, off), None)
-        if h is not None:
-            h.wait()
+        """A gathered chunk, ready for the compute stream."""
+        key = (kind, off)
+        if key in self.arrivals and key not in self.waited:
+            self.arrivals[key].wait()
+            self.waited.add(key)
         return self.chunks[kind][off]
 
     def _transfer(self, op: Transfer) -> None:
         dst = self.plan.dst(op)
         specs = payload(self.plan.phase, op.kind, self.dims)
+        after = ()
         if op.kind in ("q", "kv"):
-            send = self._chunk(op.kind, op.src)
+            send = self.chunks[op.kind][op.src]  # forwarding waits for its arrival, not for compute
+            after = (self.arrivals[(op.kind, op.src)],) if (op.kind, op.src) in self.arrivals else ()
             key = (op.kind, op.src)
+            recv = [self._buf(("recv", op.kind, dst, i), s) for i, s in enumerate(specs)]
         else:
             folded = self._folded(op.kind, op.src)
-            send = [t.to(s.dtype).contiguous() for t, s in zip(folded, specs)]
+            send = [t if t.dtype == s.dtype else t.to(s.dtype) for t, s in zip(folded, specs)]
             key = (op.kind, -op.src)  # partials: never freed by a Free op
             del self.acc[op.kind][op.src]
-        recv = [torch.empty(s.shape, dtype=s.dtype, device=send[0].device) for s in specs]
-        handle = self.comm.exchange(op.ring, op.direction, send, recv, [s.category for s in specs])
+            # an offset receives at most one partial per direction; the direction keeps them apart
+            recv = [self._buf(("in", op.kind, dst, op.direction, i), s) for i, s in enumerate(specs)]
+        handle = self.comm.exchange(op.ring, op.direction, send, recv, [s.category for s in specs], after=after)
         self.sends.setdefault(key, []).append((handle, send))  # keep what is sent alive until done
         if op.kind in ("q", "kv"):
             self.chunks[op.kind][dst] = recv
-            self.pending[(op.kind, dst)] = handle
+            self.arrivals[(op.kind, dst)] = handle
         else:
             self.incoming[op.kind].setdefault(dst, []).append((handle, recv))
 
@@ -145,16 +193,22 @@ class Executor:
         del self.chunks[kind][off]
         if kind == "q":
             self.stand_ins.pop(off, None)
+            for key in [k for k in self.kernel_lse if k[0] == off]:
+                del self.kernel_lse[key]
 
     def _partial(self, kind: str, off: int) -> List[torch.Tensor]:
         acc = self.acc[kind]
         if off not in acc:
-            like = self.t["q"] if kind in ("o", "dq") else self.t["k"]
-            if kind == "o":
-                acc[off] = list(empty_partial(like, self.acc_dtype))
+            specs = payload(self.plan.phase, kind, self.dims)
+            bufs = [self._buf(("acc", kind, off, i), TensorSpec(s.category, s.shape, self.acc_dtype))
+                    for i, s in enumerate(specs)]
+            if kind == "o":  # untouched rows: out = 0, lse = -inf
+                bufs[0].zero_()
+                bufs[1].fill_(float("-inf"))
             else:
-                n = 1 if kind == "dq" else 2
-                acc[off] = [torch.zeros(like.shape, dtype=self.acc_dtype, device=like.device) for _ in range(n)]
+                for b in bufs:
+                    b.zero_()
+            acc[off] = bufs
         return acc[off]
 
     def _folded(self, kind: str, off: int) -> List[torch.Tensor]:
@@ -163,11 +217,16 @@ class Executor:
         for handle, theirs in self.incoming[kind].pop(off, []):
             handle.wait()
             if kind == "o":
-                merge_into(mine[0], mine[1], theirs[0], theirs[1])
+                merge_into(mine[0], mine[1], theirs[0], theirs[1], scratch=self._scratch)
             else:
                 for m, t in zip(mine, theirs):
                     m.add_(t)
         return mine
+
+    def _scratch(self, like: torch.Tensor) -> torch.Tensor:
+        """A reusable scratch view shaped like ``like`` (rows are leading, so a prefix view fits)."""
+        full = self._buf(("scratch", like.dim()), TensorSpec("", (self.seq,) + tuple(like.shape[1:]), like.dtype))
+        return full[: like.shape[0]]
 
     def _slices(self, qo: int, ko: int) -> BlockSlices:
         i = self.shape.q_chunk(self.position, qo)
@@ -179,9 +238,9 @@ class Executor:
         (q,) = self._chunk("q", qo)
         k, v = self._chunk("kv", ko)
         rows, cols = sl.q_rows, sl.kv_cols
-        out, lse = self.kernel.forward(q[:, rows], k[:, cols], v[:, cols], causal=sl.causal, scale=self.scale)
+        out, lse = self.kernel.forward(q[rows], k[cols], v[cols], causal=sl.causal, scale=self.scale)
         acc_out, acc_lse = self._partial("o", qo)
-        merge_into(acc_out[:, rows], acc_lse[:, rows], out, lse.transpose(1, 2))
+        merge_into(acc_out[rows], acc_lse[rows], out, lse.permute(2, 0, 1), scratch=self._scratch)
 
     def _backward_block(self, qo: int, ko: int) -> None:
         sl = self._slices(qo, ko)
@@ -191,14 +250,17 @@ class Executor:
             self.stand_ins[qo] = delta_stand_in(dout, delta)
         out = self.stand_ins[qo]
         rows, cols = sl.q_rows, sl.kv_cols
+        lkey = (qo, sl.q_start, sl.q_stop)
+        if lkey not in self.kernel_lse:  # once per chunk and row range, not per block
+            self.kernel_lse[lkey] = self.kernel.lse_for_backward(lse[rows])
         dq, dk, dv = self.kernel.backward(
-            dout[:, rows], q[:, rows], k[:, cols], v[:, cols], out[:, rows],
-            lse[:, rows].transpose(1, 2), causal=sl.causal, scale=self.scale,
+            dout[rows], q[rows], k[cols], v[cols], out[rows], self.kernel_lse[lkey],
+            causal=sl.causal, scale=self.scale,
         )
-        self._partial("dq", qo)[0][:, rows].add_(dq)
+        self._partial("dq", qo)[0][rows].add_(dq)
         acc_k, acc_v = self._partial("dkv", ko)
-        acc_k[:, cols].add_(dk)
-        acc_v[:, cols].add_(dv)
+        acc_k[cols].add_(dk)
+        acc_v[cols].add_(dv)
 
 
 def run_virtual(
@@ -210,14 +272,16 @@ def run_virtual(
     causal: bool,
     scale: float,
     hub: VirtualHub = None,
+    partial_dtype: Optional[torch.dtype] = None,
 ):
     """Run ``plan`` for all ranks of ``shape`` in this process, op by op in lockstep.
 
-    ``per_rank[g]`` holds rank g's executor tensors. Returns ``(results, traffic)`` per rank.
+    ``per_rank[g]`` holds rank g's executor tensors (sequence-major). Returns ``(results, traffic)``.
     """
     hub = hub or VirtualHub(shape)
     execs = [
-        Executor(plan, hub.ranks[g], kernel, causal=causal, scale=scale, tensors=per_rank[g])
+        Executor(plan, hub.ranks[g], kernel, causal=causal, scale=scale, tensors=per_rank[g],
+                 partial_dtype=partial_dtype, buffers=hub.ranks[g].buffers)
         for g in range(shape.n)
     ]
     for op in plan.ops:

@@ -12,6 +12,7 @@ from typing import Dict, List, Optional, Tuple
 import torch.distributed as dist
 
 from .comm import ProcessGroupComm, Traffic
+from .execute import BufferPool
 from .topology import MeshShape
 
 __all__ = ["MeshGroups"]
@@ -46,6 +47,7 @@ class MeshGroups:
             "col": {1: g(r + 1, c), -1: g(r - 1, c)},
         }
         self.traffic = Traffic()
+        self.buffers = BufferPool()  # receive buffers and accumulators, reused by every layer
         self._comm: Optional[ProcessGroupComm] = None
         # what greedy plans are tuned for: a Cluster (None = $MESH_CP_CLUSTER or h100-ib400) and
         # the GPU distance between consecutive CP ranks (Megatron: the TP size)

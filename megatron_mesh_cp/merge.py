@@ -12,23 +12,40 @@ keeps them untouched (the NaN that ``sigmoid(-inf - -inf)`` would produce is map
 
 from __future__ import annotations
 
+from typing import Callable, Optional
+
 import torch
 
 __all__ = ["merge_into", "empty_partial"]
 
 
 def empty_partial(like: torch.Tensor, dtype: torch.dtype):
-    """An untouched partial for the rows of ``like`` ([b, s, h, d]): out = 0, lse = -inf ([b, s, h])."""
+    """An untouched partial for the rows of ``like`` (``[..., d]``): out = 0, lse = -inf (``[...]``)."""
     out = torch.zeros(like.shape, dtype=dtype, device=like.device)
     lse = torch.full(like.shape[:-1], float("-inf"), dtype=dtype, device=like.device)
     return out, lse
 
 
-def merge_into(acc_out: torch.Tensor, acc_lse: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
+def merge_into(
+    acc_out: torch.Tensor,
+    acc_lse: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    scratch: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+) -> None:
     """Merge partial ``(out, lse)`` into ``(acc_out, acc_lse)`` in place.
 
-    Shapes: out ``[b, s, h, d]``, lse ``[b, s, h]`` (views allowed); acc tensors in fp32/fp64.
+    Shapes: out ``[..., d]``, lse ``[...]`` (views allowed); acc tensors in fp32/fp64.
+    ``scratch(like)`` may supply reusable buffers shaped like ``like`` so the merge allocates nothing.
     """
-    w = torch.sigmoid(lse - acc_lse).nan_to_num_(nan=0.0)
-    acc_out.sub_(w.unsqueeze(-1) * (acc_out - out))
+    if scratch is None:
+        w = torch.sigmoid(lse - acc_lse)
+        diff = acc_out - out
+    else:
+        w = torch.sub(lse, acc_lse, out=scratch(acc_lse))
+        w.sigmoid_()
+        diff = torch.sub(acc_out, out, out=scratch(acc_out))
+    w.nan_to_num_(nan=0.0)
+    diff.mul_(w.unsqueeze(-1))
+    acc_out.sub_(diff)
     torch.logaddexp(acc_lse, lse, out=acc_lse)

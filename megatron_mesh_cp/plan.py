@@ -116,7 +116,7 @@ class Plan:
 
 
 class ChunkDims(NamedTuple):
-    """Sizes of one rank's local chunk: [batch, seq, heads, head_dim] for Q, kv_heads for K/V."""
+    """Sizes of one rank's local chunk (tensors are sequence-major: [seq, batch, heads, head_dim])."""
 
     batch: int
     seq: int
@@ -129,7 +129,8 @@ class ChunkDims(NamedTuple):
 
     @classmethod
     def of(cls, q: torch.Tensor, k: torch.Tensor, acc_dtype: torch.dtype, partial_dtype=None) -> "ChunkDims":
-        b, s, h, d = q.shape
+        """From sequence-major q ``[s, b, h, d]`` and k ``[s, b, h_kv, d]``."""
+        s, b, h, d = q.shape
         return cls(b, s, h, k.shape[2], d, q.dtype, acc_dtype, partial_dtype)
 
 
@@ -158,9 +159,9 @@ def payload(phase: str, kind: str, dims: ChunkDims) -> List[TensorSpec]:
     """
     b, s, h, hk, d, dt, acc, part = dims
     part = part or acc
-    q = (b, s, h, d)
-    kv = (b, s, hk, d)
-    rows = (b, s, h)
+    q = (s, b, h, d)
+    kv = (s, b, hk, d)
+    rows = (s, b, h)
     if kind == "q":
         specs = [TensorSpec("Q", q, dt)]
         if phase == BACKWARD:  # dO, delta = rowsum(dO * O), lse: what the kernel backward needs

@@ -104,9 +104,10 @@ class RankPool:
             except queue.Empty:
                 dead = [r for r, p in enumerate(self._procs) if not p.is_alive()]
                 self.close(force=True)
+                detail = "".join(f"\nrank {r}: {t}: {m}\n{tb}" for r, (t, m, tb) in sorted(errors.items()))
                 raise RuntimeError(
                     f"ranks did not answer within {self.timeout_s + 30:.0f}s "
-                    f"(dead: {dead}; answered: {sorted(out)}, failed: {sorted(errors)})"
+                    f"(dead: {dead}; answered: {sorted(out)}, failed: {sorted(errors)}){detail}"
                 ) from None
             (out if ok else errors)[rank] = value
         if errors:

@@ -98,11 +98,11 @@ def single_device_errors(q, k, v, do, causal, refs):
     from megatron_mesh_cp.kernels import TorchKernel
 
     kern = TorchKernel()
-    qb, kb, vb, dob = (x.to(torch.bfloat16) for x in (q, k, v, do))
+    qb, kb, vb, dob = (x.to(torch.bfloat16).transpose(0, 1).contiguous() for x in (q, k, v, do))  # seq-major
     scale = 1.0 / math.sqrt(q.shape[-1])
     out, lse = kern.forward(qb, kb, vb, causal=causal, scale=scale)
-    dq, dk, dv = kern.backward(dob, qb, kb, vb, out, lse, causal=causal, scale=scale)
-    got = (out, lse, dq, dk, dv)
+    dq, dk, dv = kern.backward(dob, qb, kb, vb, out, kern.lse_for_backward(lse.permute(2, 0, 1)), causal=causal, scale=scale)
+    got = (out.transpose(0, 1), lse, dq.transpose(0, 1), dk.transpose(0, 1), dv.transpose(0, 1))
     return {name: math.sqrt(_sq(x, r)[0] / _sq(x, r)[1]) for name, x, r in zip(QUANTITIES, got, refs)}
 
 

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from megatron_mesh_cp import ChunkDims, MeshShape, build_plans, plan_traffic, valid_shapes, validate
-from megatron_mesh_cp.execute import delta_stand_in, run_virtual
+from megatron_mesh_cp.execute import delta_stand_in
+from megatron_mesh_cp.virtual import virtual_mesh_attention
 from megatron_mesh_cp.kernels import TorchKernel, get_kernel
 from megatron_mesh_cp.layout import BlockCase, BlockSlices, block_case, zigzag_gather, zigzag_positions, zigzag_shard
 from megatron_mesh_cp.merge import empty_partial, merge_into
@@ -124,11 +125,14 @@ def test_torch_kernel_matches_reference(heads, causal):
     ref_out.backward(do)
     kern = get_kernel("auto")
     assert isinstance(kern, TorchKernel)
-    out, lse = kern.forward(q.detach(), k.detach(), v.detach(), causal=causal, scale=1 / math.sqrt(8))
-    dq, dk, dv = kern.backward(do, q.detach(), k.detach(), v.detach(), out, lse, causal=causal, scale=1 / math.sqrt(8))
+    sm = lambda x: x.detach().transpose(0, 1)  # noqa: E731  (kernels take sequence-major views)
+    out, lse = kern.forward(sm(q), sm(k), sm(v), causal=causal, scale=1 / math.sqrt(8))
+    dq, dk, dv = kern.backward(sm(do), sm(q), sm(k), sm(v), out, kern.lse_for_backward(lse.permute(2, 0, 1)),
+                               causal=causal, scale=1 / math.sqrt(8))
+    out, dq, dk, dv = (x.transpose(0, 1) for x in (out, dq, dk, dv))
     for x, r in ((out, ref_out), (lse, ref_lse), (dq, q.grad), (dk, k.grad), (dv, v.grad)):
         assert torch.allclose(x, r, atol=1e-10), (x - r).abs().max()
-    with pytest.raises(ValueError, match="unknown attention kernel"):
+    with pytest.raises(ValueError, match="unknown attention kernel 'nope'; choose one of auto, te, flash, torch"):
         get_kernel("nope")
 
 
@@ -210,24 +214,10 @@ def _virtual_case(shape, causal, h, hk, dtype=torch.float32, seed=0, s_local=8, 
     qr, kr, vr = (x.clone().requires_grad_(True) for x in (q, k, v))
     ro, rl = reference_attention(qr, kr, vr, causal=causal)
     ro.backward(do)
-    fwd, bwd = build_plans(shape.a, shape.b)
-    kern, scale = TorchKernel(), 1 / math.sqrt(d)
-    sh = lambda x: [zigzag_shard(x, n, r, dim=1).to(dtype) for r in range(n)]  # noqa: E731
-    qs, ks, vs, dos = sh(q), sh(k), sh(v), sh(do)
-    res, traffic = run_virtual(fwd, shape, [dict(q=qs[r], k=ks[r], v=vs[r]) for r in range(n)], kern, causal=causal, scale=scale)
-    per = []
-    for r in range(n):
-        o, lse = res[r]
-        delta = (dos[r].double() * o.double()).sum(-1).to(lse.dtype)
-        per.append(dict(q=qs[r], k=ks[r], v=vs[r], out=o, lse=lse, dout=dos[r], delta=delta))
-    grads, _ = run_virtual(bwd, shape, per, kern, causal=causal, scale=scale)
-    got = [
-        zigzag_gather([x[0] for x in res], 1),
-        zigzag_gather([x[1].transpose(1, 2) for x in res], 2),
-        *(zigzag_gather([x[i] for x in grads], 1) for i in range(3)),
-    ]
+    res = virtual_mesh_attention(q.to(dtype), k.to(dtype), v.to(dtype), shape, dout=do.to(dtype), causal=causal)
+    got = [res[name] for name in ("out", "lse", "dq", "dk", "dv")]
     refs = [ro.detach(), rl.detach(), qr.grad, kr.grad, vr.grad]
-    return [float((x.double() - r).norm() / r.norm()) for x, r in zip(got, refs)], traffic
+    return [float((x.double() - r).norm() / r.norm()) for x, r in zip(got, refs)], res["traffic"]
 
 
 @pytest.mark.parametrize("n", [5, 10, 12, 15])

@@ -85,6 +85,8 @@ BAD = [
     (["--context-parallel-size", "4", "--context-parallel-algo", "mesh", "--attention-backend", "local"], "--attention-backend local"),
     (["--context-parallel-size", "4", "--context-parallel-algo", "mesh", "--mesh-cluster", "nope"], "unknown cluster 'nope'"),
     (["--context-parallel-size", "4", "--context-parallel-algo", "mesh", "--mesh-shape", "four"], "AxB"),
+    (["--context-parallel-size", "4", "--context-parallel-algo", "mesh", "--mesh-kernel", "te"],
+     "--mesh-kernel te: attention kernel 'te' cannot run here"),
 ]
 
 
@@ -242,7 +244,7 @@ def test_llama3_8b_cp256_config_resolves(work):
 
     e = env(work)
     e.update(WORLD_SIZE="256", RANK="0", TOKENIZER_MODEL="/nonexistent/tokenizer", DATA_PATH="/nonexistent/data")
-    out = subprocess.run([sys.executable, str(LAUNCHER), "--config", str(ROOT / "configs" / "llama3_8b_1m_cp256_mesh.yaml"),
+    out = subprocess.run([sys.executable, str(LAUNCHER), "--config", str(ROOT / "configs" / "llama3_8b_1m_256gpu_mesh.yaml"),
                           "--dry-run"], env=e, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "TP 1 x PP 1 x CP 256 x DP 1; CP algorithm mesh, mesh shape" in out.stdout

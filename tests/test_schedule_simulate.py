@@ -15,9 +15,7 @@ from megatron_mesh_cp import ChunkDims, MeshShape, build_plans, plan_traffic, va
 from megatron_mesh_cp.autoshape import choose_shape
 from megatron_mesh_cp.baselines import compare, simulate_algorithm
 from megatron_mesh_cp.cluster import Cluster, Workload, load_cluster
-from megatron_mesh_cp.execute import run_virtual
-from megatron_mesh_cp.kernels import TorchKernel
-from megatron_mesh_cp.layout import zigzag_shard
+from megatron_mesh_cp.virtual import virtual_mesh_attention
 from megatron_mesh_cp.plan import Compute, PlanError, Transfer
 from megatron_mesh_cp.simulate import replay, workload_dims
 
@@ -97,20 +95,14 @@ def test_simulator_bytes_equal_executor_bytes():
     w = Workload(seq_local=s, heads=h, kv_heads=hk, head_dim=d, batch=2, bytes_per_element=4, partial_bytes=4)
     fwd, bwd = build_plans(shape.a, shape.b, cluster=H100, workload=w)
     g = torch.Generator().manual_seed(0)
-    full = [torch.randn(2, s * n, x, d, generator=g) for x in (h, hk, hk, h)]
-    local = [[zigzag_shard(t, n, r, dim=1) for t in full] for r in range(n)]
-    res, traffic = run_virtual(fwd, shape, [dict(q=l[0], k=l[1], v=l[2]) for l in local], TorchKernel(), causal=True, scale=0.3)
-    per = []
-    for r in range(n):
-        out, lse = res[r]
-        per.append(dict(q=local[r][0], k=local[r][1], v=local[r][2], out=out, lse=lse, dout=local[r][3],
-                        delta=(local[r][3] * out).sum(-1)))
-    _, traffic_b = run_virtual(bwd, shape, per, TorchKernel(), causal=True, scale=0.3)
+    q, k, v, do = (torch.randn(2, s * n, x, d, generator=g) for x in (h, hk, hk, h))
+    res = virtual_mesh_attention(q, k, v, shape, dout=do, plans=(fwd, bwd))
+    traffic = res["traffic"]  # forward and backward counted per rank
     sim = {**replay(fwd, H100, w).sent_by_category, **replay(bwd, H100, w).sent_by_category}
     dims = workload_dims(w)
     assert sim == {**plan_traffic(fwd, dims), **plan_traffic(bwd, dims)}
     for r in range(n):
-        measured = {**traffic[r].sent, **traffic_b[r].sent}
+        measured = dict(traffic[r].sent)
         assert measured == sim, (r, measured, sim)
         total = sum(sim.values())
         phases = replay(fwd, H100, w), replay(bwd, H100, w)

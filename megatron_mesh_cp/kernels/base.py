@@ -1,9 +1,10 @@
 """The block-kernel interface every backend implements (DESIGN.md section 6).
 
-A block kernel computes one (Q_i, KV_j) block of attention. Tensors are in ``bshd`` order
-(``[batch, seq, heads, head_dim]``, any strides); K/V carry their own (kv) head count, so GQA/MQA
-never replicate K/V outside the kernel. ``lse`` is ``[batch, heads, seq_q]`` in fp32 (fp64 for
-fp64 inputs), the natural base-e log-sum-exp of the scaled scores.
+A block kernel computes one (Q_i, KV_j) block of attention. Tensors are sequence-major
+(``[seq, batch, heads, head_dim]``, Megatron's layout; contiguous row ranges of a chunk); K/V carry
+their own (kv) head count, so GQA/MQA never replicate K/V outside the kernel. ``lse`` is
+``[batch, heads, seq_q]`` in fp32 (fp64 for fp64 inputs), the base-e log-sum-exp of the scaled
+scores.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ class BlockKernel:
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float
     ) -> Tuple[torch.Tensor, torch.Tensor]:
-        """Return ``out`` ``[b, sq, h, d]`` (dtype of q) and ``lse`` ``[b, h, sq]`` (fp32)."""
+        """Return ``out`` ``[sq, b, h, d]`` (dtype of q) and ``lse`` ``[b, h, sq]`` (fp32)."""
         raise NotImplementedError
 
     def backward(
@@ -38,20 +39,34 @@ class BlockKernel:
         k: torch.Tensor,
         v: torch.Tensor,
         out: torch.Tensor,
-        lse: torch.Tensor,
+        lse,
         *,
         causal: bool,
         scale: float,
     ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Return ``dq, dk, dv`` for this block given the final ``out`` / ``lse`` of the Q rows.
 
-        ``out`` is only used through ``rowsum(dout * out)``, which is why the executor may pass a
-        stand-in with the same row sums (see ``execute.delta_stand_in``).
+        ``lse`` is what :meth:`lse_for_backward` made of the rows' final lse. ``out`` is only used
+        through ``rowsum(dout * out)``, which is why the executor may pass a stand-in with the same
+        row sums (see ``execute.delta_stand_in``).
         """
         raise NotImplementedError
 
+    def lse_for_backward(self, lse_sbh: torch.Tensor):
+        """The rows' final lse (``[sq, b, h]``, fp32) in the form :meth:`backward` takes.
+
+        Called once per Q chunk and row range (not per block), so a backend that needs a copy in
+        another layout pays for it once.
+        """
+        return lse_sbh.permute(1, 2, 0)
+
     def check(self, q: torch.Tensor, k: torch.Tensor) -> None:
         """Raise ``ValueError`` (naming an alternative) if this backend cannot run these inputs."""
+
+    @classmethod
+    def available(cls) -> bool:
+        """Whether this backend can run in this process (its library imports, its device exists)."""
+        return True
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r}>"

@@ -149,6 +149,13 @@ def apply_mesh_args(args, argv: Optional[Sequence[str]] = None):
     _set(args, "context_parallel_algo", "mesh")
     _set(args, "mesh_shape", f"{shape.a}x{shape.b}")
     SETTINGS.kernel = _get(args, "mesh_kernel", "auto") or "auto"
+    if SETTINGS.kernel != "auto":  # a forced backend must exist here, before any process group
+        from ..kernels import get_kernel
+
+        try:
+            get_kernel(SETTINGS.kernel, "cuda" if torch.cuda.is_available() else "cpu")
+        except ValueError as exc:
+            raise MeshArgumentError(f"--mesh-kernel {SETTINGS.kernel}: {exc}") from None
     SETTINGS.partial_dtype = torch.bfloat16 if _get(args, "mesh_partial_dtype", "fp32") == "bf16" else None
     SETTINGS.planner = _get(args, "mesh_planner", "greedy") or "greedy"
     return args
