@@ -13,12 +13,27 @@ from typing import Tuple
 
 import torch
 
-__all__ = ["BlockKernel", "lse_dtype"]
+__all__ = ["BlockKernel", "lse_dtype", "check_cuda_half"]
 
 
 def lse_dtype(dtype: torch.dtype) -> torch.dtype:
     """Accumulation dtype for lse and partial outputs: fp64 stays fp64, everything else fp32."""
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def check_cuda_half(what: str, q, min_sm: int, hint: str = "") -> None:
+    """The common limits of the fused GPU kernels: CUDA tensors, fp16/bf16, head dim <= 256 and a
+    multiple of 8, compute capability >= ``min_sm`` (major); each error names ``--mesh-kernel torch``."""
+    if q.device.type != "cuda":
+        raise ValueError(f"{what} needs CUDA tensors; on CPU use --mesh-kernel torch")
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"{what} takes fp16/bf16, not {q.dtype}; use --mesh-kernel torch for {q.dtype}")
+    d = q.shape[-1]
+    if d > 256 or d % 8:
+        raise ValueError(f"{what} needs a head dim <= 256 and a multiple of 8 (got {d}); use --mesh-kernel torch")
+    major, _ = torch.cuda.get_device_capability(q.device)
+    if major < min_sm:
+        raise ValueError(f"{what} needs sm{min_sm}0+ (this GPU is sm{major}x); use --mesh-kernel torch{hint}")
 
 
 class BlockKernel:

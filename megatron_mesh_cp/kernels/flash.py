@@ -14,7 +14,7 @@ from typing import Dict, Tuple
 
 import torch
 
-from .base import BlockKernel
+from .base import BlockKernel, check_cuda_half
 
 __all__ = ["FlashKernel", "flash_version"]
 
@@ -65,19 +65,8 @@ class FlashKernel(BlockKernel):
         return torch.cuda.is_available()
 
     def check(self, q: torch.Tensor, k: torch.Tensor) -> None:
-        if q.device.type != "cuda":
-            raise ValueError("the flash kernel needs CUDA tensors; on CPU use --mesh-kernel torch")
-        if q.dtype not in (torch.float16, torch.bfloat16):
-            raise ValueError(f"flash-attn takes fp16/bf16, not {q.dtype}; use --mesh-kernel torch for {q.dtype}")
-        if q.shape[-1] > 256 or q.shape[-1] % 8:
-            raise ValueError(f"flash-attn needs a head dim <= 256 and a multiple of 8 (got {q.shape[-1]}); use --mesh-kernel torch")
-        major, _ = torch.cuda.get_device_capability(q.device)
-        need = 9 if self.version == 3 else 8
-        if major < need:
-            raise ValueError(
-                f"flash-attn {self.version} needs sm{need}0+ (this GPU is sm{major}x); "
-                "use --mesh-kernel torch" + (" or install flash-attn 2" if self.version == 3 else "")
-            )
+        check_cuda_half(f"the flash kernel (flash-attn {self.version})", q, 9 if self.version == 3 else 8,
+                        " or install flash-attn 2" if self.version == 3 else "")
 
     def forward(self, q, k, v, *, causal: bool, scale: float):
         if self.version == 3:

@@ -17,7 +17,7 @@ from typing import Dict, Tuple
 
 import torch
 
-from .base import BlockKernel
+from .base import BlockKernel, check_cuda_half
 
 __all__ = ["TEKernel"]
 
@@ -55,15 +55,7 @@ class TEKernel(BlockKernel):
         return torch.cuda.is_available()
 
     def check(self, q: torch.Tensor, k: torch.Tensor) -> None:
-        if q.device.type != "cuda":
-            raise ValueError("the te kernel needs CUDA tensors; on CPU use --mesh-kernel torch")
-        if q.dtype not in (torch.float16, torch.bfloat16):
-            raise ValueError(f"the te kernel takes fp16/bf16, not {q.dtype}; use --mesh-kernel torch for {q.dtype}")
-        if q.shape[-1] > 256 or q.shape[-1] % 8:
-            raise ValueError(f"the te kernel needs a head dim <= 256 and a multiple of 8 (got {q.shape[-1]}); use --mesh-kernel torch")
-        major, _ = torch.cuda.get_device_capability(q.device)
-        if major < 8:
-            raise ValueError(f"TE fused attention needs sm80+ (this GPU is sm{major}x); use --mesh-kernel torch")
+        check_cuda_half("the te kernel (TE fused attention)", q, 8)
 
     def _cu_seqlens(self, batch: int, seq: int, device: torch.device) -> torch.Tensor:
         key = (batch, seq, str(device))
