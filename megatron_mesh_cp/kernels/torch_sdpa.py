@@ -35,6 +35,7 @@ class TorchKernel(BlockKernel):
 
     def __init__(self) -> None:
         self._gqa_native = True  # CUDA flash: falls back to expanded K/V once if the op refuses
+        self._consts = {}  # per device: the (unused, dropout-free) rng and cu_seqlens arguments
 
     def check(self, q: torch.Tensor, k: torch.Tensor) -> None:
         if q.device.type not in ("cpu", "cuda"):
@@ -70,6 +71,14 @@ class TorchKernel(BlockKernel):
         )
         return _sbhd(out), lse[..., : q.shape[0]]
 
+    def _flash_consts(self, device):
+        key = str(device)
+        if key not in self._consts:  # created once, not per block
+            self._consts[key] = (torch.empty(0, dtype=torch.int32, device=device),
+                                 torch.zeros(2, dtype=torch.uint64, device=device),
+                                 torch.zeros((), dtype=torch.uint64, device=device))
+        return self._consts[key]
+
     def _kv(self, q, k, v):
         if self._gqa_native:
             return _bhsd(k), _bhsd(v)
@@ -90,9 +99,7 @@ class TorchKernel(BlockKernel):
         sq, sk, hk = q.shape[0], k.shape[0], k.shape[2]
         if self._use_flash(q):
             kk, vv = self._kv(q, k, v)
-            empty = torch.empty(0, dtype=torch.int32, device=q.device)
-            seed = torch.zeros(2, dtype=torch.uint64, device=q.device)
-            offset = torch.zeros((), dtype=torch.uint64, device=q.device)
+            empty, seed, offset = self._flash_consts(q.device)
             dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
                 _bhsd(dout), _bhsd(q), kk, vv, _bhsd(out), lse, empty, empty, sq, sk, 0.0, causal,
                 seed, offset, scale=scale,
