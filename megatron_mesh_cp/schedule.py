@@ -28,7 +28,12 @@ DEFAULT_WORKLOAD = Workload(seq_local=4096, heads=32, kv_heads=8, head_dim=128)
 
 def default_cluster() -> Cluster:
     """The cluster plans are tuned for unless told otherwise: ``$MESH_CP_CLUSTER`` or h100-ib400."""
-    return load_cluster(os.environ.get("MESH_CP_CLUSTER", "h100-ib400"))
+    return _cluster_named(os.environ.get("MESH_CP_CLUSTER", "h100-ib400"))
+
+
+@lru_cache(maxsize=8)
+def _cluster_named(name: str) -> Cluster:
+    return load_cluster(name)  # read once: plans are looked up on every attention call
 
 
 @lru_cache(maxsize=None)
