@@ -84,7 +84,8 @@ def plans_for(q, k, mesh, causal: bool, layout: str, partial_dtype, planner: str
     from .cluster import Workload
     from .schedule import default_cluster
 
-    b_dim, s_dim = (0, 1) if layout == "bshd" else (1, 0)
+    s_dim = seq_dim(layout)
+    b_dim = 1 - s_dim
     acc = lse_dtype(q.dtype)
     w = Workload(
         seq_local=q.shape[s_dim], heads=q.shape[2], kv_heads=k.shape[2], head_dim=q.shape[3],

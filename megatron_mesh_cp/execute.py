@@ -68,9 +68,6 @@ class BufferPool:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self._buffers.values())
 
-    def clear(self) -> None:
-        self._buffers.clear()
-
 
 class Executor:
     """One rank running one plan; ``step`` each op in order (or ``run`` all), then ``finish``."""
@@ -105,7 +102,6 @@ class Executor:
             "kv": {0: [k, tensors["v"]]},
         }
         self.arrivals: Dict[Tuple[str, int], object] = {}  # handle that delivered a gathered chunk
-        self.waited = set()  # chunks the compute stream already waited for
         self.acc: Dict[str, Dict[int, List[torch.Tensor]]] = {"o": {}, "dq": {}, "dkv": {}}
         self.incoming: Dict[str, Dict[int, list]] = {"o": {}, "dq": {}, "dkv": {}}
         self.sends: Dict[Tuple[str, int], list] = {}  # (kind, offset) -> [(handle, tensors)]
@@ -155,11 +151,10 @@ class Executor:
 
     # --- ops ---------------------------------------------------------------------------------
     def _chunk(self, kind: str, off: int) -> List[torch.Tensor]:
-        """A gathered chunk, ready for the compute stream."""
-        key = (kind, off)
-        if key in self.arrivals and key not in self.waited:
-            self.arrivals[key].wait()
-            self.waited.add(key)
+        """A gathered chunk, ready for the compute stream (repeat waits on a handle are free)."""
+        handle = self.arrivals.get((kind, off))
+        if handle is not None:
+            handle.wait()
         return self.chunks[kind][off]
 
     def _transfer(self, op: Transfer) -> None:

@@ -27,7 +27,8 @@ from typing import Dict, List, Optional, Tuple
 
 from .cluster import Cluster, Workload
 from .layout import BlockCase
-from .plan import BACKWARD, FORWARD, REDUCE_KINDS, RING_OF, Compute, Free, Op, Plan, PlanError, Transfer, payload, validate
+from .plan import (BACKWARD, FORWARD, REDUCE_KINDS, RING_OF, Compute, Free, Op, Plan, PlanError, Transfer,
+                   feeding_blocks, partial_offset, payload, validate)
 
 __all__ = ["ChainConfig", "PlanCost", "greedy_plan", "CONFIGS"]
 
@@ -149,7 +150,7 @@ class _Greedy:
 
     # --- helpers ----------------------------------------------------------------------------
     def _partials_of(self, i: int, j: int) -> List[Tuple[str, int]]:
-        return [(k, j if k == "dkv" else i) for k in self.reduce_kinds]
+        return [(k, partial_offset(k, i, j)) for k in self.reduce_kinds]
 
     def _priority(self, i: int, j: int) -> Tuple:
         keys = tuple(sorted(self.rank_of[k][off] for k, off in self._partials_of(i, j)))
@@ -193,7 +194,7 @@ class _Greedy:
             if idx >= len(chain):
                 continue
             off = chain[idx]
-            if any(blk in self.todo for blk in self._feeding(k, off)):
+            if any(blk in self.todo for blk in feeding_blocks(k, off, self.a, self.b)):
                 continue
             # the inbound partial of this offset (if its chain has one) must have been sent
             up = off - d
@@ -212,11 +213,6 @@ class _Greedy:
             start = max(self.t_comp, self.arr[("q", i)], self.arr[("kv", j)])
             out.append((start, 2, self._priority(i, j), ("compute", i, j)))
         return out
-
-    def _feeding(self, kind: str, off: int):
-        if kind == "dkv":
-            return [(i, off) for i in range(self.a)]
-        return [(off, j) for j in range(self.b)]
 
     # --- emit -------------------------------------------------------------------------------
     def _emit_transfer(self, kind: str, d: int, src: int, start: float) -> float:

@@ -237,7 +237,7 @@ def validate(plan: Plan, max_live: Optional[int] = None) -> int:
                     raise PlanError(f"{where}: a rank never sends the partial of its own chunk")
                 if op.src in sent[op.kind]:
                     raise PlanError(f"{where}: partial {op.kind}[{op.src}] sent twice")
-                missing = [blk for blk in _feeding(plan, op.kind, op.src) if blk not in computed]
+                missing = [blk for blk in feeding_blocks(op.kind, op.src, a, b) if blk not in computed]
                 if missing:
                     raise PlanError(f"{where}: blocks {missing} not computed before the partial is sent")
                 if _upstream(plan, op.kind, op.src) is not None and not inbound[op.kind].get(op.src):
@@ -258,7 +258,7 @@ def validate(plan: Plan, max_live: Optional[int] = None) -> int:
             for kind, off in (("q", op.q), ("kv", op.kv)):
                 _need(present, freed, kind, off, where)
             for kind in reduce_kinds:
-                off = _partial_of(kind, op)
+                off = partial_offset(kind, op.q, op.kv)
                 if off in sent[kind]:
                     raise PlanError(f"{where}: block feeds partial {kind} already sent")
                 if off not in started[kind]:
@@ -295,14 +295,16 @@ def _need(present, freed, kind, off, where):
         raise PlanError(f"{where}: {kind}[{off}] used after it was freed")
 
 
-def _partial_of(kind: str, op: Compute) -> int:
-    return op.kv if kind == "dkv" else op.q
+def partial_offset(kind: str, q: int, kv: int) -> int:
+    """Offset of the partial of ``kind`` that block (q, kv) feeds (dK/dV by column, O/dQ by row)."""
+    return kv if kind == "dkv" else q
 
 
-def _feeding(plan: Plan, kind: str, offset: int) -> List[Tuple[int, int]]:
+def feeding_blocks(kind: str, offset: int, a: int, b: int) -> List[Tuple[int, int]]:
+    """The tile blocks that feed the partial ``kind`` at ``offset`` of an a x b tile."""
     if kind == "dkv":
-        return [(i, offset) for i in range(plan.a)]
-    return [(offset, j) for j in range(plan.b)]
+        return [(i, offset) for i in range(a)]
+    return [(offset, j) for j in range(b)]
 
 
 def _upstream(plan: Plan, kind: str, offset: int) -> Optional[int]:

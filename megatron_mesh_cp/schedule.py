@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import replace
 from functools import lru_cache
 from typing import List, Optional, Tuple
 
@@ -118,7 +119,7 @@ def _greedy_plans(a, b, cluster, workload, stride, max_live, max_inflight, chain
         scored = []
         errors = []
         for cfg in CONFIGS if chains == "auto" else CONFIGS[:1]:
-            cfg = type(cfg)(cfg.split_gathers, cfg.split_reductions, max_inflight, max_live)
+            cfg = replace(cfg, max_inflight=max_inflight, max_live=max_live)
             try:
                 plan = greedy_plan(a, b, phase, cost, cfg)
             except PlanError as exc:
@@ -150,7 +151,7 @@ def _minimum_budget(a, b, phase, cost, max_inflight) -> int:
     def feasible(budget: int) -> bool:
         for cfg in CONFIGS:
             try:
-                greedy_plan(a, b, phase, cost, type(cfg)(cfg.split_gathers, cfg.split_reductions, max_inflight, budget))
+                greedy_plan(a, b, phase, cost, replace(cfg, max_inflight=max_inflight, max_live=budget))
                 return True
             except PlanError:
                 pass

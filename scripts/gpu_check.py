@@ -33,7 +33,7 @@ from megatron_mesh_cp.cluster import Workload, load_cluster  # noqa: E402
 from megatron_mesh_cp.execute import Executor  # noqa: E402
 from megatron_mesh_cp.kernels import available_kernels, get_kernel  # noqa: E402
 from megatron_mesh_cp.layout import BlockCase, BlockSlices, block_case  # noqa: E402
-from megatron_mesh_cp.merge import merge_into  # noqa: E402
+from megatron_mesh_cp.merge import empty_partial, merge_into  # noqa: E402
 from megatron_mesh_cp.reference import reference_attention  # noqa: E402
 from megatron_mesh_cp.virtual import virtual_mesh_attention  # noqa: E402
 
@@ -122,8 +122,7 @@ def time_tile(device, dtype, S, n, quick, reps=2):
     q, k, v, do = mk(h, s), mk(hk, s), mk(hk, s), mk(h, s)
     scale = 1 / math.sqrt(d)
     blocks = [block_case(shape.q_chunk(0, i), shape.kv_chunk(0, j), True) for i in range(shape.a) for j in range(shape.b)]
-    acc_o = torch.zeros(s, 1, h, d, device=device, dtype=torch.float32)
-    acc_l = torch.full((s, 1, h), float("-inf"), device=device, dtype=torch.float32)
+    acc_o, acc_l = empty_partial(q, torch.float32)
 
     def tile():
         for case in blocks:

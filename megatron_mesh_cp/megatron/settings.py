@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Optional
 
 import torch
@@ -23,15 +24,22 @@ class MeshSettings:
 
     def count_call(self, query: torch.Tensor, key: torch.Tensor, n: int, training: bool) -> None:
         from ..kernels import lse_dtype
-        from ..plan import ChunkDims, plan_traffic
-        from ..schedule import in_order_plan
+        from ..plan import ChunkDims
 
         s, b, h, d = query.shape
-        acc = lse_dtype(query.dtype)
-        dims = ChunkDims(b, s, h, key.shape[2], d, query.dtype, acc, self.partial_dtype)
-        phases = ("forward", "backward") if training else ("forward",)
-        self.ring_bytes += sum(sum(plan_traffic(in_order_plan(1, n, ph), dims).values()) for ph in phases)
+        dims = ChunkDims(b, s, h, key.shape[2], d, query.dtype, lse_dtype(query.dtype), self.partial_dtype)
+        self.ring_bytes += _ring_bytes(dims, n, training)
         self.calls += 1
+
+
+@lru_cache(maxsize=64)
+def _ring_bytes(dims, n: int, training: bool) -> int:
+    """Bytes a 1 x n Ring sends for one call with these dims (computed once per layer shape)."""
+    from ..plan import plan_traffic
+    from ..schedule import in_order_plan
+
+    phases = ("forward", "backward") if training else ("forward",)
+    return sum(sum(plan_traffic(in_order_plan(1, n, ph), dims).values()) for ph in phases)
 
 
 SETTINGS = MeshSettings()
