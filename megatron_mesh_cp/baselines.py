@@ -43,6 +43,7 @@ class SimResult:
     note: str = ""
     timeline: List[Tuple[str, float, float, str]] = field(default_factory=list)
     bytes_by_phase: Dict[str, float] = field(default_factory=dict)  # forward / backward, per rank
+    time_by_phase: Dict[str, float] = field(default_factory=dict)  # forward / backward, seconds
 
     @property
     def exposed(self) -> float:
@@ -62,6 +63,7 @@ def _from_phases(algo: str, fwd: PhaseResult, bwd: PhaseResult, shape: str, note
         note,
         timeline,
         {ph: float(sum(v[0] for v in r.sent.values())) for ph, r in (("forward", fwd), ("backward", bwd))},
+        {"forward": fwd.time, "backward": bwd.time},
     )
 
 
@@ -71,9 +73,10 @@ def _plan_algo(algo, a, b, cluster, w, stride, planner="greedy", chains="auto", 
 
 
 def _attention_time(cluster: Cluster, w: Workload, rows: int, keys: int, heads: int, backward: bool) -> float:
+    """One monolithic kernel call (no running correction: nothing to merge it with)."""
     pairs = rows * keys * (0.5 if w.causal else 1.0)
     flops = 4.0 * w.batch * heads * w.head_dim * pairs * (2.5 if backward else 1.0)
-    return cluster.attention_time(flops, rows, backward)
+    return cluster.attention_time(flops, rows, backward) + cluster.block_overhead
 
 
 def _collective(cluster: Cluster, group: int, stride: int, recv_bytes: float, all_to_all: bool = False) -> float:
@@ -82,24 +85,33 @@ def _collective(cluster: Cluster, group: int, stride: int, recv_bytes: float, al
         return 0.0
     per_node = max(1, cluster.gpus_per_node // stride)
     if group <= per_node:
-        return cluster.intra_lat * (group - 1 if all_to_all else 1) + recv_bytes / cluster.intra_bw
+        t = recv_bytes / cluster.intra_bw
+        if cluster.intra_shared_bw:  # PCIe: bytes from peers under other switches cross the host bridge
+            switch = max(1, (cluster.p2p_group or cluster.gpus_per_node) // stride)
+            off = max(0, group - switch) / (group - 1)
+            t = max(t, group * recv_bytes * off / cluster.intra_shared_bw)
+        return cluster.intra_lat * (group - 1 if all_to_all else 1) + t
     if all_to_all:
         off = (group - per_node) / (group - 1)  # share of peers on other nodes
         return cluster.inter_lat + max(recv_bytes * off / cluster.inter_bw, recv_bytes * (1 - off) / cluster.intra_bw)
     return cluster.inter_lat * 2 + recv_bytes / cluster.inter_bw
 
 
-def _phased(algo, steps: List[Tuple[str, float, float, float]], shape="", note="") -> SimResult:
-    """Sequential phases (lane, seconds, bytes sent, bytes across nodes) -> result with a timeline."""
+def _phased(algo, steps: List[Tuple[str, str, float, float, float]], shape="", note="") -> SimResult:
+    """Sequential steps (phase, lane, seconds, bytes sent, bytes across nodes) -> result with a timeline."""
     t, compute, sent, inter, timeline = 0.0, 0.0, 0.0, 0.0, []
-    for lane, dur, nbytes, nbytes_inter in steps:
+    by_phase: Dict[str, float] = {"forward": 0.0, "backward": 0.0}
+    bytes_by_phase: Dict[str, float] = {"forward": 0.0, "backward": 0.0}
+    for phase, lane, dur, nbytes, nbytes_inter in steps:
         timeline.append((lane, t, t + dur, lane))
         t += dur
         sent += nbytes
         inter += nbytes_inter
+        by_phase[phase] += dur
+        bytes_by_phase[phase] += nbytes
         if lane == "compute":
             compute += dur
-    return SimResult(algo, t, compute, sent, inter, shape, note, timeline)
+    return SimResult(algo, t, compute, sent, inter, shape, note, timeline, bytes_by_phase, by_phase)
 
 
 def _allgather(n: int, cluster: Cluster, w: Workload, stride: int) -> SimResult:
@@ -113,48 +125,69 @@ def _allgather(n: int, cluster: Cluster, w: Workload, stride: int) -> SimResult:
     b_comp = _attention_time(cluster, w, w.seq_local, w.seq_local * n, w.heads, True)
     x = 1.0 if spans else 0.0
     steps = [
-        ("all-gather", _collective(cluster, n, stride, gather), gather, gather * x),
-        ("compute", f_comp, 0, 0),
-        ("all-gather", _collective(cluster, n, stride, gather), gather, gather * x),
-        ("compute", b_comp, 0, 0),
-        ("reduce-scatter", _collective(cluster, n, stride, rs), rs, rs * x),
+        ("forward", "all-gather", _collective(cluster, n, stride, gather), gather, gather * x),
+        ("forward", "compute", f_comp, 0, 0),
+        ("backward", "all-gather", _collective(cluster, n, stride, gather), gather, gather * x),
+        ("backward", "compute", b_comp, 0, 0),
+        ("backward", "reduce-scatter", _collective(cluster, n, stride, rs), rs, rs * x),
     ]
     return _phased("allgather", steps, f"1x{n}")
 
 
-def _ulysses_steps(u: int, cluster: Cluster, w: Workload, stride: int, ring_fwd=None, ring_bwd=None):
-    """a2a phases of a Ulysses group of u ranks around an inner attention (or a ring of them)."""
+def _ulysses_a2a(u: int, cluster: Cluster, w: Workload, stride: int):
+    """The all-to-all steps of a Ulysses group of u ranks (K/V heads replicated up to u)."""
     e = w.bytes_per_element
     s = w.batch * w.seq_local * w.head_dim
-    kv_heads = max(w.kv_heads, u)  # replicate kv heads so each rank gets one
+    kv_heads = max(w.kv_heads, u)
     frac = (u - 1) / u
     q = s * w.heads * e * frac
     kv = 2 * s * kv_heads * e * frac
     per_node = max(1, cluster.gpus_per_node // stride)
     off = 0.0 if u <= per_node else (u - per_node) / (u - 1)
-    a2a = lambda nbytes: _collective(cluster, u, stride, nbytes, all_to_all=True)  # noqa: E731
-    return q, kv, kv_heads, off, a2a
+
+    def step(phase: str, nbytes: float):
+        return (phase, "all-to-all", _collective(cluster, u, stride, nbytes, all_to_all=True), nbytes, nbytes * off)
+
+    before = [step("forward", q + kv)]
+    after_fwd = [step("forward", q)]  # O back
+    before_bwd = [step("backward", q)]  # dO in
+    after_bwd = [step("backward", q + kv)]  # dQ, dK, dV back
+    return before, after_fwd, before_bwd, after_bwd, kv_heads
 
 
 def _ulysses(n: int, cluster: Cluster, w: Workload, stride: int) -> SimResult:
     if w.heads < n:
         raise ValueError(f"Ulysses needs at least as many heads as CP ranks ({w.heads} < {n}); use usp or mesh")
-    q, kv, kv_heads, off, a2a = _ulysses_steps(n, cluster, w, stride)
+    before, after_fwd, before_bwd, after_bwd, kv_heads = _ulysses_a2a(n, cluster, w, stride)
     seq = w.seq_local * n
     h = w.heads // n
     f_comp = _attention_time(cluster, w, seq, seq, h, False)
     b_comp = _attention_time(cluster, w, seq, seq, h, True)
-    grads = q + kv  # dQ, dK, dV back
-    steps = [
-        ("all-to-all", a2a(q + kv), q + kv, (q + kv) * off),
-        ("compute", f_comp, 0, 0),
-        ("all-to-all", a2a(q), q, q * off),  # O back
-        ("all-to-all", a2a(q), q, q * off),  # dO forward
-        ("compute", b_comp, 0, 0),
-        ("all-to-all", a2a(grads), grads, grads * off),
-    ]
+    steps = (before + [("forward", "compute", f_comp, 0, 0)] + after_fwd
+             + before_bwd + [("backward", "compute", b_comp, 0, 0)] + after_bwd)
     note = f"kv heads replicated to {kv_heads}" if kv_heads != w.kv_heads else ""
     return _phased("ulysses", steps, f"a2a {n}", note)
+
+
+def _usp_with(u: int, n: int, cluster: Cluster, w: Workload, stride: int, algo: str = "usp") -> SimResult:
+    """Ulysses over u consecutive ranks x a one-way Ring over the n/u Ulysses groups."""
+    r = n // u
+    before, after_fwd, before_bwd, after_bwd, kv_heads = _ulysses_a2a(u, cluster, w, stride)
+    inner = replace(w, seq_local=w.seq_local * u, heads=w.heads // u, kv_heads=max(1, kv_heads // u))
+    if r > 1:
+        ring = _plan_algo("ring", 1, r, cluster, inner, stride * u, chains="one-way")
+        fwd, bwd = ring.time_by_phase["forward"], ring.time_by_phase["backward"]
+        inner_bytes, inner_inter = ring.bytes_by_phase, ring.bytes_inter
+    else:
+        fwd = _attention_time(cluster, inner, inner.seq_local, inner.seq_local, inner.heads, False)
+        bwd = _attention_time(cluster, inner, inner.seq_local, inner.seq_local, inner.heads, True)
+        inner_bytes, inner_inter = {"forward": 0.0, "backward": 0.0}, 0.0
+    steps = (before + [("forward", "ring", fwd, inner_bytes["forward"], 0)] + after_fwd
+             + before_bwd + [("backward", "ring", bwd, inner_bytes["backward"], 0)] + after_bwd)
+    res = _phased(algo, steps, f"a2a {u} x ring {r}")
+    res.bytes_inter += inner_inter
+    res.compute = ring.compute if r > 1 else fwd + bwd
+    return res
 
 
 def _usp(n: int, cluster: Cluster, w: Workload, stride: int) -> SimResult:
@@ -162,25 +195,7 @@ def _usp(n: int, cluster: Cluster, w: Workload, stride: int) -> SimResult:
     for u in range(1, cluster.gpus_per_node // max(1, stride) + 1):
         if n % u or w.heads % u or u > n:
             continue
-        r = n // u
-        q, kv, kv_heads, off, a2a = _ulysses_steps(u, cluster, w, stride)
-        inner = replace(w, seq_local=w.seq_local * u, heads=w.heads // u, kv_heads=max(1, kv_heads // u))
-        if r > 1:
-            ring = _plan_algo("ring", 1, r, cluster, inner, stride * u, chains="one-way")
-        else:
-            ring = SimResult("ring", 0.0, 0.0, 0.0, 0.0)
-            t_f = _attention_time(cluster, inner, inner.seq_local, inner.seq_local, inner.heads, False)
-            t_b = _attention_time(cluster, inner, inner.seq_local, inner.seq_local, inner.heads, True)
-            ring.time = ring.compute = t_f + t_b
-        grads = q + kv
-        a2a_time = a2a(q + kv) + 2 * a2a(q) + a2a(grads)
-        a2a_bytes = q + kv + 2 * q + grads
-        res = SimResult(
-            "usp", ring.time + a2a_time, ring.compute, ring.bytes_sent + a2a_bytes,
-            ring.bytes_inter + a2a_bytes * off, f"a2a {u} x ring {r}",
-            timeline=[("all-to-all", 0.0, a2a(q + kv), "a2a")]
-            + [(lane, s + a2a(q + kv), e + a2a(q + kv), lab) for lane, s, e, lab in ring.timeline],
-        )
+        res = _usp_with(u, n, cluster, w, stride)
         if best is None or res.time < best.time:
             best = res
     if best is None:
@@ -213,15 +228,20 @@ def simulate_algorithm(
         return _ulysses(n, cluster, w, tp)
     if algo == "usp":
         return _usp(n, cluster, w, tp)
-    raise ValueError(f"unknown algorithm {algo!r}; choose from {', '.join(ALGORITHMS)} or mesh:AxB")
+    if algo.startswith("usp:"):
+        u = int(algo.split(":", 1)[1])
+        if u < 1 or n % u or w.heads % u:
+            raise ValueError(f"{algo}: the Ulysses degree must divide CP={n} and heads={w.heads}")
+        return _usp_with(u, n, cluster, w, tp, algo)
+    raise ValueError(f"unknown algorithm {algo!r}; choose from {', '.join(ALGORITHMS)}, mesh:AxB or usp:U")
 
 
 def compare(algos: List[str], n: int, cluster: Cluster, w: Workload, *, tp: int = 1, max_live=None) -> List[SimResult]:
     """Simulate each algorithm (Ring always included as the reference, first)."""
     names = ["ring"] + [a for a in algos if a != "ring"]
     for a in names:
-        if a not in ALGORITHMS and not a.startswith("mesh:"):
-            raise ValueError(f"unknown algorithm {a!r}; choose from {', '.join(ALGORITHMS)} or mesh:AxB")
+        if a not in ALGORITHMS and not a.startswith(("mesh:", "usp:")):
+            raise ValueError(f"unknown algorithm {a!r}; choose from {', '.join(ALGORITHMS)}, mesh:AxB or usp:U")
     return [simulate_algorithm(a, n, cluster, w, tp=tp, max_live=max_live) for a in names]
 
 

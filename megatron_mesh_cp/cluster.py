@@ -1,9 +1,13 @@
 """Cost model: a cluster description and the time of every plan op on it.
 
 A :class:`Cluster` says how many GPUs share a node, the per-GPU bandwidth and latency inside a node
-(NVLink) and across nodes (InfiniBand/RoCE), the attention throughput of one GPU and its memory
-bandwidth. Presets are YAML files in ``configs/clusters/``; ``load_cluster`` takes a preset name or
-a path. Rank placement follows Megatron's order (TP innermost, then CP): CP position p of a group
+(NVLink, or PCIe) and across nodes (InfiniBand/RoCE), the attention throughput of one GPU and its
+memory bandwidth, plus the costs of *hiding* communication that published measurements show
+(docs/calibration.md): compute slows down while transfers run beside it, every block call pays a
+launch and the fp32 correction of the running output, and nodes without NVSwitch share one host
+bridge. Presets are YAML files shipped in the package (``megatron_mesh_cp/configs/clusters/``;
+``MESH_CP_CLUSTER_DIR`` adds a directory searched first); ``load_cluster`` takes a preset name or a
+path. Rank placement follows Megatron's order (TP innermost, then CP): CP position p of a group
 with tensor-parallel size t sits on global rank ``p * t`` (plus the TP rank), so whether a ring hop
 crosses a node depends on the mesh shape, t and the GPUs per node.
 """
@@ -12,20 +16,32 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, replace
+from importlib import resources
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 from .layout import BlockCase
 
-__all__ = ["Cluster", "Workload", "load_cluster", "cluster_presets", "CLUSTER_DIRS"]
+__all__ = ["Cluster", "Workload", "CALIBRATED", "load_cluster", "cluster_presets", "CLUSTER_DIRS"]
 
-_REPO_CLUSTERS = Path(__file__).resolve().parent.parent / "configs" / "clusters"
 #: Where preset names are looked up (``MESH_CP_CLUSTER_DIR`` adds one, first).
-CLUSTER_DIRS: List[Path] = [_REPO_CLUSTERS]
+CLUSTER_DIRS: List[Path] = [Path(str(resources.files("megatron_mesh_cp") / "configs" / "clusters"))]
+
+
+#: The overlap costs fitted to published measurements (scripts/calibrate_simulator.py,
+#: docs/calibration.md); a cluster YAML without an ``overlap`` section gets these.
+CALIBRATED: Dict[str, float] = {
+    "slowdown_intra": 0.3,
+    "slowdown_inter": 0.025,
+    "block_overhead_us": 40.0,
+    "correction_passes": 6.0,
+}
 
 
 @dataclass(frozen=True)
 class Cluster:
+    """One cluster's hardware and the fitted costs of overlapping communication with compute."""
+
     name: str
     gpus_per_node: int
     intra_bw: float  # bytes/s per GPU per direction
@@ -38,16 +54,33 @@ class Cluster:
     hbm_bw: float  # bytes/s, for elementwise folds of partials
     bytes_per_element: int = 2
     description: str = ""
+    #: Fractional slowdown of the compute stream per transfer in flight beside it inside a node
+    #: (NCCL kernels take SMs and HBM bandwidth from the attention kernel while they overlap).
+    overlap_slowdown_intra: float = 0.0
+    #: The same per network transfer (IB/RoCE: fewer SMs, the NIC does the copy).
+    overlap_slowdown_inter: float = 0.0
+    #: Fixed cost of every block-kernel call: launch, stream waits, per-step bookkeeping (seconds).
+    block_overhead: float = 0.0
+    #: Passes over the fp32 output block that the running (out, lse) correction makes per block.
+    correction_passes: float = 0.0
+    #: Nodes without NVSwitch: bytes/s of the host bridge that an all-to-all's traffic between GPUs
+    #: under different PCIe switches shares (``None``: NVSwitch, every GPU has a private link).
+    intra_shared_bw: Optional[float] = None
+    #: GPUs that share one PCIe switch and talk peer-to-peer at ``intra_bw`` without the bridge.
+    p2p_group: int = 0
 
     @classmethod
     def from_dict(cls, d: Dict) -> "Cluster":
+        """A cluster from its YAML description; absent overlap/overhead keys take the calibrated defaults."""
         try:
             att = d["attention"]
+            intra = d["intra_node"]
+            ovl = {**CALIBRATED, **(d.get("overlap") or {})}
             c = cls(
                 name=str(d["name"]),
                 gpus_per_node=int(d["gpus_per_node"]),
-                intra_bw=float(d["intra_node"]["bandwidth_GBps"]) * 1e9,
-                intra_lat=float(d["intra_node"]["latency_us"]) * 1e-6,
+                intra_bw=float(intra["bandwidth_GBps"]) * 1e9,
+                intra_lat=float(intra["latency_us"]) * 1e-6,
                 inter_bw=float(d["inter_node"]["bandwidth_GBps"]) * 1e9,
                 inter_lat=float(d["inter_node"]["latency_us"]) * 1e-6,
                 fwd_flops=float(att["forward_tflops"]) * 1e12,
@@ -56,13 +89,22 @@ class Cluster:
                 hbm_bw=float(d.get("hbm_GBps", 2000)) * 1e9,
                 bytes_per_element=int(d.get("bytes_per_element", 2)),
                 description=str(d.get("description", "")),
+                overlap_slowdown_intra=float(ovl["slowdown_intra"]),
+                overlap_slowdown_inter=float(ovl["slowdown_inter"]),
+                block_overhead=float(ovl["block_overhead_us"]) * 1e-6,
+                correction_passes=float(ovl["correction_passes"]),
+                intra_shared_bw=float(intra["shared_GBps"]) * 1e9 if intra.get("shared_GBps") else None,
+                p2p_group=int(intra.get("p2p_group", 0)),
             )
         except (KeyError, TypeError) as exc:
             raise ValueError(
-                f"cluster description is missing or mistypes {exc}; see configs/clusters/h100-ib400.yaml for the fields"
+                f"cluster description is missing or mistypes {exc}; see "
+                "megatron_mesh_cp/configs/clusters/h100-ib400.yaml for the fields"
             ) from None
         if c.gpus_per_node < 1 or min(c.intra_bw, c.inter_bw, c.fwd_flops, c.bwd_flops, c.hbm_bw) <= 0:
             raise ValueError(f"cluster {c.name}: gpus_per_node, bandwidths and throughputs must be positive")
+        if min(c.overlap_slowdown_intra, c.overlap_slowdown_inter, c.block_overhead, c.correction_passes) < 0:
+            raise ValueError(f"cluster {c.name}: overlap slowdowns and overheads must be >= 0")
         return c
 
     def with_inter_bandwidth(self, gbps: float) -> "Cluster":
@@ -94,6 +136,14 @@ class Cluster:
     def elementwise_time(self, nbytes: float) -> float:
         return nbytes / self.hbm_bw
 
+    def slowdown(self, link: str) -> float:
+        """Fractional compute slowdown per transfer of this link type in flight beside a kernel."""
+        return self.overlap_slowdown_inter if link == "inter" else self.overlap_slowdown_intra
+
+    def p2p_group_of(self, gpu):
+        """The PCIe switch a GPU (or an array of GPUs) sits under; one group per node with NVSwitch."""
+        return gpu // (self.p2p_group or self.gpus_per_node)
+
 
 @dataclass(frozen=True)
 class Workload:
@@ -122,8 +172,21 @@ class Workload:
     def block_rows(self, case: BlockCase) -> int:
         return self.seq_local // 2 if case is BlockCase.UPPER else self.seq_local
 
+    def block_keys(self, case: BlockCase) -> int:
+        return self.seq_local // 2 if case is BlockCase.LOWER else self.seq_local
+
+    def accumulator_elements(self, case: BlockCase, backward: bool) -> int:
+        """fp32 elements a block's result is folded into: (out, lse) rows, or dQ rows and dK/dV keys."""
+        rows, keys = self.batch * self.block_rows(case), self.batch * self.block_keys(case)
+        if backward:
+            return rows * self.heads * self.head_dim + 2 * keys * self.kv_heads * self.head_dim
+        return rows * self.heads * (self.head_dim + 1)
+
     def block_time(self, cluster: Cluster, case: BlockCase, backward: bool) -> float:
-        return cluster.attention_time(self.block_flops(case, backward), self.block_rows(case), backward)
+        """One block-kernel call: the kernel, its fixed call overhead and the fp32 correction pass."""
+        kernel = cluster.attention_time(self.block_flops(case, backward), self.block_rows(case), backward)
+        correction = cluster.elementwise_time(4 * cluster.correction_passes * self.accumulator_elements(case, backward))
+        return kernel + cluster.block_overhead + correction
 
 
 def cluster_presets() -> Dict[str, Path]:
@@ -152,7 +215,7 @@ def load_cluster(name_or_path) -> Cluster:
     if not path.is_file():
         raise ValueError(
             f"unknown cluster {name_or_path!r}; presets: {', '.join(sorted(presets)) or 'none found'} "
-            "(or pass a path to a YAML file like configs/clusters/h100-ib400.yaml)"
+            "(or pass a path to a YAML file like megatron_mesh_cp/configs/clusters/h100-ib400.yaml)"
         )
     with open(path) as f:
         return Cluster.from_dict(yaml.safe_load(f))

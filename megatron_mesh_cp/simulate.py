@@ -9,6 +9,13 @@ started, as with grouped NCCL send/recv). A message occupies the sender's egress
 ingress of its link type (NVLink inside a node, the NIC across nodes) for bytes / bandwidth, then
 arrives after the link latency; two rings crossing the same NIC queue on it in plan order.
 
+Hiding communication is not free (docs/calibration.md): a block kernel runs slower by the cluster's
+``overlap_slowdown_*`` for every transfer in flight beside it, in proportion to their overlap, so
+more concurrent channels cost more; every block pays a call overhead and an fp32 correction pass
+(in :meth:`Workload.block_time`). A ring hop uses its own link (on a PCIe node it crosses each switch
+uplink once per direction, so rings do not contend on the host bridge; all-to-alls do, see
+``baselines``).
+
 All ranks advance together op by op (vectorised over ranks), so n = 256 replays in milliseconds.
 Bytes come from :func:`megatron_mesh_cp.plan.payload`, the same function the executor allocates
 its buffers from, so the simulator's bytes equal the executor's byte counters.
@@ -104,6 +111,7 @@ def replay(
     inter = {k: node != node[v] for k, v in nxt.items()}
     bw = {k: np.where(v, cluster.inter_bw, cluster.intra_bw) for k, v in inter.items()}
     lat = {k: np.where(v, cluster.inter_lat, cluster.intra_lat) for k, v in inter.items()}
+    slow = {k: np.where(v, cluster.overlap_slowdown_inter, cluster.overlap_slowdown_intra) for k, v in inter.items()}
     dims = workload_dims(w)
     backward = plan.phase == BACKWARD
     blocks = _block_durations(plan, w, cluster, backward)
@@ -120,6 +128,8 @@ def replay(
     timeline: List[Tuple[str, float, float, str]] = []
     arrivals: Dict[Tuple[str, int], float] = {("q", 0): 0.0, ("kv", 0): 0.0}
     rec = record is not None and 0 <= record < n
+    in_flight: Dict[Tuple[str, int], List[Tuple[np.ndarray, np.ndarray]]] = {k: [] for k in nxt}
+    last_compute = (np.zeros(n), np.zeros(n))
 
     def fold(kind: str, off: int) -> None:
         nonlocal compute_free
@@ -136,9 +146,15 @@ def replay(
     for op in plan.ops:
         if isinstance(op, Compute):
             start = np.maximum(compute_free, np.maximum(arrival[("q", op.q)], arrival[("kv", op.kv)]))
-            dur = blocks[(op.q, op.kv)]
-            compute_free = start + dur
-            busy += dur
+            end = start + blocks[(op.q, op.kv)]
+            stretch = np.zeros(n)
+            for key, spans in in_flight.items():
+                for t0, t1 in spans:
+                    stretch += slow[key] * np.clip(np.minimum(t1, end) - np.maximum(t0, start), 0.0, None)
+                in_flight[key] = [(t0, t1) for t0, t1 in spans if (t1 > end).any()]
+            compute_free = end + stretch
+            busy += compute_free - start
+            last_compute = (start, compute_free)
             if rec:
                 timeline.append(("compute", float(start[record]), float(compute_free[record]), f"blk {op.q},{op.kv}"))
         elif isinstance(op, Transfer):
@@ -164,6 +180,13 @@ def replay(
                 sel = x == flag
                 egress[flag][sel] = fin[sel]
                 ingress[flag][to[sel]] = fin[sel]
+            # the kernel already running beside this transfer slows down for the overlap
+            lag = slow[key] * np.clip(np.minimum(fin, last_compute[1]) - np.maximum(start, last_compute[0]), 0.0, None)
+            if lag.any():
+                busy += lag
+                compute_free = compute_free + lag
+                last_compute = (last_compute[0], last_compute[1] + lag)
+            in_flight[key].append((start, fin))
             arr = np.empty(n)
             arr[to] = fin + lat[key]
             chan_free[key] = np.maximum(fin, arr)

@@ -153,7 +153,9 @@ def test_traffic_and_exposed_targets_at_256():
     greedy = simulate_algorithm("mesh", 256, H100, w)
     assert greedy.shape == naive.shape
     assert greedy.exposed <= 0.5 * naive.exposed
-    assert ring.time / greedy.time > 3.0
+    # calibrated model (docs/calibration.md): ~2.6x; the uncalibrated one claimed 3.7x by hiding
+    # communication for free. The paper reports up to 3.4x, 2.9x on average.
+    assert ring.time / greedy.time > 2.5
 
 
 # --- auto shape ------------------------------------------------------------------------------
