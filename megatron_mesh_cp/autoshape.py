@@ -1,8 +1,11 @@
-"""``mesh_shape="auto"``: pick the tile shape (a, b) that the simulator says is fastest.
+"""``mesh_shape="auto"``: pick the tile shape (a, b) -- or (u, a, b) for a2a+mesh -- the simulator says is fastest.
 
-Every factorisation of n is planned with the greedy planner and replayed (forward + backward) on
-the cluster, so sequence length, heads, kv heads, head dim, TP placement and the network all move
-the answer: few kv heads make KV cheap and favour wide tiles; a slow NIC favours square ones.
+Every candidate is planned with the greedy planner and replayed (forward + backward) on the
+cluster, so sequence length, heads, kv heads, head dim, TP placement and the network all move
+the answer: few kv heads make KV cheap and favour wide tiles; a slow NIC favours square ones; a
+Ulysses degree u keeps part of the traffic on NVLink. Candidates are scored in the order of a
+cheap lower bound (busiest link or compute stream), and the search stops once the bound of the
+next candidate cannot beat the best simulated time, so the answer is the same as scoring all.
 """
 
 from __future__ import annotations
@@ -10,12 +13,13 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 from .cluster import Cluster, Workload
+from .layout import BlockCase
 from .topology import MeshShape, valid_shapes
 
-__all__ = ["ShapeChoice", "choose_shape"]
+__all__ = ["ShapeChoice", "HybridChoice", "choose_shape", "choose_hybrid_shape", "ulysses_degrees", "shape_bound"]
 
 log = logging.getLogger("megatron_mesh_cp")
 
@@ -28,29 +32,97 @@ class ShapeChoice:
     explanation: str
 
 
+@dataclass(frozen=True)
+class HybridChoice:
+    """The a2a+mesh choice: Ulysses degree u and the a x b mesh over the n/u Ulysses groups."""
+
+    u: int
+    shape: MeshShape
+    seconds: float
+    table: Tuple[Tuple[Tuple[int, int, int], Optional[float], str], ...]
+    explanation: str
+
+
+def _ring_hops(cluster: Cluster, rings, stride: int) -> str:
+    """"intra" or "inter" when every hop of every ring is of that type, else "mixed"."""
+    kinds = {cluster.link(r[i], r[(i + 1) % len(r)], stride) for r in rings if len(r) > 1 for i in range(len(r))}
+    return kinds.pop() if len(kinds) == 1 else "mixed"
+
+
+def shape_bound(a: int, b: int, cluster: Cluster, w: Workload, stride: int = 1) -> float:
+    """A lower bound on the a x b mesh's simulated time: per phase, its compute or its busiest link.
+
+    Rings whose hops are all of one link type share that type's egress; a ring with both kinds of
+    hop can at best use both links at once.
+    """
+    from .plan import BACKWARD, FORWARD, REDUCE_KINDS, RING_OF, payload
+    from .simulate import workload_dims
+
+    dims = workload_dims(w)
+    cases = (BlockCase.DIAG, BlockCase.LOWER, BlockCase.UPPER) if w.causal else (BlockCase.FULL,)
+    links = {
+        "row": _ring_hops(cluster, [[r * a + c for c in range(a)] for r in range(b)], stride),
+        "col": _ring_hops(cluster, [[r * a + c for r in range(b)] for c in range(a)], stride),
+    }
+    bw = {"intra": cluster.intra_bw, "inter": cluster.inter_bw, "mixed": cluster.intra_bw + cluster.inter_bw}
+    total = 0.0
+    for phase in (FORWARD, BACKWARD):
+        compute = a * b * min(w.block_time(cluster, c, phase == BACKWARD) for c in cases)
+        wire = {"intra": 0.0, "inter": 0.0}
+        comm = 0.0
+        for kind in ("q", "kv") + REDUCE_KINDS[phase]:
+            ring = RING_OF[kind]
+            nbytes = ((a if ring == "row" else b) - 1) * sum(s.nbytes for s in payload(phase, kind, dims))
+            if links[ring] == "mixed":
+                comm = max(comm, nbytes / bw["mixed"])
+            else:
+                wire[links[ring]] += nbytes
+        comm = max([comm] + [v / bw[k] for k, v in wire.items()])
+        total += max(compute, comm)
+    return total
+
+
+def _search(cands: List[Tuple[tuple, float, Callable[[], float]]]):
+    """Score candidates (key, bound, simulate) in bound order, skipping those that cannot win."""
+    rows, best = [], float("inf")
+    for key, bound, run in sorted(cands, key=lambda c: c[1]):
+        if bound >= best:
+            rows.append((key, None, f"skipped: lower bound {bound * 1e3:.2f} ms >= best {best * 1e3:.2f} ms"))
+            continue
+        try:
+            t = run()
+        except ValueError as exc:  # memory budget too small for this tile
+            rows.append((key, None, str(exc)))
+            continue
+        rows.append((key, t, ""))
+        best = min(best, t)
+    return rows
+
+
+def _mesh_time(a, b, cluster, w, stride, max_live, chains="auto") -> float:
+    from .schedule import build_plans
+    from .simulate import replay
+
+    fwd, bwd = build_plans(a, b, cluster=cluster, workload=w, stride=stride, max_live=max_live, chains=chains)
+    return (replay(fwd, cluster, w, stride=stride, record=None).time
+            + replay(bwd, cluster, w, stride=stride, record=None).time)
+
+
 @lru_cache(maxsize=128)
 def choose_shape(
     n: int, cluster: Cluster, workload: Workload, *, stride: int = 1, max_live: Optional[int] = None
 ) -> ShapeChoice:
     """The fastest valid shape for CP size ``n``; ``explanation`` is the one-line reason (also logged)."""
-    from .schedule import build_plans
-    from .simulate import replay
-
-    rows: List[Tuple[Tuple[int, int], Optional[float], str]] = []
-    for a, b in valid_shapes(n):
-        try:
-            fwd, bwd = build_plans(a, b, cluster=cluster, workload=workload, stride=stride, max_live=max_live)
-        except ValueError as exc:  # memory budget too small for this tile
-            rows.append(((a, b), None, str(exc)))
-            continue
-        t = replay(fwd, cluster, workload, stride=stride, record=None).time
-        t += replay(bwd, cluster, workload, stride=stride, record=None).time
-        rows.append(((a, b), t, ""))
+    cands = [((a, b), shape_bound(a, b, cluster, workload, stride),
+              lambda a=a, b=b: _mesh_time(a, b, cluster, workload, stride, max_live)) for a, b in valid_shapes(n)]
+    rows = _search(cands)
     timed = sorted((t, s) for s, t, _ in rows if t is not None)
     if not timed:
         raise ValueError(f"no mesh shape for CP={n} fits the memory budget of {max_live} live chunks; raise it")
     best_t, best = timed[0]
     ring = next((t for s, t, _ in rows if s == (1, n)), None)
+    if ring is None and best != (1, n):
+        ring = _mesh_time(1, n, cluster, workload, stride, max_live)
     runner = f", next {timed[1][1][0]}x{timed[1][1][1]} {timed[1][0] * 1e3:.2f} ms" if len(timed) > 1 else ""
     vs_ring = (f", 1x{n} (Ring layout) {ring * 1e3:.2f} ms ({ring / best_t:.2f}x slower)"
                if ring and best != (1, n) else "")
@@ -60,4 +132,47 @@ def choose_shape(
         f"simulated {best_t * 1e3:.2f} ms/layer fwd+bwd{runner}{vs_ring}"
     )
     log.info(text)
-    return ShapeChoice(MeshShape(*best), best_t, tuple(rows), text)
+    return ShapeChoice(MeshShape(*best), best_t, tuple(sorted(rows)), text)
+
+
+def ulysses_degrees(n: int, cluster: Cluster, heads: int, kv_heads: int, stride: int = 1) -> List[int]:
+    """Ulysses degrees u a2a+mesh may use: u | n, u | heads, u | kv heads (or kv heads | u, replicated),
+    and a Ulysses group of u ranks (u * TP GPUs) inside one node."""
+    return [u for u in range(1, n + 1)
+            if n % u == 0 and heads % u == 0 and (kv_heads % u == 0 or u % kv_heads == 0)
+            and u * stride <= cluster.gpus_per_node]
+
+
+@lru_cache(maxsize=64)
+def choose_hybrid_shape(
+    n: int, cluster: Cluster, workload: Workload, *, stride: int = 1, max_live: Optional[int] = None
+) -> HybridChoice:
+    """The fastest (u, a, b) with u * a * b = n for a2a+mesh (u = 1 is pure mesh); logged like choose_shape."""
+    from .baselines import _ulysses_a2a, ulysses_inner
+
+    cands = []
+    for u in ulysses_degrees(n, cluster, workload.heads, workload.kv_heads, stride):
+        inner = ulysses_inner(u, workload)
+        a2a = sum(step[2] for part in _ulysses_a2a(u, cluster, workload, stride)[:4] for step in part)
+        for a, b in valid_shapes(n // u):
+            run = (lambda a=a, b=b, inner=inner, u=u, a2a=a2a:
+                   a2a + _mesh_time(a, b, cluster, inner, stride * u, max_live))
+            cands.append(((u, a, b), a2a + shape_bound(a, b, cluster, inner, stride * u), run))
+    if not cands:
+        raise ValueError(f"no Ulysses degree divides CP={n}, heads={workload.heads} and kv heads="
+                         f"{workload.kv_heads} within a node of {cluster.gpus_per_node} GPUs (TP {stride})")
+    rows = _search(cands)
+    timed = sorted((t, s) for s, t, _ in rows if t is not None)
+    if not timed:
+        raise ValueError(f"no a2a+mesh shape for CP={n} fits the memory budget of {max_live} live chunks; raise it")
+    best_t, (u, a, b) = timed[0]
+    ring = _mesh_time(1, n, cluster, workload, stride, None, chains="one-way")  # TE's p2p Ring
+    runner = (f", next {'x'.join(map(str, timed[1][1]))} {timed[1][0] * 1e3:.2f} ms" if len(timed) > 1 else "")
+    text = (
+        f"mesh_shape=auto (a2a+mesh) -> {u}x{a}x{b} for CP={n} (S/rank={workload.seq_local}, heads "
+        f"{workload.heads}/{workload.kv_heads} kv, d={workload.head_dim}, {cluster.name}, stride {stride}): "
+        f"simulated {best_t * 1e3:.2f} ms/layer fwd+bwd{runner}, Ring 1x1x{n} {ring * 1e3:.2f} ms "
+        f"({ring / best_t:.2f}x slower)"
+    )
+    log.info(text)
+    return HybridChoice(u, MeshShape(a, b), best_t, tuple(sorted(rows)), text)

@@ -10,7 +10,9 @@
 * ``ulysses`` -- DeepSpeed-Ulysses all-to-all: Q/K/V to head-sharded full sequences and O back
   (dO forward, dQ/dK/dV back in backward); needs heads >= n; K/V heads are replicated up to n.
 * ``usp`` -- Ulysses inside a node x Ring across nodes (yunchang USP / TE ``a2a+p2p``); the best
-  Ulysses degree (a divisor of the GPUs per node) is chosen.
+  Ulysses degree (a divisor of the GPUs per node) is chosen; ``usp:U`` a fixed degree.
+* ``a2a+mesh`` -- Ulysses inside a node x the greedy mesh across the Ulysses groups (HYBRID.md), the
+  fastest (u, a, b) by :func:`~megatron_mesh_cp.autoshape.choose_hybrid_shape`; ``a2a+mesh:UxAxB`` fixed.
 
 Collectives are modelled with the usual bus-bandwidth rule: bytes each rank receives divided by the
 slowest link the collective crosses (the NIC once the group spans nodes).
@@ -29,7 +31,7 @@ from .simulate import PhaseResult, replay
 
 __all__ = ["ALGORITHMS", "SimResult", "simulate_algorithm", "compare", "format_table", "plot_timelines"]
 
-ALGORITHMS = ("ring", "passq", "mesh", "mesh-naive", "allgather", "ulysses", "usp")
+ALGORITHMS = ("ring", "passq", "mesh", "mesh-naive", "allgather", "ulysses", "usp", "a2a+mesh")
 
 
 @dataclass
@@ -44,6 +46,7 @@ class SimResult:
     timeline: List[Tuple[str, float, float, str]] = field(default_factory=list)
     bytes_by_phase: Dict[str, float] = field(default_factory=dict)  # forward / backward, per rank
     time_by_phase: Dict[str, float] = field(default_factory=dict)  # forward / backward, seconds
+    peak_bytes: float = 0.0  # attention memory a rank holds at its peak (buffers beyond q, k, v, out)
 
     @property
     def exposed(self) -> float:
@@ -169,25 +172,46 @@ def _ulysses(n: int, cluster: Cluster, w: Workload, stride: int) -> SimResult:
     return _phased("ulysses", steps, f"a2a {n}", note)
 
 
+def ulysses_inner(u: int, w: Workload) -> Workload:
+    """What each rank of a Ulysses group of u ranks holds after the all-to-all: u times the tokens,
+    1/u of the heads (K/V heads replicated up to u first when there are fewer)."""
+    return replace(w, seq_local=w.seq_local * u, heads=w.heads // u, kv_heads=max(w.kv_heads, u) // u)
+
+
+def _ulysses_around(u: int, inner: Optional[SimResult], cluster: Cluster, w: Workload, stride: int,
+                    algo: str, shape: str) -> SimResult:
+    """All-to-all in, the inner CP algorithm over the n/u Ulysses groups (or one call), all-to-all out."""
+    before, after_fwd, before_bwd, after_bwd, kv_heads = _ulysses_a2a(u, cluster, w, stride)
+    if inner is None:  # one Ulysses group: a single kernel call per phase
+        iw = ulysses_inner(u, w)
+        fwd = _attention_time(cluster, iw, iw.seq_local, iw.seq_local, iw.heads, False)
+        bwd = _attention_time(cluster, iw, iw.seq_local, iw.seq_local, iw.heads, True)
+        inner = SimResult("one call", fwd + bwd, fwd + bwd, 0.0, 0.0, time_by_phase={"forward": fwd, "backward": bwd},
+                          bytes_by_phase={"forward": 0.0, "backward": 0.0})
+    lane = inner.algo
+    steps = (before + [("forward", lane, inner.time_by_phase["forward"], inner.bytes_by_phase["forward"], 0)]
+             + after_fwd + before_bwd
+             + [("backward", lane, inner.time_by_phase["backward"], inner.bytes_by_phase["backward"], 0)] + after_bwd)
+    res = _phased(algo, steps, shape, f"kv heads replicated to {kv_heads}" if kv_heads != w.kv_heads else "")
+    res.bytes_inter += inner.bytes_inter
+    res.compute = inner.compute
+    res.peak_bytes = max(res.peak_bytes, inner.peak_bytes)
+    return res
+
+
 def _usp_with(u: int, n: int, cluster: Cluster, w: Workload, stride: int, algo: str = "usp") -> SimResult:
     """Ulysses over u consecutive ranks x a one-way Ring over the n/u Ulysses groups."""
     r = n // u
-    before, after_fwd, before_bwd, after_bwd, kv_heads = _ulysses_a2a(u, cluster, w, stride)
-    inner = replace(w, seq_local=w.seq_local * u, heads=w.heads // u, kv_heads=max(1, kv_heads // u))
-    if r > 1:
-        ring = _plan_algo("ring", 1, r, cluster, inner, stride * u, chains="one-way")
-        fwd, bwd = ring.time_by_phase["forward"], ring.time_by_phase["backward"]
-        inner_bytes, inner_inter = ring.bytes_by_phase, ring.bytes_inter
-    else:
-        fwd = _attention_time(cluster, inner, inner.seq_local, inner.seq_local, inner.heads, False)
-        bwd = _attention_time(cluster, inner, inner.seq_local, inner.seq_local, inner.heads, True)
-        inner_bytes, inner_inter = {"forward": 0.0, "backward": 0.0}, 0.0
-    steps = (before + [("forward", "ring", fwd, inner_bytes["forward"], 0)] + after_fwd
-             + before_bwd + [("backward", "ring", bwd, inner_bytes["backward"], 0)] + after_bwd)
-    res = _phased(algo, steps, f"a2a {u} x ring {r}")
-    res.bytes_inter += inner_inter
-    res.compute = ring.compute if r > 1 else fwd + bwd
-    return res
+    ring = _plan_algo("ring", 1, r, cluster, ulysses_inner(u, w), stride * u, chains="one-way") if r > 1 else None
+    return _ulysses_around(u, ring, cluster, w, stride, algo, f"a2a {u} x ring {r}")
+
+
+def a2a_mesh(u: int, a: int, b: int, cluster: Cluster, w: Workload, stride: int = 1,
+             max_live: Optional[int] = None, algo: str = "a2a+mesh") -> SimResult:
+    """Ulysses over u consecutive ranks x the greedy a x b mesh over the u-rank groups (HYBRID.md)."""
+    mesh = (_plan_algo("mesh", a, b, cluster, ulysses_inner(u, w), stride * u, max_live=max_live)
+            if a * b > 1 else None)
+    return _ulysses_around(u, mesh, cluster, w, stride, algo, f"{u}x{a}x{b}")
 
 
 def _usp(n: int, cluster: Cluster, w: Workload, stride: int) -> SimResult:
@@ -228,31 +252,51 @@ def simulate_algorithm(
         return _ulysses(n, cluster, w, tp)
     if algo == "usp":
         return _usp(n, cluster, w, tp)
+    if algo == "a2a+mesh":
+        from .autoshape import choose_hybrid_shape
+
+        ch = choose_hybrid_shape(n, cluster, w, stride=tp, max_live=max_live)
+        return a2a_mesh(ch.u, ch.shape.a, ch.shape.b, cluster, w, tp, max_live)
+    if algo.startswith("a2a+mesh:"):
+        from .autoshape import ulysses_degrees
+
+        parts = algo.split(":", 1)[1].lower().split("x")
+        if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
+            raise ValueError(f"{algo}: the shape must look like UxAxB, e.g. a2a+mesh:2x4x32")
+        u, a, b = (int(p) for p in parts)
+        if u * a * b != n:
+            raise ValueError(f"{algo}: u*a*b = {u * a * b} != CP = {n}")
+        if u not in ulysses_degrees(n, cluster, w.heads, w.kv_heads, tp):
+            raise ValueError(f"{algo}: Ulysses degree {u} is not valid here; choose one of "
+                             f"{ulysses_degrees(n, cluster, w.heads, w.kv_heads, tp)}")
+        return a2a_mesh(u, a, b, cluster, w, tp, max_live, algo)
     if algo.startswith("usp:"):
         u = int(algo.split(":", 1)[1])
         if u < 1 or n % u or w.heads % u:
             raise ValueError(f"{algo}: the Ulysses degree must divide CP={n} and heads={w.heads}")
         return _usp_with(u, n, cluster, w, tp, algo)
-    raise ValueError(f"unknown algorithm {algo!r}; choose from {', '.join(ALGORITHMS)}, mesh:AxB or usp:U")
+    raise ValueError(f"unknown algorithm {algo!r}; choose from {', '.join(ALGORITHMS)}, mesh:AxB, usp:U "
+                     "or a2a+mesh:UxAxB")
 
 
 def compare(algos: List[str], n: int, cluster: Cluster, w: Workload, *, tp: int = 1, max_live=None) -> List[SimResult]:
     """Simulate each algorithm (Ring always included as the reference, first)."""
     names = ["ring"] + [a for a in algos if a != "ring"]
     for a in names:
-        if a not in ALGORITHMS and not a.startswith(("mesh:", "usp:")):
-            raise ValueError(f"unknown algorithm {a!r}; choose from {', '.join(ALGORITHMS)}, mesh:AxB or usp:U")
+        if a not in ALGORITHMS and not a.startswith(("mesh:", "usp:", "a2a+mesh:")):
+            raise ValueError(f"unknown algorithm {a!r}; choose from {', '.join(ALGORITHMS)}, mesh:AxB, usp:U "
+                             "or a2a+mesh:UxAxB")
     return [simulate_algorithm(a, n, cluster, w, tp=tp, max_live=max_live) for a in names]
 
 
 def format_table(results: List[SimResult]) -> str:
     ring = results[0]
-    head = f"{'algorithm':<14}{'shape':<18}{'time ms':>10}{'vs ring':>9}{'MiB/rank':>11}{'traffic cut':>13}{'exposed':>9}"
+    head = f"{'algorithm':<18}{'shape':<18}{'time ms':>10}{'vs ring':>9}{'MiB/rank':>11}{'traffic cut':>13}{'exposed':>9}"
     lines = [head, "-" * len(head)]
     for r in results:
         cut = 1 - r.bytes_sent / ring.bytes_sent if ring.bytes_sent else 0.0
         lines.append(
-            f"{r.algo:<14}{r.shape:<18}{r.time * 1e3:>10.2f}{ring.time / r.time:>8.2f}x"
+            f"{r.algo:<17} {r.shape:<17} {r.time * 1e3:>10.2f}{ring.time / r.time:>8.2f}x"
             f"{r.bytes_sent / 2**20:>11.1f}{cut:>12.1%}{r.exposed / r.time:>9.1%}"
             + (f"  ({r.note})" if r.note and r.note != "auto" else "")
         )
