@@ -13,7 +13,7 @@ from typing import Optional, Tuple, Union
 
 import torch
 
-from .kernels import BlockKernel, get_kernel, lse_dtype
+from .kernels import BlockKernel, lse_dtype, select_kernel
 from .layout import LAYOUTS, seq_dim
 from .plan import Plan
 from .schedule import build_plans
@@ -158,8 +158,7 @@ def mesh_attention(
     in fp32, exact to accumulation precision; the input dtype halves their bytes.
     """
     check_inputs(q, k, v, mesh, layout, softmax_scale)
-    blk = get_kernel(kernel, q.device)
-    blk.check(q, k)
+    blk = select_kernel(kernel, q, k)
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     if partial_dtype is not None and (not isinstance(partial_dtype, torch.dtype) or not partial_dtype.is_floating_point):
         raise ValueError(f"partial_dtype must be a floating torch.dtype or None, got {partial_dtype!r}")

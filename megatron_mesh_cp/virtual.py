@@ -15,7 +15,7 @@ import torch
 
 from .comm import VirtualHub
 from .execute import run_virtual
-from .kernels import BlockKernel, get_kernel, lse_dtype
+from .kernels import BlockKernel, lse_dtype, select_kernel
 from .layout import seq_dim, zigzag_gather, zigzag_shard
 from .plan import Plan
 from .topology import MeshShape
@@ -50,8 +50,7 @@ def virtual_mesh_attention(
         raise ValueError(f"sequence length {q.shape[sd]} is not divisible by 2*CP = {2 * n}")
     seq_major = lambda x: x if layout == "sbhd" else x.transpose(0, 1)  # noqa: E731
     qs, ks, vs = (seq_major(x) for x in (q, k, v))
-    blk = get_kernel(kernel, q.device)
-    blk.check(qs, ks)
+    blk = select_kernel(kernel, qs, ks)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     if plans is None:
         fake = type("VirtualMesh", (), {"shape": mesh_shape, "cluster": None, "stride": 1})()

@@ -43,14 +43,24 @@ def test_buffers_are_allocated_once_per_layer_shape_and_never_alias_results():
 
 
 def test_gpu_check_script_smoke_on_cpu(tmp_path):
-    out = tmp_path / "gpu.md"
-    res = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "--device", "cpu", "--quick",
-                          "--out", str(out)], capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
-    text = out.read_text()
-    for section in ("(a) Block kernels", "(b) Mesh attention on virtual ranks", "(c) One rank's block work"):
+    """The GPU check's CPU smoke run: every section runs in its own process and reports rows, and
+    both the markdown and the JSON of raw numbers land in the output directory."""
+    import json
+
+    env = dict(os.environ, PYTHON=sys.executable, OUT=str(tmp_path))
+    res = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "", "--device", "cpu", "--quick"],
+                         capture_output=True, text=True, timeout=400, cwd=ROOT, env=env)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-2000:]
+    text = (tmp_path / "gpu_results.md").read_text()
+    for section in ("(a) Block kernels", "(b) Mesh attention on virtual ranks", "(d) Block-time sweep", "(c) One rank's block work"):
         assert section in text
-    assert "FAIL" not in text and text.count("| torch | float32 |") == 4 and text.count("| torch | bfloat16 |") == 4
+    assert "FAIL" not in text and "ERROR" not in text
+    assert text.count("| torch | float32 |") == 4 and text.count("| torch | bfloat16 |") == 4
+    assert "te: not installed; flash: not installed; torch: available" in text
+    raw = json.loads((tmp_path / "gpu_results.json").read_text())["results"]
+    assert [r["n"] for r in raw["b"]["data"]] == [4, 16] and len(raw["c"]["data"]) == 2
+    sweep = raw["d"]["data"][1:]
+    assert len(sweep) == 8 and all(r["ms"] > 0 and r["ms_copies"] is None for r in sweep)  # no copy stream on CPU
 
 
 def test_attention_benchmark_on_gloo(tmp_path):

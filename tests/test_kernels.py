@@ -26,16 +26,25 @@ def _pretend_cuda(monkeypatch, te=True, flash=True):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
 
 
-def test_auto_prefers_te_then_flash_then_torch_and_logs_once(monkeypatch, caplog):
+def test_auto_picks_a_backend_that_can_run_the_inputs_and_logs_why(monkeypatch, caplog):
+    """Item 5: auto tries te, flash, torch in order, each against these inputs; fp32 CUDA inputs get
+    torch (not a ValueError from te), and the log says why te and flash were skipped."""
     caplog.set_level(logging.INFO, logger="megatron_mesh_cp")
-    assert K.get_kernel("auto", torch.device("cpu")).name == "torch"  # CPU: always torch
+    cpu = torch.empty(16, 1, 8, 128)
+    assert K.select_kernel("auto", cpu, cpu).name == "torch"  # CPU: always torch
     _pretend_cuda(monkeypatch)
-    assert K.get_kernel("auto", "cuda").name == "te"
-    K.get_kernel("auto", "cuda")
-    assert caplog.text.count("mesh attention kernel: te (auto, cuda)") == 1
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    assert K.select_kernel("auto", _fake_q(), _fake_q()).name == "te"
+    K.select_kernel("auto", _fake_q(), _fake_q())
+    assert caplog.text.count("mesh attention kernel: te (auto, cuda bfloat16 d=128)") == 1  # logged once
+    assert K.select_kernel("auto", _fake_q(torch.float32), _fake_q(torch.float32)).name == "torch"
+    line = [ln for ln in caplog.text.splitlines() if "kernel: torch (auto, cuda float32" in ln]
+    assert len(line) == 1 and "skipped te: " in line[0] and "takes fp16/bf16, not torch.float32" in line[0]
+    assert "; flash: the flash kernel (flash-attn 2) takes fp16/bf16" in line[0]
     monkeypatch.setitem(__import__("sys").modules, "transformer_engine", None)
     monkeypatch.setitem(__import__("sys").modules, "transformer_engine.pytorch.constants", None)
-    assert K.get_kernel("auto", "cuda").name == "flash"
+    assert K.select_kernel("auto", _fake_q(), _fake_q()).name == "flash"
+    assert "kernel: flash (auto, cuda bfloat16 d=128); skipped te: not importable here" in caplog.text
     assert K.available_kernels() == ["flash", "torch"]
 
 

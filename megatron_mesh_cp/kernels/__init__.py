@@ -1,15 +1,17 @@
 """Block-kernel backends behind one interface, and how one is chosen.
 
-``auto`` picks, for the device of the inputs: on CUDA Transformer Engine (``te``), else flash-attn
-(``flash``: FA3 on Hopper when installed, else FA2), else PyTorch's own ops (``torch``); on CPU
-``torch``. The choice is logged once per process. A forced backend that cannot run here fails with
-a ``ValueError`` naming the ones that can.
+``auto`` tries, for the inputs at hand, Transformer Engine (``te``), then flash-attn (``flash``: FA3
+when its build can run here, else FA2), then PyTorch's own ops (``torch``), and takes the first whose
+library is importable *and* whose ``check`` accepts these inputs (dtype, head dim, GPU generation,
+TE's own backend selection). It logs once per distinct choice which backend it took and why each
+one before it was skipped. A forced backend that cannot run here fails with a ``ValueError`` naming
+the ones that can.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Dict, Optional, Type, Union
+from typing import Dict, Optional, Tuple, Type, Union
 
 import torch
 
@@ -18,15 +20,18 @@ from .flash import FlashKernel
 from .te import TEKernel
 from .torch_sdpa import TorchKernel
 
-__all__ = ["BlockKernel", "TorchKernel", "TEKernel", "FlashKernel", "get_kernel", "available_kernels", "lse_dtype", "KERNELS"]
+__all__ = ["BlockKernel", "TorchKernel", "TEKernel", "FlashKernel", "get_kernel", "select_kernel",
+           "available_kernels", "lse_dtype", "KERNELS"]
 
 log = logging.getLogger("megatron_mesh_cp")
 
 #: backends in the order ``auto`` prefers them on CUDA
 _BACKENDS: Dict[str, Type[BlockKernel]] = {"te": TEKernel, "flash": FlashKernel, "torch": TorchKernel}
 KERNELS = ("auto",) + tuple(_BACKENDS)
-_INSTANCES: Dict[str, BlockKernel] = {}
+_INSTANCES: Dict[Tuple, BlockKernel] = {}
 _LOGGED = set()
+_WHY_ABSENT = {"te": "transformer_engine is not importable or there is no CUDA device",
+               "flash": "flash-attn (flash_attn or flash_attn_interface) is not importable or there is no CUDA device"}
 
 
 def available_kernels() -> list:
@@ -34,32 +39,70 @@ def available_kernels() -> list:
     return [name for name, cls in _BACKENDS.items() if cls.available()]
 
 
-def _instance(name: str) -> BlockKernel:
-    if name not in _INSTANCES:
-        _INSTANCES[name] = _BACKENDS[name]()
-    return _INSTANCES[name]
+def _instance(name: str, **options) -> BlockKernel:
+    key = (name,) + tuple(sorted(options.items()))
+    if key not in _INSTANCES:
+        _INSTANCES[key] = _BACKENDS[name](**options)
+    return _INSTANCES[key]
 
 
-def get_kernel(kernel: Union[str, BlockKernel, None] = "auto", device: Optional[torch.device] = None) -> BlockKernel:
-    """Resolve a backend name (or pass an instance through) for inputs on ``device``."""
+def _options(name: str, deterministic: bool) -> dict:
+    return {"deterministic": True} if deterministic and name != "torch" else {}
+
+
+def get_kernel(kernel: Union[str, BlockKernel, None] = "auto", device: Optional[torch.device] = None,
+               *, deterministic: bool = False) -> BlockKernel:
+    """Resolve a backend name (or pass an instance through) for ``device``, without looking at inputs.
+
+    ``auto`` here is the first backend whose library imports (``torch`` on CPU); use
+    :func:`select_kernel` when the inputs are known, so ``auto`` skips backends that cannot run them.
+    """
     if isinstance(kernel, BlockKernel):
         return kernel
     name = "auto" if kernel is None else kernel
     if name not in KERNELS:
         raise ValueError(f"unknown attention kernel {name!r}; choose one of {', '.join(KERNELS)}")
-    on_cuda = device is not None and torch.device(device).type == "cuda"
     if name == "auto":
-        order = [n for n in _BACKENDS if n != "torch"] + ["torch"] if on_cuda else ["torch"]
+        on_cuda = device is not None and torch.device(device).type == "cuda"
+        order = list(_BACKENDS) if on_cuda else ["torch"]
         name = next(n for n in order if _BACKENDS[n].available())
-        if (name, on_cuda) not in _LOGGED:
-            _LOGGED.add((name, on_cuda))
-            log.info("mesh attention kernel: %s (auto, %s)", name, "cuda" if on_cuda else "cpu")
-        return _instance(name)
+        return _instance(name, **_options(name, deterministic))
     if not _BACKENDS[name].available():
-        why = {"te": "transformer_engine is not importable or there is no CUDA device",
-               "flash": "flash-attn (flash_attn or flash_attn_interface) is not importable or there is no CUDA device"}
         raise ValueError(
-            f"attention kernel {name!r} cannot run here: {why.get(name, 'unavailable')}; "
+            f"attention kernel {name!r} cannot run here: {_WHY_ABSENT.get(name, 'unavailable')}; "
             f"available: {', '.join(available_kernels())} (or auto)"
         )
-    return _instance(name)
+    return _instance(name, **_options(name, deterministic))
+
+
+def select_kernel(kernel: Union[str, BlockKernel, None], q: torch.Tensor, k: torch.Tensor,
+                  *, deterministic: bool = False) -> BlockKernel:
+    """The backend that will run blocks of ``q`` / ``k`` (sequence-major or batch-major alike: only
+    device, dtype and head dim matter), checked against them; raises ``ValueError`` naming the fix.
+
+    ``auto`` takes the first backend (te, flash, torch) that is importable and accepts the inputs,
+    and logs the choice with the reason each earlier backend was skipped.
+    """
+    if kernel not in (None, "auto"):
+        blk = get_kernel(kernel, q.device, deterministic=deterministic)
+        blk.check(q, k)
+        return blk
+    order = list(_BACKENDS) if q.device.type == "cuda" else ["torch"]
+    skipped = []
+    for name in order:
+        if not _BACKENDS[name].available():
+            skipped.append(f"{name}: not importable here")
+            continue
+        try:
+            blk = _instance(name, **_options(name, deterministic))
+            blk.check(q, k)
+        except ValueError as exc:
+            skipped.append(f"{name}: {exc}")
+            continue
+        why = (q.device.type, str(q.dtype), q.shape[-1], name, tuple(skipped))
+        if why not in _LOGGED:
+            _LOGGED.add(why)
+            log.info("mesh attention kernel: %s (auto, %s %s d=%d)%s", name, q.device.type, str(q.dtype)[6:],
+                     q.shape[-1], "; skipped " + "; ".join(skipped) if skipped else "")
+        return blk
+    raise ValueError("no attention kernel can run these inputs: " + "; ".join(skipped))

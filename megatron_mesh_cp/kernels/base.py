@@ -13,7 +13,7 @@ from typing import Tuple
 
 import torch
 
-__all__ = ["BlockKernel", "lse_dtype", "check_cuda_half"]
+__all__ = ["BlockKernel", "lse_dtype", "check_cuda_half", "check_square"]
 
 
 def lse_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -34,6 +34,17 @@ def check_cuda_half(what: str, q, min_sm: int, hint: str = "") -> None:
     major, _ = torch.cuda.get_device_capability(q.device)
     if major < min_sm:
         raise ValueError(f"{what} needs sm{min_sm}0+ (this GPU is sm{major}x); use --mesh-kernel torch{hint}")
+
+
+def check_square(q: torch.Tensor, k: torch.Tensor, causal: bool) -> None:
+    """A causal block must be square: TE, the efficient op and the CPU op align the causal mask to
+    the top-left corner, FA2/FA3 and aten's CUDA flash op to the bottom-right; they agree only when
+    the block has as many query rows as keys, which every block of our plans has (DESIGN.md 3)."""
+    if causal and q.shape[0] != k.shape[0]:
+        raise ValueError(
+            f"causal block with {q.shape[0]} query rows and {k.shape[0]} keys: block kernels only take "
+            "square causal blocks (the libraries disagree on where a rectangular causal mask starts)"
+        )
 
 
 class BlockKernel:

@@ -47,7 +47,8 @@ def _bshd(x: torch.Tensor) -> torch.Tensor:
 class FlashKernel(BlockKernel):
     name = "flash"
 
-    def __init__(self) -> None:
+    def __init__(self, deterministic: bool = False) -> None:
+        self.deterministic = bool(deterministic)
         self.version, mod = flash_version()
         self._fwd, self._bwd = mod._flash_attn_forward, mod._flash_attn_backward
         self._fwd_params = set(inspect.signature(self._fwd).parameters)
@@ -95,7 +96,7 @@ class FlashKernel(BlockKernel):
                       softmax_scale=scale, is_causal=causal)
         else:
             kw = dict(dropout_p=0.0, softmax_scale=scale, causal=causal, window_size_left=-1, window_size_right=-1,
-                      softcap=0.0, alibi_slopes=None, deterministic=True, rng_state=None)
+                      softcap=0.0, alibi_slopes=None, deterministic=self.deterministic, rng_state=None)
             self._bwd(_bshd(dout), _bshd(q), _bshd(k), _bshd(v), _bshd(out), lse, dq, dk, dv,
                       **{k_: v_ for k_, v_ in kw.items() if k_ in self._bwd_params})
         return _bshd(dq), _bshd(dk), _bshd(dv)

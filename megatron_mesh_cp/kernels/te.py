@@ -32,7 +32,8 @@ def _te():
 class TEKernel(BlockKernel):
     name = "te"
 
-    def __init__(self) -> None:
+    def __init__(self, deterministic: bool = False) -> None:
+        self.deterministic = bool(deterministic)
         fa, te_dtype = _te()
         self._fwd, self._bwd, self._dtype = fa.fused_attn_fwd, fa.fused_attn_bwd, te_dtype
         self._backend = fa.FusedAttnBackend["F16_arbitrary_seqlen"]
@@ -66,7 +67,7 @@ class TEKernel(BlockKernel):
     def _common(self, causal: bool, scale: float, params) -> Dict:
         kw = dict(attn_scale=scale, dropout=0.0, fast_zero_fill=True, qkv_layout="sbhd_sbhd_sbhd",
                   attn_bias_type="no_bias", attn_mask_type="causal" if causal else "no_mask",
-                  deterministic=True)
+                  deterministic=self.deterministic)
         for extra in ("o_format", "do_format"):
             if extra in params:
                 kw[extra] = "sbhd"

@@ -2,11 +2,16 @@
 
 * CPU: ``aten::_scaled_dot_product_flash_attention_for_cpu`` and its backward (GQA native, any float
   dtype including fp64, so it doubles as an exact oracle).
-* CUDA, fp16/bf16, head dim <= 256, sm80+: the SDPA flash op (``_scaled_dot_product_flash_attention``).
-* CUDA otherwise (fp32, larger head dims, older GPUs): the memory-efficient op, K/V heads expanded
-  inside the call for GQA (it has no native GQA).
+* CUDA, fp16/bf16, head dim <= 256 and a multiple of 8, sm80+: the SDPA flash op
+  (``_scaled_dot_product_flash_attention`` and its backward; GQA native).
+* CUDA otherwise (fp32, other head dims, older GPUs): the memory-efficient op, K/V heads expanded
+  for GQA (it has no native GQA).
 
 The ops take ``[b, h, s, d]`` views of our sequence-major tensors; no input is copied.
+
+The CUDA flash backward decides dense vs varlen by whether ``cum_seq_q`` is *defined*
+(``attention_backward.cu``, ``_flash_attention_backward``); the dense forward returns undefined
+tensors (``None`` in Python) there, so the backward is given ``None``, never an empty tensor.
 """
 
 from __future__ import annotations
@@ -15,9 +20,14 @@ from typing import Tuple
 
 import torch
 
-from .base import BlockKernel
+from .base import BlockKernel, check_square
 
 __all__ = ["TorchKernel"]
+
+#: the aten namespace the ops are looked up in (tests substitute CPU stand-ins with the ops' rules)
+_aten = torch.ops.aten
+#: the efficient kernel's lse rows are padded to a multiple of this (``kAlignLSE`` in PyTorch)
+LSE_ALIGN = 32
 
 
 def _bhsd(x: torch.Tensor) -> torch.Tensor:
@@ -30,33 +40,39 @@ def _sbhd(x: torch.Tensor) -> torch.Tensor:
     return x.permute(2, 0, 1, 3)
 
 
+def cuda_path(q: torch.Tensor) -> str:
+    """Which op family runs ``q`` on CUDA: ``flash`` (fp16/bf16, d <= 256, d % 8 == 0, sm80+) or ``efficient``."""
+    if q.dtype not in (torch.float16, torch.bfloat16) or q.shape[-1] > 256 or q.shape[-1] % 8:
+        return "efficient"
+    return "flash" if torch.cuda.get_device_capability(q.device)[0] >= 8 else "efficient"
+
+
 class TorchKernel(BlockKernel):
     name = "torch"
 
     def __init__(self) -> None:
         self._gqa_native = True  # CUDA flash: falls back to expanded K/V once if the op refuses
-        self._consts = {}  # per device: the (unused, dropout-free) rng and cu_seqlens arguments
+        self._consts = {}  # per device: the (unused, dropout-free) philox seed and offset
 
     def check(self, q: torch.Tensor, k: torch.Tensor) -> None:
         if q.device.type not in ("cpu", "cuda"):
             raise ValueError(f"the torch kernel runs on cpu or cuda, not {q.device.type}")
 
-    @staticmethod
-    def _use_flash(q: torch.Tensor) -> bool:
-        if q.dtype not in (torch.float16, torch.bfloat16) or q.shape[-1] > 256 or q.shape[-1] % 8:
-            return False
-        return torch.cuda.get_device_capability(q.device)[0] >= 8
+    def _path(self, q: torch.Tensor) -> str:
+        return "cpu" if q.device.type == "cpu" else cuda_path(q)
 
     def forward(self, q, k, v, *, causal: bool, scale: float) -> Tuple[torch.Tensor, torch.Tensor]:
-        if q.device.type == "cpu":
-            out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        check_square(q, k, causal)
+        path = self._path(q)
+        if path == "cpu":
+            out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(
                 _bhsd(q), _bhsd(k), _bhsd(v), 0.0, causal, scale=scale
             )
             return _sbhd(out), lse
-        if self._use_flash(q):
+        if path == "flash":
             kk, vv = self._kv(q, k, v)
             try:
-                out, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention(
+                out, lse, *_ = _aten._scaled_dot_product_flash_attention(
                     _bhsd(q), kk, vv, 0.0, causal, False, scale=scale
                 )
             except RuntimeError:
@@ -66,17 +82,21 @@ class TorchKernel(BlockKernel):
                 return self.forward(q, k, v, causal=causal, scale=scale)
             return _sbhd(out), lse
         kk, vv = _expand(q, k, v)
-        out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(
+        out, lse, _, _ = _aten._scaled_dot_product_efficient_attention(
             _bhsd(q), kk, vv, None, True, 0.0, causal, scale=scale
         )
         return _sbhd(out), lse[..., : q.shape[0]]
 
-    def _flash_consts(self, device):
-        key = str(device)
-        if key not in self._consts:  # created once, not per block
-            self._consts[key] = (torch.empty(0, dtype=torch.int32, device=device),
-                                 torch.zeros(2, dtype=torch.uint64, device=device),
-                                 torch.zeros((), dtype=torch.uint64, device=device))
+    def _philox(self, path: str, device):
+        """(seed, offset) as the ``path``'s forward returns them (flash: uint64 [2] and [];
+        efficient: int64 scalars); created once per device, read by the ops only with dropout."""
+        key = (path, str(device))
+        if key not in self._consts:
+            if path == "flash":
+                self._consts[key] = (torch.zeros(2, dtype=torch.uint64, device=device),
+                                     torch.zeros((), dtype=torch.uint64, device=device))
+            else:
+                self._consts[key] = (torch.zeros((), dtype=torch.int64, device=device),) * 2
         return self._consts[key]
 
     def _kv(self, q, k, v):
@@ -85,33 +105,42 @@ class TorchKernel(BlockKernel):
         return _expand(q, k, v)
 
     def lse_for_backward(self, lse_sbh: torch.Tensor):
+        """CPU: a ``[b, h, s]`` view. CUDA: a contiguous ``[b, h, s]`` tensor whose storage is padded
+        to a multiple of 32 rows (what the efficient backward reads); the flash backward takes the
+        unpadded contiguous form. Made once per chunk and row range, not per block."""
+        lse = lse_sbh.permute(1, 2, 0)
         if lse_sbh.device.type == "cpu":
-            return lse_sbh.permute(1, 2, 0)
-        lse = lse_sbh.permute(1, 2, 0).contiguous()
-        return lse
+            return lse
+        sq = lse.shape[-1]
+        pad = -(-sq // LSE_ALIGN) * LSE_ALIGN
+        if pad == sq:
+            return lse.contiguous()
+        buf = torch.zeros(lse.shape[:-1] + (pad,), dtype=lse.dtype, device=lse.device)
+        buf[..., :sq] = lse
+        return buf[..., :sq]
 
     def backward(self, dout, q, k, v, out, lse, *, causal: bool, scale: float):
-        if q.device.type == "cpu":
-            dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        check_square(q, k, causal)
+        path = self._path(q)
+        if path == "cpu":
+            dq, dk, dv = _aten._scaled_dot_product_flash_attention_for_cpu_backward(
                 _bhsd(dout), _bhsd(q), _bhsd(k), _bhsd(v), _bhsd(out), lse, 0.0, causal, scale=scale
             )
             return _sbhd(dq), _sbhd(dk), _sbhd(dv)
         sq, sk, hk = q.shape[0], k.shape[0], k.shape[2]
-        if self._use_flash(q):
+        if path == "flash":
             kk, vv = self._kv(q, k, v)
-            empty, seed, offset = self._flash_consts(q.device)
-            dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-                _bhsd(dout), _bhsd(q), kk, vv, _bhsd(out), lse, empty, empty, sq, sk, 0.0, causal,
+            seed, offset = self._philox(path, q.device)
+            lse = lse if lse.is_contiguous() else lse.contiguous()  # only when sq % 32 != 0
+            dq, dk, dv = _aten._scaled_dot_product_flash_attention_backward(
+                _bhsd(dout), _bhsd(q), kk, vv, _bhsd(out), lse, None, None, sq, sk, 0.0, causal,
                 seed, offset, scale=scale,
             )
         else:
             kk, vv = _expand(q, k, v)
-            pad = -(-sq // 32) * 32  # the efficient kernel's lse is padded to a multiple of 32
-            lse_p = torch.zeros(lse.shape[:-1] + (pad,), dtype=lse.dtype, device=lse.device)
-            lse_p[..., :sq] = lse
-            zero = torch.zeros((), dtype=torch.int64, device=q.device)
-            dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-                _bhsd(dout), _bhsd(q), kk, vv, None, _bhsd(out), lse_p, zero, zero, 0.0,
+            seed, offset = self._philox(path, q.device)
+            dq, dk, dv, _ = _aten._scaled_dot_product_efficient_attention_backward(
+                _bhsd(dout), _bhsd(q), kk, vv, None, _bhsd(out), lse, seed, offset, 0.0,
                 [True, True, True, False], causal, scale=scale,
             )
         return _sbhd(dq), _fold_heads(dk, hk), _fold_heads(dv, hk)
