@@ -145,6 +145,7 @@ def mesh_attention(
     plans: Optional[Tuple[Plan, Plan]] = None,
     partial_dtype: Optional[torch.dtype] = None,
     planner: str = "greedy",
+    deterministic: bool = False,
 ):
     """Context-parallel attention over ``mesh`` (a :class:`~megatron_mesh_cp.MeshGroups`).
 
@@ -153,12 +154,13 @@ def mesh_attention(
     the local output in the same layout, plus the fp32 lse ``[b, h, s_local]`` if ``return_lse``.
     ``planner`` picks how the (forward, backward) schedule is built (``greedy``: tuned for the
     mesh's cluster, ``mesh.cluster``; ``in-order``), ``plans`` passes one explicitly;
-    ``kernel`` forces a block-kernel backend.
+    ``kernel`` forces a block-kernel backend; ``deterministic`` asks it for a deterministic backward
+    (Megatron's ``--deterministic-mode``; off by default, as some GPUs have no such TE backend).
     ``partial_dtype`` is the wire dtype of partial results (O, dQ, dK/dV); the default keeps them
     in fp32, exact to accumulation precision; the input dtype halves their bytes.
     """
     check_inputs(q, k, v, mesh, layout, softmax_scale)
-    blk = select_kernel(kernel, q, k)
+    blk = select_kernel(kernel, q, k, deterministic=deterministic)
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     if partial_dtype is not None and (not isinstance(partial_dtype, torch.dtype) or not partial_dtype.is_floating_point):
         raise ValueError(f"partial_dtype must be a floating torch.dtype or None, got {partial_dtype!r}")

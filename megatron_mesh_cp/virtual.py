@@ -36,6 +36,7 @@ def virtual_mesh_attention(
     kernel: Union[str, BlockKernel] = "auto",
     plans: Optional[Tuple[Plan, Plan]] = None,
     partial_dtype: Optional[torch.dtype] = None,
+    deterministic: bool = False,
 ) -> Dict[str, object]:
     """Full-sequence ``q, k, v`` (and ``dout`` for a backward) -> gathered results.
 
@@ -50,7 +51,7 @@ def virtual_mesh_attention(
         raise ValueError(f"sequence length {q.shape[sd]} is not divisible by 2*CP = {2 * n}")
     seq_major = lambda x: x if layout == "sbhd" else x.transpose(0, 1)  # noqa: E731
     qs, ks, vs = (seq_major(x) for x in (q, k, v))
-    blk = select_kernel(kernel, qs, ks)
+    blk = select_kernel(kernel, qs, ks, deterministic=deterministic)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     if plans is None:
         fake = type("VirtualMesh", (), {"shape": mesh_shape, "cluster": None, "stride": 1})()

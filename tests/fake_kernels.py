@@ -1,42 +1,50 @@
-"""CPU stand-ins for Transformer Engine's and flash-attn's private attention entry points.
+"""CPU stand-ins for Transformer Engine's attention entry points, and the shared math.
 
-They have the real call signatures (TE main: ``fused_attn_fwd``/``fused_attn_bwd``; flash-attn
-2.6+: ``_flash_attn_forward``/``_flash_attn_backward``), enforce the real layout rules (TE: packed
-``sbhd`` tensors; flash-attn: unit last stride, caller-owned dq/dk/dv) and compute with plain math
-from the lse and out they are given -- so our adapters' argument passing, layouts, lse handling and
-the delta stand-in are checked on CPU. They are test doubles, not kernels.
+TE: ``fused_attn_fwd``/``fused_attn_bwd`` in both call forms (2.0-2.14 with a positional
+``dqkv_dtype``; 2.15+ with ``o_format``/``do_format``/``dqkv_layout``) and its backend selection
+(``get_attention_backend`` with the F16 rules of the real one), enforcing TE's rules (packed sbhd,
+fp16/bf16, causal with ``window_size=(-1, 0)``). flash-attn's surfaces are in ``fake_flash``, the
+CUDA SDPA ops in ``fake_aten``. All compute with plain math from the lse and out they are given, so
+our adapters' argument passing, layouts, lse handling and the delta stand-in are checked on CPU.
+They are test doubles, not kernels.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import sys
 import types
+from typing import Optional
 
 import torch
 
 
-def _math_forward(q, k, v, scale, causal):
+def _mask(sq, sk, align, device):
+    """Causal mask: ``top-left`` (TE, efficient, CPU: key j <= query i) or ``bottom-right``
+    (FA2/FA3, aten CUDA flash: j <= i + sk - sq); they agree only when sq == sk."""
+    return torch.ones(sq, sk, dtype=torch.bool, device=device).tril(0 if align == "top-left" else sk - sq)
+
+
+def math_forward(q, k, v, scale, causal, align="top-left"):
     """q [b, h, sq, d], k/v [b, hk, sk, d] -> out [b, h, sq, d], lse [b, h, sq]."""
     g = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
     s = torch.matmul(q, k.transpose(-1, -2)) * scale
     if causal:
-        mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
-        s = s.masked_fill(~mask, float("-inf"))
+        s = s.masked_fill(~_mask(q.shape[2], k.shape[2], align, q.device), float("-inf"))
     lse = torch.logsumexp(s, -1)
     return torch.matmul(torch.exp(s - lse.unsqueeze(-1)), v), lse
 
 
-def _math_backward(do, q, k, v, o, lse, scale, causal):
+def math_backward(do, q, k, v, o, lse, scale, causal, align="top-left"):
     """The flash backward: P from the given lse, D = rowsum(dO * O) from the given O."""
     hk = k.shape[1]
     g = q.shape[1] // hk
     kx, vx = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
     s = torch.matmul(q, kx.transpose(-1, -2)) * scale
     if causal:
-        mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
-        s = s.masked_fill(~mask, float("-inf"))
+        s = s.masked_fill(~_mask(q.shape[2], k.shape[2], align, q.device), float("-inf"))
     p = torch.exp(s - lse.unsqueeze(-1))
     dv = torch.matmul(p.transpose(-1, -2), do)
     dp = torch.matmul(do, vx.transpose(-1, -2))
@@ -54,6 +62,14 @@ class FusedAttnBackend(enum.Enum):
     F16_max512_seqlen = 0
     F16_arbitrary_seqlen = 1
     FP8 = 2
+    No_Backend = -1
+
+
+TE_DTYPE = {torch.float16: 5, torch.bfloat16: 6, torch.float32: 4}
+#: what the TE stand-ins saw last (e.g. the deterministic flag of the backward)
+SEEN = {}
+#: the cuDNN version TE's backend selection stand-in assumes
+CUDNN = {"version": (9, 10, 0)}
 
 
 def _from_sbhd(x):
@@ -61,72 +77,165 @@ def _from_sbhd(x):
     return x.permute(1, 2, 0, 3)
 
 
-def fused_attn_fwd(is_training, max_seqlen_q, max_seqlen_kv, cu_seqlens_q, cu_seqlens_kv, q, k, v, fake_dtype,
-                   fused_attention_backend, attn_bias=None, cu_seqlens_q_padded=None, cu_seqlens_kv_padded=None,
-                   page_table_k=None, page_table_v=None, s_quantizer=None, o_quantizer=None, attn_scale=None,
-                   dropout=0.0, fast_zero_fill=True, qkv_layout="sbh3d", o_format="sbhd", qkv_scale_inv_format=None,
-                   attn_bias_type="no_bias", attn_mask_type="padding", softmax_type="vanilla", window_size=(-1, -1),
-                   bottom_right_diagonal=None, rng_gen=None, softmax_offset=None, return_max_logit=False, cuda_graph=False):
-    assert qkv_layout == "sbhd_sbhd_sbhd" and o_format == "sbhd" and fused_attention_backend == FusedAttnBackend.F16_arbitrary_seqlen
-    assert attn_mask_type in ("causal", "no_mask") and dropout == 0.0 and fake_dtype == q.dtype
+def _te_rules(q, fake_dtype, qkv_layout, attn_mask_type, window_size, dropout, backend, cu_seqlens_q, max_seqlen_q):
+    assert q.dtype in (torch.float16, torch.bfloat16) and fake_dtype == q.dtype, "F16 fused attention: fp16/bf16"
+    assert qkv_layout == "sbhd_sbhd_sbhd" and backend == FusedAttnBackend.F16_arbitrary_seqlen and dropout == 0.0
+    # TE's DotProductAttention passes (-1, 0) for causal and (-1, -1) for no_mask (check_set_window_size)
+    assert (attn_mask_type, tuple(window_size)) in (("causal", (-1, 0)), ("no_mask", (-1, -1))), (attn_mask_type, window_size)
     b = q.shape[1]
     assert max_seqlen_q == q.shape[0] and cu_seqlens_q.tolist() == list(range(0, (b + 1) * q.shape[0], q.shape[0]))
-    out, lse = _math_forward(_from_sbhd(q), _from_sbhd(k), _from_sbhd(v), attn_scale, attn_mask_type == "causal")
-    rng_state = torch.zeros(2, dtype=torch.int64)
-    return out.permute(2, 0, 1, 3).contiguous(), [lse.unsqueeze(-1).float(), rng_state]
 
 
-def fused_attn_bwd(max_seqlen_q, max_seqlen_kv, cu_seqlens_q, cu_seqlens_kv, q, k, v, o, d_o, fake_dtype,
-                   aux_ctx_tensors, fused_attention_backend, cu_seqlens_q_padded=None, cu_seqlens_kv_padded=None,
-                   s_quantizer=None, dp_quantizer=None, dqkv_quantizer=None, attn_scale=None, dropout=0.0,
-                   fast_zero_fill=True, qkv_layout="sbh3d", o_format="sbhd", do_format="sbhd", dqkv_layout="sbh3d",
-                   qkv_scale_inv_format=None, do_scale_inv_format=None, attn_bias_type="no_bias",
-                   attn_mask_type="padding", softmax_type="vanilla", window_size=(-1, -1), bottom_right_diagonal=None,
-                   deterministic=False, cuda_graph=False):
-    assert qkv_layout == dqkv_layout == "sbhd_sbhd_sbhd" and do_format == o_format == "sbhd"
+def _te_forward(q, k, v, attn_scale, attn_mask_type):
+    out, lse = math_forward(*(_from_sbhd(x).float() for x in (q, k, v)), attn_scale, attn_mask_type == "causal")
+    return out.permute(2, 0, 1, 3).to(q.dtype).contiguous(), [lse.unsqueeze(-1).contiguous(), torch.zeros(2, dtype=torch.int64)]
+
+
+def _te_backward(q, k, v, o, d_o, aux_ctx_tensors, attn_scale, attn_mask_type, deterministic):
+    SEEN["deterministic"] = deterministic
     stats = aux_ctx_tensors[0]
     assert stats.is_contiguous() and stats.shape == (q.shape[1], q.shape[2], q.shape[0], 1)
-    dq, dk, dv = _math_backward(_from_sbhd(d_o).to(q.dtype), _from_sbhd(q), _from_sbhd(k), _from_sbhd(v),
-                                _from_sbhd(o), stats.squeeze(-1).to(q.dtype), attn_scale, attn_mask_type == "causal")
-    return [x.permute(2, 0, 1, 3).contiguous() for x in (dq, dk, dv)]
+    grads = math_backward(*(_from_sbhd(x).float() for x in (d_o, q, k, v, o)), stats.squeeze(-1), attn_scale,
+                          attn_mask_type == "causal")
+    return [x.permute(2, 0, 1, 3).to(q.dtype).contiguous() for x in grads]
 
 
-# --- flash-attn 2.6+ ------------------------------------------------------------------------------
-
-def _flash_attn_forward(q, k, v, dropout_p, softmax_scale, causal, window_size_left, window_size_right,
-                        softcap, alibi_slopes, return_softmax):
-    assert q.stride(-1) == 1 and k.stride(-1) == 1 and dropout_p == 0.0 and window_size_left == -1
-    out, lse = _math_forward(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), softmax_scale, causal)
-    return out.transpose(1, 2).contiguous(), lse.float().contiguous(), None, torch.zeros(2, dtype=torch.int64)
-
-
-def _flash_attn_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal,
-                         window_size_left, window_size_right, softcap, alibi_slopes, deterministic, rng_state=None):
-    assert softmax_lse.is_contiguous() and softmax_lse.shape == (q.shape[0], q.shape[2], q.shape[1])
-    assert dq.is_contiguous() and dq.shape == q.shape and dk.shape == k.shape
-    g = _math_backward(dout.transpose(1, 2), q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                       out.transpose(1, 2), softmax_lse.to(q.dtype), softmax_scale, causal)
-    for buf, x in zip((dq, dk, dv), g):
-        buf.copy_(x.transpose(1, 2))
-    return torch.zeros(1)
+def fused_attn_fwd_2_0(is_training, max_seqlen_q, max_seqlen_kv, cu_seqlens_q, cu_seqlens_kv, q, k, v, fake_dtype,
+                       fused_attention_backend, attn_bias=None, cu_seqlens_q_padded=None, cu_seqlens_kv_padded=None,
+                       page_table_k=None, page_table_v=None, s_quantizer=None, o_quantizer=None, attn_scale=None,
+                       dropout=0.0, fast_zero_fill=True, qkv_layout="sbh3d", attn_bias_type="no_bias",
+                       attn_mask_type="padding", softmax_type="vanilla", window_size=(-1, -1), bottom_right_diagonal=None,
+                       rng_gen=None, softmax_offset=None, return_max_logit=False, cuda_graph=False):
+    """TE 2.0 .. 2.14 (2.14's keyword set; the positional part is the same since 2.0)."""
+    _te_rules(q, fake_dtype, qkv_layout, attn_mask_type, window_size, dropout, fused_attention_backend, cu_seqlens_q,
+              max_seqlen_q)
+    return _te_forward(q, k, v, attn_scale, attn_mask_type)
 
 
-def install(monkeypatch, te: bool = True, flash: bool = True) -> None:
-    """Put the fakes where ``import transformer_engine...`` / ``import flash_attn...`` find them."""
+def fused_attn_bwd_2_0(max_seqlen_q, max_seqlen_kv, cu_seqlens_q, cu_seqlens_kv, q, k, v, o, d_o, fake_dtype,
+                       dqkv_dtype, aux_ctx_tensors, fused_attention_backend, cu_seqlens_q_padded=None,
+                       cu_seqlens_kv_padded=None, s_quantizer=None, dp_quantizer=None, dqkv_quantizer=None,
+                       attn_scale=None, dropout=0.0, fast_zero_fill=True, qkv_layout="sbh3d", attn_bias_type="no_bias",
+                       attn_mask_type="padding", softmax_type="vanilla", window_size=(-1, -1), bottom_right_diagonal=None,
+                       deterministic=False, cuda_graph=False):
+    """TE 2.0 .. 2.14: ``dqkv_dtype`` (a TE dtype) positionally between fake_dtype and aux_ctx_tensors."""
+    assert dqkv_dtype == TE_DTYPE[q.dtype], f"dqkv_dtype must be TE_DType[{q.dtype}], got {dqkv_dtype!r}"
+    _te_rules(q, fake_dtype, qkv_layout, attn_mask_type, window_size, dropout, fused_attention_backend, cu_seqlens_q,
+              max_seqlen_q)
+    return _te_backward(q, k, v, o, d_o, aux_ctx_tensors, attn_scale, attn_mask_type, deterministic)
+
+
+def fused_attn_fwd_2_15(is_training, max_seqlen_q, max_seqlen_kv, cu_seqlens_q, cu_seqlens_kv, q, k, v, fake_dtype,
+                        fused_attention_backend, attn_bias=None, cu_seqlens_q_padded=None, cu_seqlens_kv_padded=None,
+                        page_table_k=None, page_table_v=None, s_quantizer=None, o_quantizer=None, attn_scale=None,
+                        dropout=0.0, fast_zero_fill=True, qkv_layout="sbh3d", o_format="sbhd", qkv_scale_inv_format=None,
+                        attn_bias_type="no_bias", attn_mask_type="padding", softmax_type="vanilla", window_size=(-1, -1),
+                        bottom_right_diagonal=None, rng_gen=None, softmax_offset=None, return_max_logit=False,
+                        cuda_graph=False):
+    assert o_format == "sbhd"
+    _te_rules(q, fake_dtype, qkv_layout, attn_mask_type, window_size, dropout, fused_attention_backend, cu_seqlens_q,
+              max_seqlen_q)
+    return _te_forward(q, k, v, attn_scale, attn_mask_type)
+
+
+def fused_attn_bwd_2_15(max_seqlen_q, max_seqlen_kv, cu_seqlens_q, cu_seqlens_kv, q, k, v, o, d_o, fake_dtype,
+                        aux_ctx_tensors, fused_attention_backend, cu_seqlens_q_padded=None, cu_seqlens_kv_padded=None,
+                        s_quantizer=None, dp_quantizer=None, dqkv_quantizer=None, attn_scale=None, dropout=0.0,
+                        fast_zero_fill=True, qkv_layout="sbh3d", o_format="sbhd", do_format="sbhd",
+                        dqkv_layout="sbh3d", qkv_scale_inv_format=None, do_scale_inv_format=None,
+                        attn_bias_type="no_bias", attn_mask_type="padding", softmax_type="vanilla",
+                        window_size=(-1, -1), bottom_right_diagonal=None, deterministic=False, cuda_graph=False):
+    """TE 2.15+: no dqkv_dtype; o_format / do_format / dqkv_layout."""
+    assert dqkv_layout == "sbhd_sbhd_sbhd" and do_format == o_format == "sbhd"
+    _te_rules(q, fake_dtype, qkv_layout, attn_mask_type, window_size, dropout, fused_attention_backend, cu_seqlens_q,
+              max_seqlen_q)
+    return _te_backward(q, k, v, o, d_o, aux_ctx_tensors, attn_scale, attn_mask_type, deterministic)
+
+
+@dataclasses.dataclass
+class AttentionParams:
+    """The fields of TE's AttentionParams the te kernel fills (2.14 has more, all defaulted)."""
+
+    qkv_type: type = torch.Tensor
+    qkv_dtype: torch.dtype = torch.bfloat16
+    qkv_layout: str = "sbh3d"
+    batch_size: int = 1
+    num_heads: int = 16
+    num_gqa_groups: int = 16
+    max_seqlen_q: int = 128
+    max_seqlen_kv: int = 128
+    head_dim_qk: int = 64
+    head_dim_v: int = 64
+    attn_mask_type: str = "no_mask"
+    window_size: tuple = None
+    attention_dropout: float = 0.0
+    context_parallel: bool = False
+    deterministic: bool = False
+    is_training: bool = True
+    fp8: bool = False
+
+
+def get_attention_backend(params: AttentionParams):
+    """The F16 fused-attention rules of TE 2.14's selection (``get_attention_backend`` and
+    ``nvte_get_fused_attn_backend``): sm80+, fp16/bf16, head dim <= 128 (<= 256 in training only on
+    sm90 with cuDNN >= 9.5); a deterministic training backward needs sm90+, and cuDNN >= 9.18.1 on
+    sm100+, and none on sm120. Returns the 2.2+ 6-tuple."""
+    cap, cudnn, d = tuple(torch.cuda.get_device_capability()), CUDNN["version"], params.head_dim_qk
+    ok = params.qkv_dtype in (torch.float16, torch.bfloat16) and cap >= (8, 0) and d % 8 == 0
+    ok = ok and (d <= 128 or (d <= 256 and (not params.is_training or (cap == (9, 0) and cudnn >= (9, 5, 0)))))
+    if params.deterministic and params.is_training:
+        ok = ok and cap >= (9, 0) and cap != (12, 0) and (cap < (10, 0) or cudnn >= (9, 18, 1))
+    backend = FusedAttnBackend.F16_arbitrary_seqlen if ok else None
+    return False, None, ok, backend, True, [False, ok, True]
+
+
+def install(monkeypatch, te: Optional[str] = "2.15", flash: Optional[str] = "2.8", fa3: Optional[str] = None) -> None:
+    """Put the stand-ins where ``import transformer_engine...`` (``te``: ``"2.0"`` for 2.0-2.14's call
+    form, ``"2.15"`` for 2.15+) and ``import flash_attn...`` (see ``fake_flash.install``) find them."""
+    import fake_flash
+
     if te:
+        sel = "transformer_engine.pytorch.attention" if te == "2.0" else \
+            "transformer_engine.pytorch.attention.dot_product_attention.utils"
         mods = {name: types.ModuleType(name) for name in (
             "transformer_engine", "transformer_engine.pytorch", "transformer_engine.pytorch.constants",
-            "transformer_engine.pytorch.cpp_extensions", "transformer_engine.pytorch.cpp_extensions.fused_attn")}
+            "transformer_engine.pytorch.cpp_extensions", "transformer_engine.pytorch.cpp_extensions.fused_attn", sel)}
         fa = mods["transformer_engine.pytorch.cpp_extensions.fused_attn"]
-        fa.fused_attn_fwd, fa.fused_attn_bwd, fa.FusedAttnBackend = fused_attn_fwd, fused_attn_bwd, FusedAttnBackend
+        fa.fused_attn_fwd, fa.fused_attn_bwd = (fused_attn_fwd_2_0, fused_attn_bwd_2_0) if te == "2.0" else \
+            (fused_attn_fwd_2_15, fused_attn_bwd_2_15)
+        fa.FusedAttnBackend = FusedAttnBackend
         mods["transformer_engine.pytorch.cpp_extensions"].fused_attn = fa
-        mods["transformer_engine.pytorch.constants"].TE_DType = {torch.float16: 5, torch.bfloat16: 6, torch.float32: 4, torch.float64: 4}
+        mods["transformer_engine.pytorch.constants"].TE_DType = TE_DTYPE
+        mods[sel].get_attention_backend, mods[sel].AttentionParams = get_attention_backend, AttentionParams
         for name, mod in mods.items():
             monkeypatch.setitem(sys.modules, name, mod)
-    if flash:
-        pkg, iface = types.ModuleType("flash_attn"), types.ModuleType("flash_attn.flash_attn_interface")
-        iface._flash_attn_forward, iface._flash_attn_backward = _flash_attn_forward, _flash_attn_backward
-        pkg.flash_attn_interface = iface
-        monkeypatch.setitem(sys.modules, "flash_attn", pkg)
-        monkeypatch.setitem(sys.modules, "flash_attn.flash_attn_interface", iface)
-        monkeypatch.setitem(sys.modules, "flash_attn_interface", None)  # no FA3 build
+    fake_flash.install(monkeypatch, fa2=flash, fa3=fa3)
+
+
+def pretend_cuda(monkeypatch, capability=(9, 0), **versions) -> None:
+    """Install the stand-ins (``install(**versions)``) and make this process look like it has a GPU
+    of ``capability`` (the tensors stay on CPU)."""
+    install(monkeypatch, **versions)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: tuple(capability))
+
+
+def assert_exact_through_executor(kern, shape, causal, heads, dtype, m=8, tol=5e-3):
+    """Run ``kern`` through the real executor on virtual ranks (mesh ``shape``, 2 m tokens a chunk)
+    and compare out, lse, dq, dk, dv with fp64 attention: wiring mistakes show as O(1) errors."""
+    from megatron_mesh_cp.reference import reference_attention
+    from megatron_mesh_cp.virtual import virtual_mesh_attention
+
+    h, hk = heads
+    n = shape[0] * shape[1]
+    g = torch.Generator().manual_seed(n + m)
+    q, k, v, do = (torch.randn(2, 2 * m * n, x, 16, generator=g, dtype=torch.float64) for x in (h, hk, hk, h))
+    qr, kr, vr = (x.clone().requires_grad_(True) for x in (q, k, v))
+    ro, rl = reference_attention(qr, kr, vr, causal=causal)
+    ro.backward(do)
+    lo = lambda x: x.to(dtype)  # noqa: E731
+    res = virtual_mesh_attention(lo(q), lo(k), lo(v), shape, dout=lo(do), causal=causal, kernel=kern)
+    for name, ref in (("out", ro), ("lse", rl), ("dq", qr.grad), ("dk", kr.grad), ("dv", vr.grad)):
+        got, ref = res[name].double(), ref.detach()
+        err = float((got - ref).norm() / ref.norm())
+        assert err < tol, f"{name}: relative error {err:.2e}"

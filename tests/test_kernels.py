@@ -1,5 +1,6 @@
-"""Kernel backends: selection, forced-backend errors, input checks, and the TE / flash adapters run
-through the real executor (virtual ranks) against CPU stand-ins with the libraries' signatures."""
+"""Kernel backends: auto selection, forced-backend errors, input checks, the square-causal-block
+guard, and the torch backend's CUDA paths through the real executor against stand-ins of the aten
+ops (the TE / flash call surfaces are in test_kernel_surfaces.py)."""
 
 from __future__ import annotations
 
@@ -9,10 +10,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import fake_aten
 import fake_kernels
 from megatron_mesh_cp import kernels as K
-from megatron_mesh_cp.reference import reference_attention
-from megatron_mesh_cp.virtual import virtual_mesh_attention
+from megatron_mesh_cp.kernels import torch_sdpa
 
 
 @pytest.fixture(autouse=True)
@@ -21,9 +22,8 @@ def fresh_registry(monkeypatch):
     monkeypatch.setattr(K, "_LOGGED", set())
 
 
-def _pretend_cuda(monkeypatch, te=True, flash=True):
-    fake_kernels.install(monkeypatch, te=te, flash=flash)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+def _pretend_cuda(monkeypatch, **versions):
+    fake_kernels.pretend_cuda(monkeypatch, **versions)
 
 
 def test_auto_picks_a_backend_that_can_run_the_inputs_and_logs_why(monkeypatch, caplog):
@@ -33,14 +33,13 @@ def test_auto_picks_a_backend_that_can_run_the_inputs_and_logs_why(monkeypatch, 
     cpu = torch.empty(16, 1, 8, 128)
     assert K.select_kernel("auto", cpu, cpu).name == "torch"  # CPU: always torch
     _pretend_cuda(monkeypatch)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
     assert K.select_kernel("auto", _fake_q(), _fake_q()).name == "te"
     K.select_kernel("auto", _fake_q(), _fake_q())
     assert caplog.text.count("mesh attention kernel: te (auto, cuda bfloat16 d=128)") == 1  # logged once
     assert K.select_kernel("auto", _fake_q(torch.float32), _fake_q(torch.float32)).name == "torch"
     line = [ln for ln in caplog.text.splitlines() if "kernel: torch (auto, cuda float32" in ln]
     assert len(line) == 1 and "skipped te: " in line[0] and "takes fp16/bf16, not torch.float32" in line[0]
-    assert "; flash: the flash kernel (flash-attn 2) takes fp16/bf16" in line[0]
+    assert "; flash: the flash kernel (flash-attn 2.8.3) takes fp16/bf16" in line[0]
     monkeypatch.setitem(__import__("sys").modules, "transformer_engine", None)
     monkeypatch.setitem(__import__("sys").modules, "transformer_engine.pytorch.constants", None)
     assert K.select_kernel("auto", _fake_q(), _fake_q()).name == "flash"
@@ -66,7 +65,6 @@ def _fake_q(dtype=torch.bfloat16, d=128, device="cuda"):
 def test_backend_input_checks_name_the_fix(monkeypatch, name):
     _pretend_cuda(monkeypatch)
     kern = K.get_kernel(name, "cuda")
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
     kern.check(_fake_q(), _fake_q())
     with pytest.raises(ValueError, match="fp16/bf16.*--mesh-kernel torch"):
         kern.check(_fake_q(torch.float32), _fake_q())
@@ -79,36 +77,43 @@ def test_backend_input_checks_name_the_fix(monkeypatch, name):
         kern.check(_fake_q(), _fake_q())
 
 
-@pytest.mark.parametrize("name", ["te", "flash"])
-@pytest.mark.parametrize("shape,causal,heads", [((2, 2), True, (8, 2)), ((1, 3), False, (4, 4)), ((4, 1), True, (4, 1))])
-def test_adapters_through_the_executor(monkeypatch, name, shape, causal, heads):
-    """The TE and flash adapters, driven by the real executor on virtual ranks, are exact."""
+@pytest.mark.parametrize("path,dtype,tol", [("flash", torch.float16, 5e-3), ("efficient", torch.float32, 1e-5)])
+@pytest.mark.parametrize("m,shape,causal,heads", [(12, (2, 2), True, (8, 2)), (32, (1, 4), False, (4, 4)),
+                                                  (16, (4, 1), True, (4, 1))])
+def test_torch_kernel_cuda_paths_through_the_executor(monkeypatch, path, dtype, tol, m, shape, causal, heads):
+    """Item 2: the torch backend's CUDA flash and efficient paths against stand-ins of the aten ops
+    that apply their argument rules (defined cum_seq => varlen; lse read as the kernel reads it);
+    m = 12 and 16 give row ranges that are not multiples of 32 (the padded-lse path)."""
+    monkeypatch.setattr(torch_sdpa, "_aten", fake_aten.namespace())
+    monkeypatch.setattr(torch_sdpa.TorchKernel, "_is_cuda", staticmethod(lambda t: True))
+    monkeypatch.setattr(torch_sdpa, "cuda_path", lambda q: path)
+    fake_kernels.assert_exact_through_executor(torch_sdpa.TorchKernel(), shape, causal, heads, dtype, m, tol)
+
+
+def test_cuda_flash_backward_stand_in_takes_a_defined_cum_seq_as_varlen():
+    """The stand-in is as strict as the op: ``torch.empty(0)`` for cum_seq_q (what main passed)
+    selects the varlen path and fails the batch-size check; ``None`` (undefined) is the dense path."""
+    q = torch.randn(1, 4, 32, 16, dtype=torch.float16)
+    k = torch.randn(1, 2, 32, 16, dtype=torch.float16)
+    out, lse, cq, ck, mq, mk, rng, unused, _ = fake_aten.flash_forward(q, k, k, 0.0, True, False, scale=0.25)
+    assert cq is None and ck is None  # what the dense forward returns
+    empty = torch.empty(0, dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="batch size must be positive"):
+        fake_aten.flash_backward(q, q, k, k, out, lse, empty, empty, 32, 32, 0.0, True, rng, unused, scale=0.25)
+    dq, dk, dv = fake_aten.flash_backward(q, q, k, k, out, lse, None, None, 32, 32, 0.0, True, rng, unused, scale=0.25)
+    assert dq.shape == q.shape and dk.shape == k.shape
+
+
+@pytest.mark.parametrize("name", ["torch", "te", "flash"])
+def test_rectangular_causal_blocks_are_refused(monkeypatch, name):
+    """Item 6: the libraries align a rectangular causal mask differently (top-left vs bottom-right),
+    so every backend refuses a causal block that is not square instead of computing one silently."""
     _pretend_cuda(monkeypatch)
-    kern = K.get_kernel(name, "cuda")
-    monkeypatch.setattr(type(kern), "check", lambda self, q, k: None)  # CPU tensors stand in for CUDA ones
-    h, hk = heads
-    n = shape[0] * shape[1]
-    g = torch.Generator().manual_seed(n)
-    q, k, v, do = (torch.randn(2, 4 * n, x, 16, generator=g, dtype=torch.float64) for x in (h, hk, hk, h))
-    qr, kr, vr = (x.clone().requires_grad_(True) for x in (q, k, v))
-    ro, rl = reference_attention(qr, kr, vr, causal=causal)
-    ro.backward(do)
-    res = virtual_mesh_attention(q, k, v, shape, dout=do, causal=causal, kernel=kern)
-    for got, ref in ((res["out"], ro), (res["lse"], rl), (res["dq"], qr.grad), (res["dk"], kr.grad), (res["dv"], vr.grad)):
-        # fp64 inputs, fp32 lse (as the libraries return it): wiring mistakes would show as O(1) errors
-        assert float((got - ref.detach()).norm() / ref.detach().norm()) < 1e-6
-
-
-def test_te_older_than_2_is_refused(monkeypatch):
-    _pretend_cuda(monkeypatch)
-    import sys
-
-    fa = sys.modules["transformer_engine.pytorch.cpp_extensions.fused_attn"]
-
-    def old_fwd(is_training, max_seqlen_q, max_seqlen_kv, cu_seqlens_q, cu_seqlens_kv, q, k, v, qkv_dtype,
-                fused_attention_backend, attn_bias=None):
-        raise AssertionError("not called")
-
-    monkeypatch.setattr(fa, "fused_attn_fwd", old_fwd)
-    with pytest.raises(ValueError, match="Transformer Engine < 2.0 is not supported.*--mesh-kernel flash / torch"):
-        K.TEKernel()
+    kern = K.TorchKernel() if name == "torch" else K.get_kernel(name, "cuda")
+    q, k = torch.randn(8, 1, 2, 16), torch.randn(4, 1, 2, 16)
+    with pytest.raises(ValueError, match="8 query rows and 4 keys: block kernels only take square causal blocks"):
+        kern.forward(q, k, k, causal=True, scale=0.25)
+    with pytest.raises(ValueError, match="square causal blocks"):
+        kern.backward(q, q, k, k, q, torch.zeros(1, 2, 8), causal=True, scale=0.25)
+    if name == "torch":
+        kern.forward(q, k, k, causal=False, scale=0.25)  # non-causal rectangles are fine

@@ -11,7 +11,8 @@ the ones that can.
 from __future__ import annotations
 
 import logging
-from typing import Dict, Optional, Tuple, Type, Union
+from types import SimpleNamespace
+from typing import Dict, Optional, Sequence, Tuple, Type, Union
 
 import torch
 
@@ -20,7 +21,7 @@ from .flash import FlashKernel
 from .te import TEKernel
 from .torch_sdpa import TorchKernel
 
-__all__ = ["BlockKernel", "TorchKernel", "TEKernel", "FlashKernel", "get_kernel", "select_kernel",
+__all__ = ["BlockKernel", "TorchKernel", "TEKernel", "FlashKernel", "get_kernel", "select_kernel", "input_spec",
            "available_kernels", "lse_dtype", "KERNELS"]
 
 log = logging.getLogger("megatron_mesh_cp")
@@ -32,6 +33,12 @@ _INSTANCES: Dict[Tuple, BlockKernel] = {}
 _LOGGED = set()
 _WHY_ABSENT = {"te": "transformer_engine is not importable or there is no CUDA device",
                "flash": "flash-attn (flash_attn or flash_attn_interface) is not importable or there is no CUDA device"}
+
+
+def input_spec(shape: Sequence[int], dtype: torch.dtype, device) -> SimpleNamespace:
+    """What backend checks and ``auto`` read of an input -- shape ``[s, b, h, d]``, dtype, device --
+    without a tensor, so a configuration can be checked at start-up, before any process group."""
+    return SimpleNamespace(shape=torch.Size(shape), dtype=dtype, device=torch.device(device))
 
 
 def available_kernels() -> list:

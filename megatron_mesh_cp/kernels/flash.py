@@ -1,20 +1,37 @@
-"""``flash`` backend: FlashAttention-3 (Hopper, ``flash_attn_interface``) when installed, else
-FlashAttention-2 (``flash_attn``, >= 2.6), both through their ``_flash_attn_forward`` /
-``_flash_attn_backward`` as ring-flash-attn and TE call them.
+"""``flash`` backend: FlashAttention-3 (``flash_attn_interface``, the hopper/ build) where its build
+can run on this GPU, else FlashAttention-2 (``flash_attn`` >= 2.6), through their
+``_flash_attn_forward`` / ``_flash_attn_backward`` as ring-flash-attn and TE call them.
 
-flash-attn takes ``[b, s, h, d]`` with a unit last stride; a transposed view of our sequence-major
-chunk qualifies, so nothing is copied. GQA is native. ``softmax_lse`` is ``[b, h, s]`` fp32. The
-backward writes into dq/dk/dv buffers we own (reused across blocks of the same shape).
+The call surfaces, read from the sources (flash-attention v2.6.0 .. v2.8.3 and hopper/ history):
+
+* FA2 2.6.x: ``window_size`` is a tuple; the forward returns ``(out, q, k, v, out_padded, lse,
+  S_dmask, rng_state)``; the backward returns ``(dq, dk, dv, softmax_d)``.
+* FA2 2.7.0+: ``window_size_left`` / ``window_size_right``; the forward returns ``(out, lse,
+  S_dmask, rng_state)``; both are ``torch.library.custom_op`` objects (torch >= 2.4) whose own
+  signature is ``(*args, **kwargs)`` -- the wrapped function (``_init_fn``) has the real one.
+* FA3, first form (2024-07 .. 2024-12): ``(q, k, v, softmax_scale, causal[, window_size, ...])``,
+  forward returns ``(out, q, k, v, out_padded, lse, S_dmask)``; sm90 only.
+* FA3 since 2025-01: many leading arguments (``k_new``, ``out``, ``cu_seqlens_*``, ...), required
+  until 2025-08 and defaulted after; ``causal`` in the backward until 2025-07, ``is_causal`` after;
+  ``window_size`` tuple until 2025-07, ``_left``/``_right`` after; sm80+ (from 2025-01-08).
+
+Arguments are bound by the parameter names the installed build declares, so every form gets
+exactly what it asks for; a required parameter we do not know makes the build unusable (the kernel
+then uses FA2 if it can). dq/dk/dv (and FA3's out, where it takes one) are written into
+sequence-major buffers we own through ``[b, s, h, d]`` views, so results come back contiguous
+(FA3's out too where its forward is a plain function; a custom op may not return its input).
+FA2/FA3 align a causal mask bottom-right; every causal block here is square (``check_square``).
 """
 
 from __future__ import annotations
 
 import inspect
-from typing import Dict, Tuple
+import re
+from typing import Dict, Optional, Tuple
 
 import torch
 
-from .base import BlockKernel, check_cuda_half
+from .base import BlockKernel, check_cuda_half, check_square
 
 __all__ = ["FlashKernel", "flash_version"]
 
@@ -26,9 +43,10 @@ def _fa3():
 
 
 def _fa2():
+    import flash_attn
     from flash_attn import flash_attn_interface as m
 
-    return m
+    return m, getattr(flash_attn, "__version__", "0")
 
 
 def flash_version():
@@ -37,11 +55,101 @@ def flash_version():
         return 3, _fa3()
     except ImportError:
         pass
-    return 2, _fa2()
+    return 2, _fa2()[0]
+
+
+def _signature(fn) -> inspect.Signature:
+    """The real signature, also through ``torch.library.custom_op`` (which keeps it on ``_init_fn``)."""
+    return inspect.signature(getattr(fn, "_init_fn", fn))
+
+
+def _version_tuple(text: str) -> Tuple[int, ...]:
+    return tuple(int(x) for x in re.findall(r"\d+", text)[:3])
 
 
 def _bshd(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(0, 1)
+
+
+class _Surface:
+    """One installed build's forward/backward, called by parameter name."""
+
+    def __init__(self, label: str, mod, min_sm: int, lse_index: int, deterministic_ok: bool):
+        self.label, self.min_sm, self.lse_index = label, min_sm, lse_index
+        self.fwd, self.bwd = mod._flash_attn_forward, mod._flash_attn_backward
+        self.fwd_sig, self.bwd_sig = _signature(self.fwd), _signature(self.bwd)
+        self.deterministic_ok = deterministic_ok
+        # an output buffer only where the forward is a plain function: a custom op may not return
+        # (an alias of) one of its inputs, so FA3 builds wrapped as custom ops allocate their own
+        self.takes_out = not hasattr(self.fwd, "_init_fn") and "out" in self.fwd_sig.parameters
+
+    @staticmethod
+    def _bind(sig: inspect.Signature, values: Dict, what: str) -> Dict:
+        """Keyword arguments for every parameter ``sig`` has and we know; a required one we do not
+        know raises ``ValueError``."""
+        kw = {}
+        for name, p in sig.parameters.items():
+            if name in values:
+                kw[name] = values[name]
+            elif p.default is inspect.Parameter.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+                raise ValueError(f"{what} takes a required argument {name!r} the flash kernel does not know")
+        return kw
+
+    def check_known(self) -> None:
+        """Raise ``ValueError`` unless both entry points can be called with what we know."""
+        self._bind(self.fwd_sig, _FIXED, f"{self.label} _flash_attn_forward")
+        self._bind(self.bwd_sig, _FIXED, f"{self.label} _flash_attn_backward")
+
+    def forward(self, q, k, v, causal: bool, scale: float, out: Optional[torch.Tensor]):
+        vals = dict(_FIXED, q=q, k=k, v=v, softmax_scale=scale, causal=causal, out=out)
+        res = self.fwd(**self._bind(self.fwd_sig, vals, self.label))
+        return res[0], res[self.lse_index]
+
+    def backward(self, dout, q, k, v, out, lse, dq, dk, dv, causal: bool, scale: float, deterministic: bool):
+        vals = dict(_FIXED, dout=dout, q=q, k=k, v=v, out=out, softmax_lse=lse, dq=dq, dk=dk, dv=dv,
+                    softmax_scale=scale, causal=causal, is_causal=causal, deterministic=deterministic)
+        self.bwd(**self._bind(self.bwd_sig, vals, self.label))
+
+
+#: values for the parameters every form may declare (None: an absent optional tensor / length)
+_FIXED = dict(
+    dropout_p=0.0, window_size=(-1, -1), window_size_left=-1, window_size_right=-1, softcap=0.0,
+    alibi_slopes=None, return_softmax=False, rng_state=None, deterministic=False, sm_margin=0,
+    attention_chunk=0, sink_token_length=0, rotary_interleaved=True, num_splits=1, pack_gqa=None,
+    scheduler_metadata=None, gqa_parallel=False, k_new=None, v_new=None, qv=None, out=None, out_=None,
+    cu_seqlens_q=None, cu_seqlens_k=None, cu_seqlens_k_new=None, seqused_q=None, seqused_k=None,
+    sequed_q=None, sequed_k=None, max_seqlen_q=None, max_seqlen_k=None, page_table=None,
+    kv_batch_idx=None, leftpad_k=None, rotary_cos=None, rotary_sin=None, seqlens_rotary=None,
+    q_descale=None, k_descale=None, v_descale=None, descale_q=None, descale_k=None, descale_v=None,
+)
+# the tensors and flags of each call are filled in per call
+for _name in ("q", "k", "v", "dout", "softmax_lse", "dq", "dk", "dv", "softmax_scale", "causal", "is_causal"):
+    _FIXED.setdefault(_name, None)
+
+
+def _fa3_surface() -> _Surface:
+    mod = _fa3()
+    params = _signature(mod._flash_attn_forward).parameters
+    first_form = "k_new" not in params  # 2024-07 .. 2024-12: returns (out, q, k, v, out_padded, lse, S_dmask)
+    bwd_params = _signature(mod._flash_attn_backward).parameters
+    s = _Surface("flash-attn 3", mod, 9 if first_form else 8, 5 if first_form else 1, "deterministic" in bwd_params)
+    s.check_known()
+    return s
+
+
+def _fa2_surface() -> _Surface:
+    mod, version = _fa2()
+    v = _version_tuple(version)
+    if v < (2, 6):
+        raise ValueError(f"flash-attn {version} is older than 2.6, which the flash kernel needs; "
+                         "upgrade it or use --mesh-kernel te / torch")
+    six = v < (2, 7)  # 2.6.x: 8-tuple forward with the lse at index 5
+    s = _Surface(f"flash-attn {version}", mod, 8, 5 if six else 1, True)
+    if six != ("window_size" in s.fwd_sig.parameters):
+        raise ValueError(f"flash-attn {version}'s _flash_attn_forward{s.fwd_sig} is not the {version[:3]} call form; "
+                         "reinstall flash-attn or use --mesh-kernel te / torch")
+    s.check_known()
+    return s
 
 
 class FlashKernel(BlockKernel):
@@ -49,12 +157,18 @@ class FlashKernel(BlockKernel):
 
     def __init__(self, deterministic: bool = False) -> None:
         self.deterministic = bool(deterministic)
-        self.version, mod = flash_version()
-        self._fwd, self._bwd = mod._flash_attn_forward, mod._flash_attn_backward
-        self._fwd_params = set(inspect.signature(self._fwd).parameters)
-        self._bwd_params = set(inspect.signature(self._bwd).parameters)
-        if self.version == 2 and "window_size_left" not in self._fwd_params:
-            raise ValueError("flash-attn < 2.6 is not supported by the flash kernel; upgrade it or use --mesh-kernel te / torch")
+        self._surfaces, errors = [], []
+        for make in (_fa3_surface, _fa2_surface):
+            try:
+                self._surfaces.append(make())
+            except ImportError:
+                continue
+            except ValueError as exc:
+                errors.append(str(exc))
+        if not self._surfaces:
+            raise ValueError("; ".join(errors) or "flash-attn is not importable")
+        self.version = 3 if self._surfaces[0].label == "flash-attn 3" else 2
+        self._by_device: Dict[Tuple[int, int], _Surface] = {}
         self._grads: Dict[Tuple, torch.Tensor] = {}
 
     @classmethod
@@ -65,38 +179,41 @@ class FlashKernel(BlockKernel):
             return False
         return torch.cuda.is_available()
 
+    def _surface(self, device) -> _Surface:
+        """FA3 where its build runs on this GPU (and offers determinism if asked), else FA2."""
+        cap = torch.cuda.get_device_capability(device)
+        if cap not in self._by_device:
+            ok = [s for s in self._surfaces if cap[0] >= s.min_sm and (s.deterministic_ok or not self.deterministic)]
+            self._by_device[cap] = ok[0] if ok else self._surfaces[-1]
+        return self._by_device[cap]
+
     def check(self, q: torch.Tensor, k: torch.Tensor) -> None:
-        check_cuda_half(f"the flash kernel (flash-attn {self.version})", q, 9 if self.version == 3 else 8,
-                        " or install flash-attn 2" if self.version == 3 else "")
+        s = self._surface(q.device)
+        if self.deterministic and not s.deterministic_ok:
+            raise ValueError(f"{s.label} has no deterministic backward; drop deterministic mode or use --mesh-kernel torch")
+        check_cuda_half(f"the flash kernel ({s.label})", q, s.min_sm,
+                        " or install flash-attn 2" if s.label == "flash-attn 3" else "")
 
     def forward(self, q, k, v, *, causal: bool, scale: float):
-        if self.version == 3:
-            res = self._fwd(_bshd(q), _bshd(k), _bshd(v), softmax_scale=scale, causal=causal)
-            out, lse = res[0], res[1]
-        else:
-            kw = dict(dropout_p=0.0, softmax_scale=scale, causal=causal, window_size_left=-1,
-                      window_size_right=-1, softcap=0.0, alibi_slopes=None, return_softmax=False)
-            out, lse = self._fwd(_bshd(q), _bshd(k), _bshd(v), **{k_: v_ for k_, v_ in kw.items() if k_ in self._fwd_params})[:2]
-        return _bshd(out), lse
+        check_square(q, k, causal)
+        s = self._surface(q.device)
+        out = torch.empty_like(q) if s.takes_out else None  # sequence-major; FA3 writes through the view
+        o, lse = s.forward(_bshd(q), _bshd(k), _bshd(v), causal, scale, None if out is None else _bshd(out))
+        return (out if out is not None else _bshd(o)), lse
 
     def lse_for_backward(self, lse_sbh: torch.Tensor):
         return lse_sbh.permute(1, 2, 0).contiguous()  # [b, h, s]
 
     def _buffer(self, role: str, like: torch.Tensor) -> torch.Tensor:
-        """dq/dk/dv output buffers, [b, s, h, d], reused for every block of the same shape."""
+        """dq/dk/dv output buffers, sequence-major like ``like``, reused for blocks of the same shape."""
         key = (role, tuple(like.shape), like.dtype, str(like.device))
         if key not in self._grads:
-            self._grads[key] = torch.empty(like.shape[1], like.shape[0], *like.shape[2:], dtype=like.dtype, device=like.device)
+            self._grads[key] = torch.empty(like.shape, dtype=like.dtype, device=like.device)
         return self._grads[key]
 
     def backward(self, dout, q, k, v, out, lse, *, causal: bool, scale: float):
+        check_square(q, k, causal)
         dq, dk, dv = self._buffer("dq", q), self._buffer("dk", k), self._buffer("dv", v)
-        if self.version == 3:
-            self._bwd(_bshd(dout), _bshd(q), _bshd(k), _bshd(v), _bshd(out), lse, dq=dq, dk=dk, dv=dv,
-                      softmax_scale=scale, is_causal=causal)
-        else:
-            kw = dict(dropout_p=0.0, softmax_scale=scale, causal=causal, window_size_left=-1, window_size_right=-1,
-                      softcap=0.0, alibi_slopes=None, deterministic=self.deterministic, rng_state=None)
-            self._bwd(_bshd(dout), _bshd(q), _bshd(k), _bshd(v), _bshd(out), lse, dq, dk, dv,
-                      **{k_: v_ for k_, v_ in kw.items() if k_ in self._bwd_params})
-        return _bshd(dq), _bshd(dk), _bshd(dv)
+        self._surface(q.device).backward(_bshd(dout), _bshd(q), _bshd(k), _bshd(v), _bshd(out), lse,
+                                         _bshd(dq), _bshd(dk), _bshd(dv), causal, scale, self.deterministic)
+        return dq, dk, dv

@@ -2,24 +2,36 @@
 
 Calls ``fused_attn_fwd`` / ``fused_attn_bwd`` from ``transformer_engine.pytorch.cpp_extensions``
 as TE's own context-parallel code does: ``sbhd_sbhd_sbhd`` layout (our chunks are sequence-major,
-so every block slice is already contiguous), ``causal`` or ``no_mask``, the F16 arbitrary-seqlen
+so every block slice is already contiguous), ``causal`` with ``window_size=(-1, 0)`` (what TE's
+DotProductAttention passes for causal) or ``no_mask`` with ``(-1, -1)``, the F16 arbitrary-seqlen
 backend; GQA native. The forward's ``Stats`` ([b, h, s, 1], fp32) is the log-sum-exp.
 
-Supported: TE >= 2.0 (``fake_dtype`` API). The signature moved between releases (``dqkv_dtype``
-dropped in 2.1x, ``o_format``/``do_format`` added), so optional arguments are passed only when the
-installed version has them.
+Supported: TE >= 2.0 (``fake_dtype`` API). Two backward call forms: 2.0-2.14 take ``dqkv_dtype``
+positionally between ``fake_dtype`` and ``aux_ctx_tensors``; 2.15+ dropped it and added
+``o_format`` / ``do_format`` / ``dqkv_layout``. Which configurations TE can run is asked of TE
+itself (``get_attention_backend``, the selection DotProductAttention makes), once per
+configuration, in :meth:`TEKernel.check`: head dim > 128 in training needs sm90 and cuDNN >= 9.5,
+deterministic backward needs sm90+ (and cuDNN >= 9.18.1 on sm100+, never sm120), and so on --
+whatever the installed TE and cuDNN say.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
 import inspect
 from typing import Dict, Tuple
 
 import torch
 
-from .base import BlockKernel, check_cuda_half
+from .base import BlockKernel, check_cuda_half, check_square
 
 __all__ = ["TEKernel"]
+
+#: where ``get_attention_backend`` / ``AttentionParams`` live: 2.4+, 2.2-2.3, 2.0-2.1
+_SELECTION_MODULES = ("transformer_engine.pytorch.attention.dot_product_attention.utils",
+                      "transformer_engine.pytorch.dot_product_attention.utils",
+                      "transformer_engine.pytorch.attention")
 
 
 def _te():
@@ -27,6 +39,23 @@ def _te():
     from transformer_engine.pytorch.cpp_extensions import fused_attn as fa
 
     return fa, TE_DType
+
+
+def _selection():
+    """TE's backend selection (``get_attention_backend``, ``AttentionParams``) for this TE version."""
+    for name in _SELECTION_MODULES:
+        try:
+            mod = importlib.import_module(name)
+        except ImportError:
+            continue
+        if hasattr(mod, "get_attention_backend") and hasattr(mod, "AttentionParams"):
+            return mod.get_attention_backend, mod.AttentionParams
+    raise ValueError("this Transformer Engine has no get_attention_backend (TE >= 2.0 has one); "
+                     "upgrade TE or use --mesh-kernel flash / torch")
+
+
+def _window(causal: bool) -> Tuple[int, int]:
+    return (-1, 0) if causal else (-1, -1)
 
 
 class TEKernel(BlockKernel):
@@ -44,6 +73,9 @@ class TEKernel(BlockKernel):
                 "Transformer Engine < 2.0 is not supported by the te kernel; upgrade TE or use "
                 "--mesh-kernel flash / torch"
             )
+        self._select, self._params = _selection()
+        self._dqkv_dtype = "dqkv_dtype" in self._bwd_params  # 2.0-2.14: positional, before aux_ctx_tensors
+        self._checked: Dict[Tuple, str] = {}
         self._cu: Dict[Tuple[int, int, str], torch.Tensor] = {}
         self._rng: Dict[str, torch.Tensor] = {}
 
@@ -55,8 +87,38 @@ class TEKernel(BlockKernel):
             return False
         return torch.cuda.is_available()
 
+    def _supported(self, q, k, causal: bool, deterministic: bool) -> bool:
+        """Whether TE's own selection offers the F16 arbitrary-seqlen fused backend for training
+        on these inputs (batch, heads, head dim, dtype, mask, determinism; this GPU and cuDNN)."""
+        sq, b, h, d = q.shape
+        fields = {f.name for f in dataclasses.fields(self._params)}
+        values = dict(qkv_type=torch.Tensor, qkv_dtype=q.dtype, qkv_layout="sbhd_sbhd_sbhd", batch_size=b,
+                      num_heads=h, num_gqa_groups=k.shape[2], max_seqlen_q=sq, max_seqlen_kv=k.shape[0],
+                      head_dim_qk=d, head_dim_v=d, attn_mask_type="causal" if causal else "no_mask",
+                      window_size=_window(causal), attention_dropout=0.0, context_parallel=False,
+                      deterministic=deterministic, is_training=True, fp8=False)
+        res = self._select(self._params(**{key: val for key, val in values.items() if key in fields}))
+        available, backend = res[-1], (res[2] if len(res) == 5 else res[3])  # 2.0-2.1: 5-tuple; 2.2+: 6-tuple
+        return bool(available[1]) and backend == self._backend
+
     def check(self, q: torch.Tensor, k: torch.Tensor) -> None:
         check_cuda_half("the te kernel (TE fused attention)", q, 8)
+        major, minor = torch.cuda.get_device_capability(q.device)
+        key = (q.dtype, tuple(q.shape[1:]), k.shape[2], major, minor)
+        if key not in self._checked:
+            why = ""
+            if not self._supported(q, k, True, self.deterministic):
+                what = f"{str(q.dtype)[6:]}, {q.shape[2]} heads ({k.shape[2]} kv), head dim {q.shape[-1]}, training"
+                if self.deterministic and self._supported(q, k, True, False):
+                    why = (f"Transformer Engine has no deterministic fused-attention backward for {what} on "
+                           f"sm{major}{minor} with this cuDNN; drop deterministic mode (--deterministic-mode) "
+                           "or use --mesh-kernel torch")
+                else:
+                    why = (f"Transformer Engine has no fused-attention backend for {what} on sm{major}{minor} "
+                           "with this cuDNN (head dim > 128 needs sm90 and cuDNN >= 9.5); use --mesh-kernel flash or torch")
+            self._checked[key] = why
+        if self._checked[key]:
+            raise ValueError(self._checked[key])
 
     def _cu_seqlens(self, batch: int, seq: int, device: torch.device) -> torch.Tensor:
         key = (batch, seq, str(device))
@@ -67,15 +129,12 @@ class TEKernel(BlockKernel):
     def _common(self, causal: bool, scale: float, params) -> Dict:
         kw = dict(attn_scale=scale, dropout=0.0, fast_zero_fill=True, qkv_layout="sbhd_sbhd_sbhd",
                   attn_bias_type="no_bias", attn_mask_type="causal" if causal else "no_mask",
-                  deterministic=self.deterministic)
-        for extra in ("o_format", "do_format"):
-            if extra in params:
-                kw[extra] = "sbhd"
-        if "dqkv_layout" in params:
-            kw["dqkv_layout"] = "sbhd_sbhd_sbhd"
+                  window_size=_window(causal), deterministic=self.deterministic,
+                  o_format="sbhd", do_format="sbhd", dqkv_layout="sbhd_sbhd_sbhd")  # the last three: TE 2.15+
         return {key: val for key, val in kw.items() if key in params}
 
     def forward(self, q, k, v, *, causal: bool, scale: float):
+        check_square(q, k, causal)
         sq, b = q.shape[0], q.shape[1]
         sk = k.shape[0]
         out, aux = self._fwd(
@@ -89,6 +148,7 @@ class TEKernel(BlockKernel):
         return lse_sbh.permute(1, 2, 0).unsqueeze(-1).contiguous()  # [b, h, sq, 1]
 
     def backward(self, dout, q, k, v, out, lse, *, causal: bool, scale: float):
+        check_square(q, k, causal)
         sq, b = q.shape[0], q.shape[1]
         sk = k.shape[0]
         dev = str(q.device)
@@ -96,7 +156,7 @@ class TEKernel(BlockKernel):
             self._rng[dev] = torch.zeros(2, dtype=torch.int64, device=q.device)  # unused: no dropout
         args = [sq, sk, self._cu_seqlens(b, sq, q.device), self._cu_seqlens(b, sk, q.device),
                 q, k, v, out, dout, q.dtype]
-        if "dqkv_dtype" in self._bwd_params:
+        if self._dqkv_dtype:
             args.append(self._dtype[q.dtype])
         args += [[lse, self._rng[dev]], self._backend]
         grads = self._bwd(*args, **self._common(causal, scale, self._bwd_params))

@@ -58,8 +58,12 @@ class TorchKernel(BlockKernel):
         if q.device.type not in ("cpu", "cuda"):
             raise ValueError(f"the torch kernel runs on cpu or cuda, not {q.device.type}")
 
+    @staticmethod
+    def _is_cuda(t: torch.Tensor) -> bool:
+        return t.device.type == "cuda"
+
     def _path(self, q: torch.Tensor) -> str:
-        return "cpu" if q.device.type == "cpu" else cuda_path(q)
+        return cuda_path(q) if self._is_cuda(q) else "cpu"
 
     def forward(self, q, k, v, *, causal: bool, scale: float) -> Tuple[torch.Tensor, torch.Tensor]:
         check_square(q, k, causal)
@@ -109,7 +113,7 @@ class TorchKernel(BlockKernel):
         to a multiple of 32 rows (what the efficient backward reads); the flash backward takes the
         unpadded contiguous form. Made once per chunk and row range, not per block."""
         lse = lse_sbh.permute(1, 2, 0)
-        if lse_sbh.device.type == "cpu":
+        if not self._is_cuda(lse_sbh):
             return lse
         sq = lse.shape[-1]
         pad = -(-sq // LSE_ALIGN) * LSE_ALIGN

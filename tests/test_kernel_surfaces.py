@@ -1,0 +1,139 @@
+"""The TE and flash adapters against every call surface of the real libraries (CPU stand-ins in
+fake_kernels / fake_flash), run through the real executor on virtual ranks; TE's configuration
+space gated by TE's own backend selection; the version gates and their messages."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import pytest
+import torch
+
+import fake_kernels
+from megatron_mesh_cp import kernels as K
+from megatron_mesh_cp.virtual import virtual_mesh_attention
+
+CASES = [((2, 2), True, (8, 2)), ((1, 3), False, (4, 4)), ((4, 1), True, (4, 1))]
+
+
+@pytest.fixture(autouse=True)
+def fresh_registry(monkeypatch):
+    monkeypatch.setattr(K, "_INSTANCES", {})
+    monkeypatch.setattr(K, "_LOGGED", set())
+
+
+def _through_executor(monkeypatch, name, shape, causal, heads, **kw):
+    kern = K.get_kernel(name, "cuda", **kw)
+    monkeypatch.setattr(type(kern), "check", lambda self, q, k: None)  # CPU tensors stand in for CUDA ones
+    fake_kernels.assert_exact_through_executor(kern, shape, causal, heads, torch.float16)
+    return kern
+
+
+@pytest.mark.parametrize("fa2", ["2.6", "2.7", "2.8"])
+@pytest.mark.parametrize("shape,causal,heads", CASES)
+def test_flash_attn_2_surfaces_through_the_executor(monkeypatch, fa2, shape, causal, heads):
+    """Item 1: 2.7/2.8 wrap the entry points as torch custom ops (signature ``(*args, **kwargs)``
+    on the module attribute); 2.6 takes a ``window_size`` tuple and returns an 8-tuple."""
+    fake_kernels.pretend_cuda(monkeypatch, te=None, flash=fa2)
+    kern = _through_executor(monkeypatch, "flash", shape, causal, heads)
+    assert kern._surface("cuda").label.startswith(f"flash-attn {fa2}")
+
+
+def test_flash_attn_older_than_2_6_is_refused_by_version(monkeypatch):
+    fake_kernels.pretend_cuda(monkeypatch, te=None, flash="2.5")
+    with pytest.raises(ValueError, match=r"flash-attn 2\.5\.9\.post1 is older than 2\.6.*--mesh-kernel te / torch"):
+        K.FlashKernel()
+    assert K.select_kernel("auto", *([torch.empty(0)] * 2)).name == "torch"
+
+
+@pytest.mark.parametrize("fa3", ["2024-07", "2025-03", "2025-08"])
+@pytest.mark.parametrize("shape,causal,heads", CASES[:2])
+def test_flash_attn_3_surfaces_through_the_executor(monkeypatch, fa3, shape, causal, heads):
+    """Item 3: the first FA3 release returns (out, q, k, v, out_padded, lse, S_dmask); 2025-01..07
+    builds need every leading argument and take ``causal`` in the backward; 2025-08+ builds are
+    custom ops with ``is_causal`` (and may not be handed an ``out`` buffer: a custom op cannot
+    return its input)."""
+    fake_kernels.pretend_cuda(monkeypatch, te=None, flash="2.8", fa3=fa3)
+    kern = _through_executor(monkeypatch, "flash", shape, causal, heads)
+    assert kern.version == 3 and kern._surface("cuda").label == "flash-attn 3"
+
+
+@pytest.mark.parametrize("fa3,label", [("2024-07", "flash-attn 2.8.3"), ("2025-08", "flash-attn 3")])
+def test_flash_attn_3_on_sm80_runs_where_the_build_can_else_fa2(monkeypatch, fa3, label):
+    """The first FA3 builds are sm90-only (the kernel then uses FA2); builds since 2025-01 run on sm80."""
+    fake_kernels.pretend_cuda(monkeypatch, capability=(8, 0), te=None, flash=None, fa3="2024-07")
+    with pytest.raises(ValueError, match=r"flash kernel \(flash-attn 3\) needs sm90\+.*or install flash-attn 2"):
+        K.get_kernel("flash", "cuda").check(K.input_spec((8, 1, 2, 16), torch.float16, "cuda"), None)
+    monkeypatch.setattr(K, "_INSTANCES", {})
+    fake_kernels.pretend_cuda(monkeypatch, capability=(8, 0), te=None, flash="2.8", fa3=fa3)
+    kern = _through_executor(monkeypatch, "flash", (2, 2), True, (8, 2))
+    assert kern._surface("cuda").label == label
+
+
+@pytest.mark.parametrize("te", ["2.0", "2.15"])
+@pytest.mark.parametrize("shape,causal,heads", CASES)
+def test_te_surfaces_through_the_executor(monkeypatch, te, shape, causal, heads):
+    """Item 4: 2.0-2.14 take ``dqkv_dtype`` positionally, 2.15+ do not; causal is passed with
+    ``window_size=(-1, 0)``; the backward is non-deterministic unless asked."""
+    fake_kernels.pretend_cuda(monkeypatch, te=te, flash=None)
+    _through_executor(monkeypatch, "te", shape, causal, heads)
+    assert fake_kernels.SEEN["deterministic"] is False
+    monkeypatch.setattr(K, "_INSTANCES", {})
+    _through_executor(monkeypatch, "te", shape, causal, heads, deterministic=True)
+    assert fake_kernels.SEEN["deterministic"] is True
+
+
+def _spec(d=128, dtype=torch.bfloat16, h=8, hk=2):
+    return K.input_spec((1024, 1, h, d), dtype, "cuda"), K.input_spec((1024, 1, hk, d), dtype, "cuda")
+
+
+@pytest.mark.parametrize("capability,cudnn,d,deterministic,error", [
+    ((9, 0), (9, 10, 0), 128, False, None),
+    ((9, 0), (9, 10, 0), 256, False, None),
+    ((9, 0), (9, 4, 0), 256, False, "no fused-attention backend .*head dim 256.*--mesh-kernel flash or torch"),
+    ((8, 0), (9, 10, 0), 192, False, "no fused-attention backend .*head dim 192, training on sm80"),
+    ((10, 0), (9, 10, 0), 128, False, None),
+    ((9, 0), (9, 10, 0), 128, True, None),
+    ((8, 0), (9, 10, 0), 128, True, "no deterministic fused-attention backward .*sm80.*--deterministic-mode"),
+    ((10, 0), (9, 18, 0), 128, True, "no deterministic fused-attention backward .*sm100"),
+    ((10, 0), (9, 18, 1), 128, True, None),
+    ((12, 0), (9, 19, 0), 128, True, "no deterministic .*sm120"),
+])
+def test_te_configurations_are_gated_by_te_backend_selection(monkeypatch, capability, cudnn, d, deterministic, error):
+    """Item 4: what TE cannot run fails in check() -- before any process group -- naming the
+    alternative, instead of crashing inside TE's backward after a good forward."""
+    fake_kernels.pretend_cuda(monkeypatch, capability=capability, te="2.15", flash=None)
+    monkeypatch.setitem(fake_kernels.CUDNN, "version", cudnn)
+    q, k = _spec(d)
+    if error is None:
+        assert K.select_kernel("te", q, k, deterministic=deterministic).name == "te"
+    else:
+        with pytest.raises(ValueError, match=error):
+            K.select_kernel("te", q, k, deterministic=deterministic)
+        assert K.select_kernel("auto", q, k, deterministic=deterministic).name == "torch"  # auto moves on
+
+
+def test_te_older_than_2_is_refused(monkeypatch):
+    fake_kernels.pretend_cuda(monkeypatch, flash=None)
+    fa = sys.modules["transformer_engine.pytorch.cpp_extensions.fused_attn"]
+
+    def old_fwd(is_training, max_seqlen_q, max_seqlen_kv, cu_seqlens_q, cu_seqlens_kv, q, k, v, qkv_dtype,
+                fused_attention_backend, attn_bias=None):
+        raise AssertionError("not called")
+
+    monkeypatch.setattr(fa, "fused_attn_fwd", old_fwd)
+    with pytest.raises(ValueError, match="Transformer Engine < 2.0 is not supported.*--mesh-kernel flash / torch"):
+        K.TEKernel()
+
+
+def test_deterministic_reaches_the_kernel_from_the_public_api(monkeypatch, caplog):
+    """``virtual_mesh_attention`` / ``mesh_attention(deterministic=...)`` build a deterministic kernel;
+    the default is not deterministic (as in Megatron without --deterministic-mode)."""
+    fake_kernels.pretend_cuda(monkeypatch, te="2.15", flash=None)
+    q = torch.randn(1, 32, 4, 16, dtype=torch.float16)
+    for det in (False, True):
+        kern = K.get_kernel("te", "cuda", deterministic=det)
+        monkeypatch.setattr(type(kern), "check", lambda self, q, k: None)
+        virtual_mesh_attention(q, q, q, (2, 2), dout=q, kernel="te", deterministic=det)
+        assert fake_kernels.SEEN["deterministic"] is det
