@@ -137,3 +137,38 @@ def test_deterministic_reaches_the_kernel_from_the_public_api(monkeypatch, caplo
         monkeypatch.setattr(type(kern), "check", lambda self, q, k: None)
         virtual_mesh_attention(q, q, q, (2, 2), dout=q, kernel="te", deterministic=det)
         assert fake_kernels.SEEN["deterministic"] is det
+
+
+def test_megatron_start_up_checks_the_kernel_for_the_model(monkeypatch):
+    """Item 4 under Megatron: the argument check asks the backend (TE's own selection) about this
+    model's attention inputs before any process group, honouring --deterministic-mode."""
+    import contextlib
+    from types import SimpleNamespace
+
+    from megatron_mesh_cp.megatron.arguments import MeshArgumentError, apply_mesh_args
+    from megatron_mesh_cp.megatron.settings import SETTINGS
+
+    for field in ("kernel", "deterministic", "cluster", "partial_dtype", "planner", "shape_explanation"):
+        monkeypatch.setattr(SETTINGS, field, getattr(SETTINGS, field))
+    fake_kernels.pretend_cuda(monkeypatch, capability=(8, 0), te="2.15", flash=None)
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+
+    def args(**kw):
+        base = dict(context_parallel_algo="mesh", mesh_shape="2x2", context_parallel_size=4, cp_comm_type=None,
+                    seq_length=4096, attention_dropout=0.0, attention_backend=None, sft=False,
+                    dataloader_inter_document_masking=False, hierarchical_context_parallel_sizes=None,
+                    mesh_kernel="te", mesh_partial_dtype="fp32", mesh_planner="greedy", mesh_cluster=None,
+                    tensor_model_parallel_size=2, num_attention_heads=16, num_query_groups=4,
+                    group_query_attention=True, kv_channels=256, hidden_size=4096, micro_batch_size=1, bf16=True,
+                    fp16=False, rank=0, yaml_cfg=None, deterministic_mode=False)
+        base.update(kw)
+        return SimpleNamespace(**base)
+
+    with pytest.raises(MeshArgumentError, match=r"--mesh-kernel te: .*no fused-attention backend for bfloat16, 8 heads "
+                                                r"\(2 kv\), head dim 256, training on sm80.*--mesh-kernel flash or torch"):
+        apply_mesh_args(args(), argv=[])
+    apply_mesh_args(args(mesh_kernel="auto"), argv=[])  # auto takes torch here
+    apply_mesh_args(args(kv_channels=128), argv=[])
+    assert SETTINGS.deterministic is False
+    with pytest.raises(MeshArgumentError, match="no deterministic fused-attention backward .*--deterministic-mode"):
+        apply_mesh_args(args(kv_channels=128, deterministic_mode=True), argv=[])

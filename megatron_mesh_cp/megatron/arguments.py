@@ -149,13 +149,8 @@ def apply_mesh_args(args, argv: Optional[Sequence[str]] = None):
     _set(args, "context_parallel_algo", "mesh")
     _set(args, "mesh_shape", f"{shape.a}x{shape.b}")
     SETTINGS.kernel = _get(args, "mesh_kernel", "auto") or "auto"
-    if SETTINGS.kernel != "auto":  # a forced backend must exist here, before any process group
-        from ..kernels import get_kernel
-
-        try:
-            get_kernel(SETTINGS.kernel, "cuda" if torch.cuda.is_available() else "cpu")
-        except ValueError as exc:
-            raise MeshArgumentError(f"--mesh-kernel {SETTINGS.kernel}: {exc}") from None
+    SETTINGS.deterministic = bool(_get(args, "deterministic_mode", False))
+    _check_kernel(args, cp)
     SETTINGS.partial_dtype = torch.bfloat16 if _get(args, "mesh_partial_dtype", "fp32") == "bf16" else None
     SETTINGS.planner = _get(args, "mesh_planner", "greedy") or "greedy"
     return args
@@ -172,6 +167,39 @@ def _cluster(args):
         raise MeshArgumentError(f"--mesh-cluster: {exc}") from None
 
 
+def _layer(args, cp: int):
+    """One rank's attention inputs: (tokens, micro batch, heads, kv heads, head dim) after TP and CP."""
+    tp = int(_get(args, "tensor_model_parallel_size", 1) or 1)
+    heads = int(_get(args, "num_attention_heads"))
+    groups = _get(args, "num_query_groups") if _get(args, "group_query_attention", False) else None
+    kv_heads = int(groups or heads)
+    head_dim = _get(args, "kv_channels") or int(_get(args, "hidden_size")) // heads
+    return (int(_get(args, "seq_length")) // cp, int(_get(args, "micro_batch_size", 1) or 1), max(1, heads // tp),
+            max(1, kv_heads // tp), int(head_dim))
+
+
+def _check_kernel(args, cp: int) -> None:
+    """Choose and check the block kernel for this model's attention inputs now, before any process
+    group: a forced backend that cannot run them (or TE without a fused backend for them on this GPU
+    and cuDNN, e.g. head dim > 128 off sm90, or --deterministic-mode where TE has no deterministic
+    backward) fails here, naming the alternative. On CUDA the check runs on this rank's own GPU."""
+    from ..kernels import get_kernel, input_spec, select_kernel
+
+    try:
+        if not torch.cuda.is_available():
+            if SETTINGS.kernel != "auto":
+                get_kernel(SETTINGS.kernel, "cpu")
+            return
+        s, b, h, hk, d = _layer(args, cp)
+        half = torch.bfloat16 if _get(args, "bf16", False) else torch.float16 if _get(args, "fp16", False) else torch.float32
+        dev = torch.device("cuda", int(_get(args, "local_rank", None) or 0) % max(1, torch.cuda.device_count()))
+        with torch.cuda.device(dev):
+            select_kernel(SETTINGS.kernel, input_spec((s, b, h, d), half, dev), input_spec((s, b, hk, d), half, dev),
+                          deterministic=SETTINGS.deterministic)
+    except ValueError as exc:
+        raise MeshArgumentError(f"--mesh-kernel {SETTINGS.kernel}: {exc}") from None
+
+
 def _resolve_shape(args, text: str, cp: int) -> MeshShape:
     cluster = _cluster(args)
     SETTINGS.cluster = cluster
@@ -184,15 +212,11 @@ def _resolve_shape(args, text: str, cp: int) -> MeshShape:
     from ..cluster import Workload
 
     tp = int(_get(args, "tensor_model_parallel_size", 1) or 1)
-    heads = int(_get(args, "num_attention_heads"))
-    groups = _get(args, "num_query_groups") if _get(args, "group_query_attention", False) else None
-    kv_heads = int(groups or heads)
-    head_dim = _get(args, "kv_channels") or int(_get(args, "hidden_size")) // heads
-    seq = int(_get(args, "seq_length"))
+    seq_local, batch, heads, kv_heads, head_dim = _layer(args, cp)
     half = _get(args, "bf16", False) or _get(args, "fp16", False)
     w = Workload(
-        seq_local=seq // cp, heads=max(1, heads // tp), kv_heads=max(1, kv_heads // tp), head_dim=int(head_dim),
-        batch=int(_get(args, "micro_batch_size", 1) or 1), causal=True, bytes_per_element=2 if half else 4,
+        seq_local=seq_local, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+        batch=batch, causal=True, bytes_per_element=2 if half else 4,
         partial_bytes=2 if _get(args, "mesh_partial_dtype", "fp32") == "bf16" else 4,
     )
     choice = choose_shape(cp, cluster, w, stride=tp)

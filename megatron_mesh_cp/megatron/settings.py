@@ -14,6 +14,7 @@ __all__ = ["MeshSettings", "SETTINGS"]
 @dataclass
 class MeshSettings:
     kernel: str = "auto"
+    deterministic: bool = False  # Megatron's --deterministic-mode: ask the kernel for a deterministic backward
     partial_dtype: Optional[torch.dtype] = None  # None: fp32 partials (exact)
     planner: str = "greedy"
     cluster: object = None  # a megatron_mesh_cp.cluster.Cluster, or None for the default
