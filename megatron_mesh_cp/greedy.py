@@ -1,7 +1,8 @@
 """The greedy planner (the paper's schedule): list-schedule one representative rank on a cost model.
 
 Every rank runs the same plan, so the planner reasons about one rank whose neighbours behave like
-itself. It keeps a clock per resource -- the compute stream, one channel per ring and direction,
+itself. It keeps a clock per resource -- the compute stream, one channel per ring (both directions
+of a ring share its NCCL communicator and stream, so they serialize: DESIGN.md 6b),
 the rank's egress per link type (rings on the same link type share it) -- and repeatedly emits the
 op that can start earliest:
 
@@ -123,7 +124,7 @@ class _Greedy:
         self.reduce_kinds = REDUCE_KINDS[phase]
         self.ops: List[Op] = []
         self.t_comp = 0.0
-        self.chan: Dict[Tuple[str, int], float] = {}
+        self.chan: Dict[str, float] = {}
         self.egress: Dict[str, float] = {}
         self.active: Dict[str, List[float]] = {"row": [], "col": []}  # finish times of transfers
         self.arr: Dict[Tuple[str, int], float] = {("q", 0): 0.0, ("kv", 0): 0.0}
@@ -172,7 +173,7 @@ class _Greedy:
     # --- candidates -------------------------------------------------------------------------
     def _transfer_start(self, kind: str, d: int, ready: float) -> float:
         ring = RING_OF[kind]
-        t = max(ready, self.chan.get((ring, d), 0.0), self.egress.get(self.cost.link[ring], 0.0))
+        t = max(ready, self.chan.get(ring, 0.0), self.egress.get(self.cost.link[ring], 0.0))
         return self._slot(ring, t)
 
     def _candidates(self):
@@ -219,7 +220,7 @@ class _Greedy:
         ring = RING_OF[kind]
         fin = start + self.cost.transfer[kind]
         self.egress[self.cost.link[ring]] = fin
-        self.chan[(ring, d)] = fin + self.cost.latency[ring]
+        self.chan[ring] = fin + self.cost.latency[ring]
         self.active[ring].append(fin)
         self.ops.append(Transfer(kind, d, src))
         return fin + self.cost.latency[ring]

@@ -2,8 +2,9 @@
 
 Semantics (GPU-like, what the executor does on NCCL): every rank issues the plan's ops in order.
 Block computes and partial folds run in order on one compute stream, each starting once its
-chunks have arrived. A transfer runs on its ring's channel for its direction (row+, row-, col+,
-col-), one at a time per channel in plan order; it starts when the payload is ready on the sender
+chunks have arrived. A transfer runs on its ring's channel, one at a time per ring in plan order
+(both directions of a ring are batches on the ring group's one NCCL communicator and stream, so
+they serialize: DESIGN.md 6b; the row and column rings overlap); it starts when the payload is ready on the sender
 (chunk arrived / partial folded) and the receiver has posted it (its own copy of the same op
 started, as with grouped NCCL send/recv). A message occupies the sender's egress and the receiver's
 ingress of its link type (NVLink inside a node, the NIC across nodes) for bytes / bandwidth, then
@@ -118,7 +119,7 @@ def replay(
 
     compute_free = np.zeros(n)
     busy = np.zeros(n)
-    chan_free = {k: np.zeros(n) for k in nxt}
+    chan_free = {"row": np.zeros(n), "col": np.zeros(n)}
     egress = {False: np.zeros(n), True: np.zeros(n)}
     ingress = {False: np.zeros(n), True: np.zeros(n)}
     arrival: Dict[Tuple[str, int], np.ndarray] = {("q", 0): np.zeros(n), ("kv", 0): np.zeros(n)}
@@ -171,7 +172,7 @@ def replay(
                 by_cat[(plan.phase, s.category)] = by_cat.get((plan.phase, s.category), 0) + s.nbytes
             to = nxt[key]
             x = inter[key]
-            ustart = np.maximum(chan_free[key], ready)
+            ustart = np.maximum(chan_free[op.ring], ready)
             eg = np.where(x, egress[True], egress[False])
             ing = np.where(x, ingress[True][to], ingress[False][to])
             start = np.maximum(np.maximum(ustart, ustart[to]), np.maximum(eg, ing))
@@ -189,7 +190,7 @@ def replay(
             in_flight[key].append((start, fin))
             arr = np.empty(n)
             arr[to] = fin + lat[key]
-            chan_free[key] = np.maximum(fin, arr)
+            chan_free[op.ring] = np.maximum(fin, arr)
             sent["inter"] += np.where(x, nbytes, 0)
             sent["intra"] += np.where(x, 0, nbytes)
             if op.kind in ("q", "kv"):
