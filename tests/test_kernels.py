@@ -20,6 +20,7 @@ from megatron_mesh_cp.kernels import torch_sdpa
 def fresh_registry(monkeypatch):
     monkeypatch.setattr(K, "_INSTANCES", {})
     monkeypatch.setattr(K, "_LOGGED", set())
+    monkeypatch.setattr(K, "_AUTO", {})
 
 
 def _pretend_cuda(monkeypatch, **versions):
@@ -42,6 +43,8 @@ def test_auto_picks_a_backend_that_can_run_the_inputs_and_logs_why(monkeypatch, 
     assert "; flash: the flash kernel (flash-attn 2.8.3) takes fp16/bf16" in line[0]
     monkeypatch.setitem(__import__("sys").modules, "transformer_engine", None)
     monkeypatch.setitem(__import__("sys").modules, "transformer_engine.pytorch.constants", None)
+    assert K.select_kernel("auto", _fake_q(), _fake_q()).name == "te"  # auto's choice is kept per input signature
+    monkeypatch.setattr(K, "_AUTO", {})  # (a new process)
     assert K.select_kernel("auto", _fake_q(), _fake_q()).name == "flash"
     assert "kernel: flash (auto, cuda bfloat16 d=128); skipped te: not importable here" in caplog.text
     assert K.available_kernels() == ["flash", "torch"]

@@ -31,6 +31,7 @@ _BACKENDS: Dict[str, Type[BlockKernel]] = {"te": TEKernel, "flash": FlashKernel,
 KERNELS = ("auto",) + tuple(_BACKENDS)
 _INSTANCES: Dict[Tuple, BlockKernel] = {}
 _LOGGED = set()
+_AUTO: Dict[Tuple, BlockKernel] = {}  # auto's choice per input signature (it runs on every attention call)
 _WHY_ABSENT = {"te": "transformer_engine is not importable or there is no CUDA device",
                "flash": "flash-attn (flash_attn or flash_attn_interface) is not importable or there is no CUDA device"}
 
@@ -94,6 +95,9 @@ def select_kernel(kernel: Union[str, BlockKernel, None], q: torch.Tensor, k: tor
         blk = get_kernel(kernel, q.device, deterministic=deterministic)
         blk.check(q, k)
         return blk
+    sig = (q.device.type, getattr(q.device, "index", None), q.dtype, tuple(q.shape[1:]), k.shape[2], bool(deterministic))
+    if sig in _AUTO:
+        return _AUTO[sig]
     order = list(_BACKENDS) if q.device.type == "cuda" else ["torch"]
     skipped = []
     for name in order:
@@ -111,5 +115,6 @@ def select_kernel(kernel: Union[str, BlockKernel, None], q: torch.Tensor, k: tor
             _LOGGED.add(why)
             log.info("mesh attention kernel: %s (auto, %s %s d=%d)%s", name, q.device.type, str(q.dtype)[6:],
                      q.shape[-1], "; skipped " + "; ".join(skipped) if skipped else "")
+        _AUTO[sig] = blk
         return blk
     raise ValueError("no attention kernel can run these inputs: " + "; ".join(skipped))

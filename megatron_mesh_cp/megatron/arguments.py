@@ -12,6 +12,7 @@ or to CP = 1. It works on flat argparse namespaces and on Megatron's ``--yaml-cf
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import List, Optional, Sequence
 
@@ -192,7 +193,9 @@ def _check_kernel(args, cp: int) -> None:
             return
         s, b, h, hk, d = _layer(args, cp)
         half = torch.bfloat16 if _get(args, "bf16", False) else torch.float16 if _get(args, "fp16", False) else torch.float32
-        dev = torch.device("cuda", int(_get(args, "local_rank", None) or 0) % max(1, torch.cuda.device_count()))
+        local = _get(args, "local_rank", None)
+        local = int(local if local is not None else os.environ.get("LOCAL_RANK", 0))
+        dev = torch.device("cuda", local % max(1, torch.cuda.device_count()))
         with torch.cuda.device(dev):
             select_kernel(SETTINGS.kernel, input_spec((s, b, h, d), half, dev), input_spec((s, b, hk, d), half, dev),
                           deterministic=SETTINGS.deterministic)
