@@ -143,30 +143,40 @@ class ProcessGroupComm(RingComm):
 
 
 class VirtualHub:
-    """Shared state of ``n`` in-process ranks; ranks must issue exchanges in the same order (SPMD)."""
+    """Shared state of ``n`` in-process ranks; ranks must issue exchanges in the same order (SPMD).
+
+    A message is copied as soon as both its sender and its receiver have posted the exchange, as
+    a real transfer completes once both sides posted: after that the sender may reuse its buffer.
+    """
 
     def __init__(self, shape) -> None:
         self.shape = shape
         self._posted: Dict[Tuple[int, int], Tuple[List[torch.Tensor], List[torch.Tensor]]] = {}
+        self._delivered: set = set()
         self.ranks = [VirtualComm(self, g) for g in range(shape.n)]
+
+    def _deliver(self, src_key: Tuple[int, int], dst_key: Tuple[int, int]) -> None:
+        if src_key in self._posted and dst_key in self._posted and dst_key not in self._delivered:
+            send, _ = self._posted[src_key]
+            _, recv = self._posted[dst_key]
+            for dst, src in zip(recv, send):
+                dst.copy_(src)
+            self._delivered.add(dst_key)
+
+    def clear(self) -> None:
+        self._posted.clear()
+        self._delivered.clear()
 
 
 class _VirtualHandle:
-    def __init__(self, hub: VirtualHub, key: Tuple[int, int], src_key: Tuple[int, int]) -> None:
-        self.hub, self.key, self.src_key = hub, key, src_key
+    def __init__(self, hub: VirtualHub, key: Tuple[int, int]) -> None:
+        self.hub, self.key = hub, key
 
     def wait(self) -> None:
-        if self.key is None:
-            return
-        if self.src_key not in self.hub._posted:
+        if self.key not in self.hub._delivered:
             raise RuntimeError(
                 "virtual exchange waited on before its sender posted; run ranks op by op (SPMD)"
             )
-        send, _ = self.hub._posted[self.src_key]
-        _, recv = self.hub._posted[self.key]
-        for dst, src in zip(recv, send):
-            dst.copy_(src)
-        self.key = None
 
 
 class VirtualComm(RingComm):
@@ -187,9 +197,11 @@ class VirtualComm(RingComm):
         shape = self.hub.shape
         r, c = shape.coords(self.position)
         prv = shape.rank(r, c - direction) if ring == "row" else shape.rank(r - direction, c)
+        nxt = shape.rank(r, c + direction) if ring == "row" else shape.rank(r + direction, c)
         key = (self.position, self._seq)
-        # the sender keeps its tensor untouched until the exchange completes (as with real P2P)
         self.hub._posted[key] = (list(send), list(recv))
+        self.hub._deliver((prv, key[1]), key)
+        self.hub._deliver(key, (nxt, key[1]))
         self._seq += 1
         self._count(send, recv, categories)
-        return _VirtualHandle(self.hub, key, (prv, key[1]))
+        return _VirtualHandle(self.hub, key)
