@@ -13,6 +13,7 @@ Both count the bytes they actually move in a :class:`Traffic` counter.
 
 from __future__ import annotations
 
+import time
 from typing import Dict, List, Sequence, Tuple
 
 import torch
@@ -59,21 +60,40 @@ class _Handle:
 
     On gloo the first wait blocks the host and later ones return at once (a gloo work must not be
     waited twice). On NCCL a wait makes the *current CUDA stream* wait, without a host sync, once
-    per stream that consumes the data.
+    per stream that consumes the data. A failed wait (a peer stalled past the rings' timeout, or
+    died) raises a ``RuntimeError`` naming the phase, the ring and the peers it waited for.
     """
 
-    def __init__(self, works, cuda: bool = False) -> None:
+    def __init__(self, works, cuda: bool = False, where: tuple = None) -> None:
         self._works = works
         self._cuda = cuda
         self._waited = set()
+        self._where = where  # (phase, ring, next rank, previous rank, timeout, issued at)
 
     def wait(self) -> None:
         key = torch.cuda.current_stream() if self._cuda else "host"
         if key in self._waited:
             return
-        for w in self._works:
-            w.wait()
+        try:
+            for w in self._works:
+                w.wait()
+        except RuntimeError as exc:
+            if self._where is None:
+                raise
+            raise RuntimeError(_stall_message(self._where, exc)) from None
         self._waited.add(key)
+
+
+def _stall_message(where: tuple, exc: BaseException) -> str:
+    phase, ring, nxt, prv, timeout, issued = where
+    group = "Q / partial-O and dQ" if ring == "row" else "KV / dKV"
+    cause = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    return (
+        f"mesh attention {phase}: waiting in the {ring} ring ({group} exchanges: sending to rank {nxt}, "
+        f"receiving from rank {prv}) failed after {time.monotonic() - issued:.1f} s (ring timeout "
+        f"{timeout.total_seconds() if timeout else 'default'} s): a rank of the CP group stalled, raised or "
+        f"runs a different op. Cause: {cause}"
+    )
 
 
 class RingComm:
@@ -125,7 +145,8 @@ class ProcessGroupComm(RingComm):
         if not send[0].is_cuda:
             for h in after:
                 h.wait()
-            return _Handle(dist.batch_isend_irecv(ops))
+            where = (self.phase, ring, nxt, prv, getattr(self.mesh, "timeout", None), time.monotonic())
+            return _Handle(dist.batch_isend_irecv(ops), where=where)
         # GPU: each ring direction issues from its own stream, so transfers overlap compute and
         # each other; dependencies are stream waits, never host synchronisation
         stream = self._streams.get((ring, direction))
