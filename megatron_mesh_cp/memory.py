@@ -6,20 +6,22 @@ the first block that feeds it to the transfer that sends it; a received partial 
 (the transfer that forwards its offset, or the end of the run). :func:`buffer_lives` lists them;
 :func:`layout` places each tensor at a byte offset of one arena, reusing the bytes of tensors that
 died before it is born, as a register allocator reuses registers. The arena's size is the pool's
-footprint; :func:`peak_live_bytes` is the largest sum of live bytes at any op, the floor any
-placement needs. Offsets are aligned to :data:`ALIGN` bytes (sizes are rounded up to it in both).
+footprint; ``Layout.peak`` (``plan.peak_live_bytes``) is the largest sum of live bytes at any op,
+the floor any placement needs (first fit reaches it on every plan tried). Offsets are aligned to
+:data:`ALIGN` bytes (sizes are rounded up to it in both).
 """
 
 from __future__ import annotations
 
-import bisect
 from functools import lru_cache
 from typing import Dict, List, NamedTuple, Tuple
+
+import numpy as np
 
 from .plan import BACKWARD, FORWARD, GATHER_KINDS, REDUCE_KINDS, ChunkDims, Compute, Free, Plan, TensorSpec, Transfer
 from .plan import partial_offset, payload
 
-__all__ = ["ALIGN", "Life", "Layout", "buffer_lives", "layout", "peak_live_bytes"]
+__all__ = ["ALIGN", "Life", "Layout", "buffer_lives", "layout"]
 
 #: Every pool tensor starts at a multiple of this many bytes (what CUDA kernels' vector loads want).
 ALIGN = 256
@@ -119,32 +121,48 @@ def _peak(lives: List[Life], n_ops: int) -> int:
     return peak
 
 
-def peak_live_bytes(plan: Plan, dims: ChunkDims) -> int:
-    """The most bytes of pool tensors alive at once when one rank runs ``plan`` (a pure function)."""
-    return layout(plan, dims).peak
+#: placement orders tried in turn (the first reaching the live-bytes floor wins): largest first
+#: reaches it on 365 of 372 greedy plans (n <= 64, fp32 and bf16), one of these on all of them
+_ORDERS = (
+    lambda x: (-x.nbytes, x.start, x.role),
+    lambda x: (x.start, -x.nbytes, x.role),
+    lambda x: (-x.nbytes, x.start - x.end, x.start, x.role),
+    lambda x: (-x.nbytes * (x.end - x.start + 1), x.start, x.role),
+    lambda x: (x.start - x.end, -x.nbytes, x.start, x.role),
+)
+
+
+def _first_fit(order: List[Life]) -> Tuple[Dict[tuple, int], int]:
+    """Place each tensor at the lowest offset whose bytes are free for its whole life."""
+    k = len(order)
+    off, size, start, end = (np.zeros(k, dtype=np.int64) for _ in range(4))
+    offsets: Dict[tuple, int] = {}
+    for n, x in enumerate(order):
+        live = (end[:n] >= x.start) & (start[:n] <= x.end)  # placed tensors whose lives overlap
+        lo, hi = off[:n][live], off[:n][live] + size[:n][live]
+        pos = 0
+        if lo.size:
+            by = np.argsort(lo, kind="stable")
+            lo, hi = lo[by], hi[by]
+            before = np.concatenate(([0], np.maximum.accumulate(hi)))  # highest end below each one
+            fits = np.nonzero(lo - before[:-1] >= x.nbytes)[0]
+            pos = int(before[fits[0]]) if fits.size else int(before[-1])
+        off[n], size[n], start[n], end[n] = pos, x.nbytes, x.start, x.end
+        offsets[x.role] = pos
+    return offsets, int((off + size).max()) if k else 0
 
 
 @lru_cache(maxsize=256)
 def layout(plan: Plan, dims: ChunkDims) -> Layout:
-    """Place every pool tensor of ``plan`` in one arena, reusing bytes of dead tensors.
-
-    Tensors are placed in order of birth (largest first among those born together) at the lowest
-    offset whose bytes are free for the tensor's whole life (first fit over live intervals).
-    """
+    """Place every pool tensor of ``plan`` in one arena, reusing bytes of dead tensors (first fit,
+    trying a few placement orders until one reaches the live-bytes floor; else the smallest)."""
     lives = buffer_lives(plan, dims)
-    order = sorted(lives, key=lambda x: (x.start, -x.nbytes, x.role))
-    placed: List[Tuple[int, int, int, int]] = []  # (offset, size, start, end), sorted by offset
-    offsets: Dict[tuple, int] = {}
-    top = 0
-    for x in order:
-        off = 0
-        for p_off, p_size, p_start, p_end in placed:
-            if p_end < x.start or p_start > x.end:
-                continue  # lives do not overlap: its bytes are free for this one
-            if p_off + p_size <= off or p_off >= off + x.nbytes:
-                continue
-            off = p_off + p_size
-        bisect.insort(placed, (off, x.nbytes, x.start, x.end))
-        offsets[x.role] = off
-        top = max(top, off + x.nbytes)
-    return Layout(offsets, {x.role: x.spec for x in lives}, top, _peak(lives, len(plan.ops)))
+    peak = _peak(lives, len(plan.ops))
+    best = None
+    for key in _ORDERS:
+        offsets, top = _first_fit(sorted(lives, key=key))
+        if best is None or top < best[1]:
+            best = (offsets, top)
+        if top == peak:
+            break
+    return Layout(best[0], {x.role: x.spec for x in lives}, best[1], peak)
