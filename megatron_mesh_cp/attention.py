@@ -4,36 +4,64 @@ Inputs are each rank's zigzag share of the sequence (Megatron's CP layout). Forw
 the row ring and KV over the column ring, computes the rank's tile and reduces partial outputs to
 their owners; backward re-gathers what it needs and reduces dQ over rows and dK/dV over columns.
 Between the passes only the local q, k, v, out and lse are kept, as Ring-Attention would.
+
+The first call with a new signature (shapes, dtypes, mask, scale, layout, kernel, plans, mesh)
+checks with one tiny collective that every rank of the CP group makes the same call (agree.py);
+the agreed signature is cached on the mesh, so later calls skip both the check and the planning.
 """
 
 from __future__ import annotations
 
 import math
+import numbers
+from collections import OrderedDict
 from typing import Optional, Tuple, Union
 
 import torch
 
+from .agree import agree, any_rank, plan_digest
 from .kernels import BlockKernel, lse_dtype, select_kernel
 from .layout import LAYOUTS, seq_dim
 from .plan import Plan
 from .schedule import build_plans
 
-__all__ = ["mesh_attention", "check_inputs"]
+__all__ = ["mesh_attention", "check_inputs", "resolve_scale"]
+
+#: agreed call signatures kept per mesh (a new sequence length every step must not grow memory)
+MAX_AGREED = 64
 
 
-def check_inputs(q, k, v, mesh, layout: str, softmax_scale) -> None:
-    """Raise ``ValueError`` naming the fix for any input the mesh cannot run.
-
-    Uses only local metadata, so every rank of an SPMD program raises the same error before any
-    communication starts.
-    """
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+def _check_mesh(mesh) -> None:
     if not hasattr(mesh, "shape") or not hasattr(mesh, "comm"):
         raise ValueError(
             f"mesh must be a MeshGroups (MeshGroups.create((a, b)) or MeshGroups.from_groups(...)), "
             f"got {type(mesh).__name__}"
         )
+
+
+def resolve_scale(softmax_scale, head_dim: int) -> float:
+    """``softmax_scale`` as a float: any positive finite real scalar (Python or numpy number, 0-d
+    tensor); None means ``1 / sqrt(head_dim)``."""
+    if softmax_scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    x = softmax_scale
+    ok = (isinstance(x, torch.Tensor) and x.dim() == 0 and not x.is_complex() and x.dtype != torch.bool) or (
+        isinstance(x, numbers.Real) and not isinstance(x, bool))
+    value = float(x) if ok else float("nan")
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"softmax_scale must be a positive finite real number (or None), got {softmax_scale!r}")
+    return value
+
+
+def check_inputs(q, k, v, mesh, layout: str, softmax_scale) -> None:
+    """Raise ``ValueError`` naming the fix for any input the mesh cannot run.
+
+    Uses only local metadata; :func:`mesh_attention` shares the outcome with every rank of the CP
+    group (one collective, on a new signature) so all of them raise, not just the one at fault.
+    """
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    _check_mesh(mesh)
     names = ("q", "k", "v")
     for name, x in zip(names, (q, k, v)):
         if not isinstance(x, torch.Tensor):
@@ -75,8 +103,7 @@ def check_inputs(q, k, v, mesh, layout: str, softmax_scale) -> None:
             f"sequence length {s_local * n} (local {s_local} x CP {n}) is not divisible by 2*CP = {2 * n}; "
             f"pad the sequence to a multiple of {2 * n}"
         )
-    if softmax_scale is not None and not (isinstance(softmax_scale, (int, float)) and softmax_scale > 0):
-        raise ValueError(f"softmax_scale must be a positive number or None, got {softmax_scale!r}")
+    resolve_scale(softmax_scale, q.shape[3])
 
 
 def plans_for(q, k, mesh, causal: bool, layout: str, partial_dtype, planner: str) -> Tuple[Plan, Plan]:
@@ -101,7 +128,7 @@ class _MeshAttention(torch.autograd.Function):
     """Sequence-major ([s, b, h, d]) in and out; lse out as [b, h, s] fp32."""
 
     @staticmethod
-    def forward(ctx, q, k, v, mesh, causal, scale, kernel, plans, partial_dtype):
+    def forward(ctx, q, k, v, mesh, causal, scale, kernel, plans, partial_dtype, check_finite):
         from .execute import Executor
 
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
@@ -111,7 +138,7 @@ class _MeshAttention(torch.autograd.Function):
         out, lse = ex.run()
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.mesh, ctx.causal, ctx.scale, ctx.kernel, ctx.plans = mesh, causal, scale, kernel, plans
-        ctx.partial_dtype = partial_dtype
+        ctx.partial_dtype, ctx.check_finite = partial_dtype, check_finite
         lse_out = lse.permute(1, 2, 0).contiguous()
         ctx.mark_non_differentiable(lse_out)
         return out, lse_out
@@ -122,13 +149,84 @@ class _MeshAttention(torch.autograd.Function):
 
         q, k, v, out, lse = ctx.saved_tensors
         dout = dout.contiguous()
+        if ctx.check_finite:
+            _check_finite(ctx.mesh, "the output gradient", dout)
         acc = lse_dtype(q.dtype)
         delta = (dout.to(acc) * out.to(acc)).sum(dim=-1)
         tensors = {"q": q, "k": k, "v": v, "out": out, "lse": lse, "dout": dout, "delta": delta}
         ex = Executor(ctx.plans[1], ctx.mesh.comm(), ctx.kernel, causal=ctx.causal, scale=ctx.scale,
                       tensors=tensors, partial_dtype=ctx.partial_dtype, buffers=getattr(ctx.mesh, "buffers", None))
         dq, dk, dv = ex.run()
-        return dq, dk, dv, None, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None, None
+
+
+def _agreed_calls(mesh) -> "OrderedDict":
+    calls = getattr(mesh, "_agreed_calls", None)
+    if calls is None:
+        calls = mesh._agreed_calls = OrderedDict()
+    return calls
+
+
+def _call_key(q, k, v, mesh, causal, softmax_scale, layout, kernel, plans, partial_dtype, planner, check_finite,
+              deterministic):
+    """What a call's validation, planning and agreement depend on (None: not even tensors)."""
+    try:
+        tensors = tuple((tuple(x.shape), x.dtype, x.device) for x in (q, k, v))
+        scale = None if softmax_scale is None else resolve_scale(softmax_scale, 1)
+    except (AttributeError, TypeError, ValueError):
+        return None
+    plan_ids = None if plans is None else tuple(id(p) for p in plans)
+    return (tensors, bool(causal), scale, layout, kernel if isinstance(kernel, str) else id(kernel), plan_ids,
+            partial_dtype, planner, id(getattr(mesh, "cluster", None)), getattr(mesh, "stride", 1), bool(check_finite),
+            bool(deterministic))
+
+
+def _prepare(q, k, v, mesh, causal, softmax_scale, layout, kernel, plans, partial_dtype, planner, deterministic):
+    """Local validation and planning: ``(kernel, scale, plans)``; ``ValueError`` naming the fix."""
+    check_inputs(q, k, v, mesh, layout, softmax_scale)
+    blk = select_kernel(kernel, q, k, deterministic=deterministic)
+    scale = resolve_scale(softmax_scale, q.shape[-1])
+    if partial_dtype is not None and (not isinstance(partial_dtype, torch.dtype) or not partial_dtype.is_floating_point):
+        raise ValueError(f"partial_dtype must be a floating torch.dtype or None, got {partial_dtype!r}")
+    if plans is None:
+        plans = plans_for(q, k, mesh, causal, layout, partial_dtype, planner)
+    elif (plans[0].a, plans[0].b, plans[1].a, plans[1].b) != (mesh.shape.a, mesh.shape.b) * 2:
+        raise ValueError(f"plans are for {plans[0].a}x{plans[0].b}, the mesh is {mesh.shape}")
+    return blk, scale, plans
+
+
+def _signature(q, k, mesh, causal, layout, partial_dtype, check_finite, deterministic, prepared) -> dict:
+    """The fields every rank of the CP group must agree on (None where this rank could not tell)."""
+    blk, scale, plans = prepared or (None, None, None)
+    dims = [None] * 5
+    if prepared is not None:
+        s_dim = seq_dim(layout)
+        dims = [q.shape[1 - s_dim], q.shape[s_dim], q.shape[2], k.shape[2], q.shape[3]]
+    return {
+        "layout": layout, "batch": dims[0], "local sequence length": dims[1], "query heads": dims[2],
+        "kv heads": dims[3], "head dim": dims[4], "dtype": str(getattr(q, "dtype", None)), "causal": bool(causal),
+        "softmax_scale": scale, "partial_dtype": str(partial_dtype), "kernel": repr(blk) if blk else None,
+        "forward plan": plan_digest(plans[0]) if plans else None,
+        "backward plan": plan_digest(plans[1]) if plans else None,
+        "mesh shape": str(mesh.shape), "check_finite": bool(check_finite), "deterministic": bool(deterministic),
+    }
+
+
+def _comm_device(mesh):
+    import torch.distributed as dist
+
+    nccl = "nccl" in str(dist.get_backend(mesh.cp_group)).lower()
+    return torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+
+
+def _check_finite(mesh, what: str, *tensors) -> None:
+    bad = not all(bool(torch.isfinite(t).all()) for t in tensors)
+    group = getattr(mesh, "cp_group", None)
+    if group is None:
+        if bad:
+            raise ValueError(f"mesh attention (check_finite): non-finite values (NaN or Inf) in {what}")
+        return
+    any_rank("mesh attention (check_finite)", bad, group, _comm_device(mesh), f"non-finite values (NaN or Inf) in {what}")
 
 
 def mesh_attention(
@@ -146,6 +244,7 @@ def mesh_attention(
     partial_dtype: Optional[torch.dtype] = None,
     planner: str = "greedy",
     deterministic: bool = False,
+    check_finite: bool = False,
 ):
     """Context-parallel attention over ``mesh`` (a :class:`~megatron_mesh_cp.MeshGroups`).
 
@@ -158,19 +257,44 @@ def mesh_attention(
     (Megatron's ``--deterministic-mode``; off by default, as some GPUs have no such TE backend).
     ``partial_dtype`` is the wire dtype of partial results (O, dQ, dK/dV); the default keeps them
     in fp32, exact to accumulation precision; the input dtype halves their bytes.
+    ``softmax_scale``: any positive real scalar (Python or numpy number, 0-d tensor).
+    ``check_finite=True`` checks q, k, v (and, in backward, the output gradient) for NaN/Inf on
+    every call and raises the same ``ValueError`` on every rank, naming the ranks that have them,
+    before any ring transfer (one tiny collective per call, and a device sync on GPU).
+
+    Every rank of the CP group must make the same call: the first call with a new signature
+    checks that with one small collective on ``mesh.cp_group`` and raises the same ``ValueError``
+    on every rank otherwise (agree.py); input errors found on one rank are raised on all.
     """
-    check_inputs(q, k, v, mesh, layout, softmax_scale)
-    blk = select_kernel(kernel, q, k, deterministic=deterministic)
-    scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    if partial_dtype is not None and (not isinstance(partial_dtype, torch.dtype) or not partial_dtype.is_floating_point):
-        raise ValueError(f"partial_dtype must be a floating torch.dtype or None, got {partial_dtype!r}")
-    if plans is None:
-        plans = plans_for(q, k, mesh, causal, layout, partial_dtype, planner)
-    elif (plans[0].a, plans[0].b, plans[1].a, plans[1].b) != (mesh.shape.a, mesh.shape.b) * 2:
-        raise ValueError(f"plans are for {plans[0].a}x{plans[0].b}, the mesh is {mesh.shape}")
+    _check_mesh(mesh)
+    key = _call_key(q, k, v, mesh, causal, softmax_scale, layout, kernel, plans, partial_dtype, planner,
+                    check_finite, deterministic)
+    calls = _agreed_calls(mesh)
+    prepared = calls.get(key) if key is not None else None
+    if prepared is None:
+        error = None
+        try:
+            prepared = _prepare(q, k, v, mesh, causal, softmax_scale, layout, kernel, plans, partial_dtype, planner,
+                                deterministic)
+        except ValueError as exc:
+            error = exc
+        if getattr(mesh, "cp_group", None) is not None:
+            fields = _signature(q, k, mesh, causal, layout, partial_dtype, check_finite, deterministic, prepared)
+            agree("mesh attention", fields, mesh.cp_group, _comm_device(mesh), error)
+        if error is not None:  # only without a CP group: agree() raised it on every rank otherwise
+            raise error
+        if key is not None:
+            calls[key] = prepared
+            while len(calls) > MAX_AGREED:
+                calls.popitem(last=False)
+    else:
+        calls.move_to_end(key)
+    blk, scale, plans = prepared
+    if check_finite:
+        _check_finite(mesh, "q, k or v", q, k, v)
     if layout == "bshd":  # the executor is sequence-major
         q, k, v = (x.transpose(0, 1) for x in (q, k, v))
-    out, lse = _MeshAttention.apply(q, k, v, mesh, bool(causal), scale, blk, plans, partial_dtype)
+    out, lse = _MeshAttention.apply(q, k, v, mesh, bool(causal), scale, blk, plans, partial_dtype, bool(check_finite))
     if layout == "bshd":
         out = out.transpose(0, 1).contiguous()
     return (out, lse) if return_lse else out

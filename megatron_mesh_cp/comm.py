@@ -13,6 +13,7 @@ Both count the bytes they actually move in a :class:`Traffic` counter.
 
 from __future__ import annotations
 
+import time
 from typing import Dict, List, Sequence, Tuple
 
 import torch
@@ -59,21 +60,40 @@ class _Handle:
 
     On gloo the first wait blocks the host and later ones return at once (a gloo work must not be
     waited twice). On NCCL a wait makes the *current CUDA stream* wait, without a host sync, once
-    per stream that consumes the data.
+    per stream that consumes the data. A failed wait (a peer stalled past the rings' timeout, or
+    died) raises a ``RuntimeError`` naming the phase, the ring and the peers it waited for.
     """
 
-    def __init__(self, works, cuda: bool = False) -> None:
+    def __init__(self, works, cuda: bool = False, where: tuple = None) -> None:
         self._works = works
         self._cuda = cuda
         self._waited = set()
+        self._where = where  # (phase, ring, next rank, previous rank, timeout, issued at)
 
     def wait(self) -> None:
         key = torch.cuda.current_stream() if self._cuda else "host"
         if key in self._waited:
             return
-        for w in self._works:
-            w.wait()
+        try:
+            for w in self._works:
+                w.wait()
+        except RuntimeError as exc:
+            if self._where is None:
+                raise
+            raise RuntimeError(_stall_message(self._where, exc)) from None
         self._waited.add(key)
+
+
+def _stall_message(where: tuple, exc: BaseException) -> str:
+    phase, ring, nxt, prv, timeout, issued = where
+    group = "Q / partial-O and dQ" if ring == "row" else "KV / dKV"
+    cause = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    return (
+        f"mesh attention {phase}: waiting in the {ring} ring ({group} exchanges: sending to rank {nxt}, "
+        f"receiving from rank {prv}) failed after {time.monotonic() - issued:.1f} s (ring timeout "
+        f"{timeout.total_seconds() if timeout else 'default'} s): a rank of the CP group stalled, raised or "
+        f"runs a different op. Cause: {cause}"
+    )
 
 
 class RingComm:
@@ -125,7 +145,8 @@ class ProcessGroupComm(RingComm):
         if not send[0].is_cuda:
             for h in after:
                 h.wait()
-            return _Handle(dist.batch_isend_irecv(ops))
+            where = (self.phase, ring, nxt, prv, getattr(self.mesh, "timeout", None), time.monotonic())
+            return _Handle(dist.batch_isend_irecv(ops), where=where)
         # GPU: each ring direction issues from its own stream, so transfers overlap compute and
         # each other; dependencies are stream waits, never host synchronisation
         stream = self._streams.get((ring, direction))
@@ -143,30 +164,40 @@ class ProcessGroupComm(RingComm):
 
 
 class VirtualHub:
-    """Shared state of ``n`` in-process ranks; ranks must issue exchanges in the same order (SPMD)."""
+    """Shared state of ``n`` in-process ranks; ranks must issue exchanges in the same order (SPMD).
+
+    A message is copied as soon as both its sender and its receiver have posted the exchange, as
+    a real transfer completes once both sides posted: after that the sender may reuse its buffer.
+    """
 
     def __init__(self, shape) -> None:
         self.shape = shape
         self._posted: Dict[Tuple[int, int], Tuple[List[torch.Tensor], List[torch.Tensor]]] = {}
+        self._delivered: set = set()
         self.ranks = [VirtualComm(self, g) for g in range(shape.n)]
+
+    def _deliver(self, src_key: Tuple[int, int], dst_key: Tuple[int, int]) -> None:
+        if src_key in self._posted and dst_key in self._posted and dst_key not in self._delivered:
+            send, _ = self._posted[src_key]
+            _, recv = self._posted[dst_key]
+            for dst, src in zip(recv, send):
+                dst.copy_(src)
+            self._delivered.add(dst_key)
+
+    def clear(self) -> None:
+        self._posted.clear()
+        self._delivered.clear()
 
 
 class _VirtualHandle:
-    def __init__(self, hub: VirtualHub, key: Tuple[int, int], src_key: Tuple[int, int]) -> None:
-        self.hub, self.key, self.src_key = hub, key, src_key
+    def __init__(self, hub: VirtualHub, key: Tuple[int, int]) -> None:
+        self.hub, self.key = hub, key
 
     def wait(self) -> None:
-        if self.key is None:
-            return
-        if self.src_key not in self.hub._posted:
+        if self.key not in self.hub._delivered:
             raise RuntimeError(
                 "virtual exchange waited on before its sender posted; run ranks op by op (SPMD)"
             )
-        send, _ = self.hub._posted[self.src_key]
-        _, recv = self.hub._posted[self.key]
-        for dst, src in zip(recv, send):
-            dst.copy_(src)
-        self.key = None
 
 
 class VirtualComm(RingComm):
@@ -187,9 +218,11 @@ class VirtualComm(RingComm):
         shape = self.hub.shape
         r, c = shape.coords(self.position)
         prv = shape.rank(r, c - direction) if ring == "row" else shape.rank(r - direction, c)
+        nxt = shape.rank(r, c + direction) if ring == "row" else shape.rank(r + direction, c)
         key = (self.position, self._seq)
-        # the sender keeps its tensor untouched until the exchange completes (as with real P2P)
         self.hub._posted[key] = (list(send), list(recv))
+        self.hub._deliver((prv, key[1]), key)
+        self.hub._deliver(key, (nxt, key[1]))
         self._seq += 1
         self._count(send, recv, categories)
-        return _VirtualHandle(self.hub, key, (prv, key[1]))
+        return _VirtualHandle(self.hub, key)

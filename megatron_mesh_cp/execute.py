@@ -8,7 +8,9 @@ accumulated in fp32 (fp64 for fp64 inputs).
 Tensors are sequence-major (``[s, b, h, d]``, Megatron's layout), so every block's row or column
 range is a contiguous view and no block copies its inputs. Receive buffers, accumulators and merge
 scratch come from a :class:`BufferPool` that lives with the communicator and is reused by every
-layer of the same shape; nothing the executor hands back aliases it.
+layer of the same shape; inside it, bytes are reused as the plan's liveness allows (memory.py),
+and a tensor placed where a dead one was first waits for that one's send to finish (and, on GPU,
+for the compute that read it). Nothing the executor hands back aliases the pool.
 
 Forward inputs per rank: local q, k, v. Backward inputs: local q, k, v, the final out, its lse
 ([s, b, h]), dout and ``delta = rowsum(dout * out)``; only those are kept between the passes,
@@ -17,6 +19,7 @@ never a gathered chunk (DESIGN.md section 4).
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -24,8 +27,9 @@ import torch
 from .comm import RingComm, VirtualHub
 from .kernels import BlockKernel, lse_dtype
 from .layout import BlockSlices, block_case
+from .memory import Layout, layout
 from .merge import merge_into
-from .plan import BACKWARD, FORWARD, ChunkDims, Compute, Free, Plan, TensorSpec, Transfer, payload
+from .plan import FORWARD, ChunkDims, Compute, Free, Plan, Transfer, payload
 from .topology import MeshShape
 
 __all__ = ["Executor", "BufferPool", "delta_stand_in", "run_virtual"]
@@ -49,24 +53,115 @@ def delta_stand_in(dout: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
 
 
 class BufferPool:
-    """Tensors kept across calls, keyed by role and shape: allocated once per layer shape.
+    """Receive buffers, accumulators and scratch kept across calls: one arena per layer shape.
 
-    A buffer is only reused by a later executor run (runs never overlap on one rank); the
-    executor copies anything it returns, so reuse never clobbers a saved tensor.
+    Inside an arena, tensors sit where :func:`~megatron_mesh_cp.memory.layout` puts them, so the
+    bytes a layer shape holds are its plans' peak live bytes (the larger of forward and backward:
+    the phases share the arena, as runs never overlap on one rank). The pool is bounded: it keeps
+    the arenas of the ``max_shapes`` most recently used layer shapes (default 4) and, with
+    ``max_bytes``, evicts least recently used ones until it fits (never the one in use). A new
+    sequence length every step therefore never grows memory beyond the cap.
     """
 
-    def __init__(self) -> None:
-        self._buffers: Dict[tuple, torch.Tensor] = {}
+    def __init__(self, max_shapes: int = 4, max_bytes: Optional[int] = None) -> None:
+        if not isinstance(max_shapes, int) or max_shapes < 1:
+            raise ValueError(f"max_shapes must be a positive int, got {max_shapes!r}")
+        if max_bytes is not None and (not isinstance(max_bytes, int) or max_bytes < 0):
+            raise ValueError(f"max_bytes must be a non-negative int or None, got {max_bytes!r}")
+        self.max_shapes, self.max_bytes = max_shapes, max_bytes
+        self._arenas: "OrderedDict[tuple, _Arena]" = OrderedDict()
+        self._layouts: Dict[tuple, tuple] = {}
 
-    def get(self, key: tuple, shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        full = (key, tuple(shape), dtype, str(device))
-        t = self._buffers.get(full)
-        if t is None:
-            t = self._buffers[full] = torch.empty(tuple(shape), dtype=dtype, device=device)
-        return t
+    def arena(self, plan: Plan, dims: ChunkDims, device: torch.device) -> "_Bound":
+        """The views of ``plan``'s pool tensors on chunks of ``dims`` (arena grown to fit if needed)."""
+        key = (dims, str(device))
+        arena = self._arenas.get(key)
+        if arena is None:
+            arena = self._arenas[key] = _Arena(device)
+        self._arenas.move_to_end(key)
+        bound = arena.bind(self._layout(plan, dims))
+        while len(self._arenas) > 1 and (len(self._arenas) > self.max_shapes or
+                                         (self.max_bytes is not None and self.nbytes() > self.max_bytes)):
+            self._arenas.popitem(last=False)
+        return bound
+
+    def _layout(self, plan: Plan, dims: ChunkDims) -> Layout:
+        """``layout(plan, dims)``, looked up by the plan's identity (hashing a plan walks its ops)."""
+        key = (id(plan), dims)
+        hit = self._layouts.get(key)
+        if hit is None or hit[0] is not plan:
+            if len(self._layouts) >= 64:
+                self._layouts.clear()
+            hit = self._layouts[key] = (plan, layout(plan, dims))
+        return hit[1]
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self._buffers.values())
+        """Bytes the pool holds now (all layer shapes)."""
+        return sum(a.nbytes for a in self._arenas.values())
+
+    def __len__(self) -> int:
+        """Number of layer shapes held."""
+        return len(self._arenas)
+
+
+class _Arena:
+    """One layer shape's bytes, and the views every plan run on it binds to them."""
+
+    def __init__(self, device) -> None:
+        self.device = device
+        self.buf = torch.empty(0, dtype=torch.uint8, device=device)
+        self._bound: Dict[int, "_Bound"] = {}
+
+    @property
+    def nbytes(self) -> int:
+        return self.buf.numel()
+
+    def bind(self, lay: Layout) -> "_Bound":
+        if lay.nbytes > self.buf.numel():  # a phase needing more: grow once (old views die with it)
+            self.buf = torch.empty(lay.nbytes, dtype=torch.uint8, device=self.device)
+            self._bound.clear()
+        bound = self._bound.get(id(lay))
+        if bound is None or bound.layout is not lay:
+            bound = self._bound[id(lay)] = _Bound(self.buf, lay)
+        return bound
+
+
+class _Bound:
+    """A layout's tensors as views of one arena: ``tensor(role)`` and its byte ``span(role)``."""
+
+    def __init__(self, buf: torch.Tensor, lay: Layout) -> None:
+        self.layout, self.buf = lay, buf
+        self._views: Dict[tuple, torch.Tensor] = {}
+
+    def span(self, role: tuple) -> Tuple[int, int]:
+        off = self.layout.offsets[role]
+        return off, off + self.layout.specs[role].nbytes
+
+    def tensor(self, role: tuple) -> torch.Tensor:
+        t = self._views.get(role)
+        if t is None:
+            if role not in self.layout.offsets:
+                raise KeyError(f"the executor asked for {role}, which the plan's buffer layout does not have")
+            lo, hi = self.span(role)
+            spec = self.layout.specs[role]
+            t = self._views[role] = self.buf[lo:hi].view(spec.dtype).view(spec.shape)
+        return t
+
+
+def _recorded_event():
+    event = torch.cuda.Event()
+    event.record()
+    return event
+
+
+class _EventWait:
+    """Makes the stream that waits on it wait for a recorded CUDA event."""
+
+    def __init__(self, event) -> None:
+        self.event = event
+
+    def wait(self) -> None:
+        torch.cuda.current_stream().wait_event(self.event)
 
 
 class Executor:
@@ -94,6 +189,9 @@ class Executor:
         self.device = q.device
         self.acc_dtype = lse_dtype(q.dtype)
         self.dims = ChunkDims.of(q, k, self.acc_dtype, partial_dtype)
+        self.bufs = self.pool.arena(plan, self.dims, self.device)
+        self._pending: List[Tuple[int, int, object]] = []  # (lo, hi, handle): sends reading pool bytes
+        self._deaths: List[Tuple[int, int, object]] = []  # (lo, hi, CUDA event): reads of dead tensors
         self.seq = q.shape[0]
         fwd = plan.phase == FORWARD
         q_payload = [q] if fwd else [q, tensors["dout"], tensors["delta"], tensors["lse"]]
@@ -146,8 +244,33 @@ class Executor:
         return result
 
     # --- buffers -----------------------------------------------------------------------------
-    def _buf(self, role: tuple, spec: TensorSpec) -> torch.Tensor:
-        return self.pool.get((self.plan.phase,) + role, spec.shape, spec.dtype, self.device)
+    def _take(self, role: tuple, after: list = None) -> torch.Tensor:
+        """The pool tensor of ``role``, safe to overwrite: sends still reading its bytes are waited
+        for; with ``after`` (a transfer writes it, on GPU), the marks of the compute that read the
+        bytes' previous tensors are appended for the transfer's stream to wait on."""
+        lo, hi = self.bufs.span(role)
+        overlaps = lambda x: x[0] < hi and lo < x[1]  # noqa: E731
+        if any(overlaps(x) for x in self._pending):
+            for x in self._pending:
+                if overlaps(x):
+                    x[2].wait()
+            self._pending = [x for x in self._pending if not overlaps(x)]
+            if after is not None and self.device.type == "cuda":  # the writer waits for those waits
+                self._deaths.append((lo, hi, _recorded_event()))
+        if after is not None and self._deaths:
+            after.extend(_EventWait(x[2]) for x in self._deaths if overlaps(x))
+        return self.bufs.tensor(role)
+
+    def _sending(self, tensor: torch.Tensor, role: tuple, handle) -> None:
+        if tensor.data_ptr() == self.bufs.tensor(role).data_ptr():
+            self._pending.append(self.bufs.span(role) + (handle,))
+
+    def _died(self, roles) -> None:
+        """On GPU, mark where the compute stream stopped reading these tensors (for later writers)."""
+        if self.device.type != "cuda":
+            return
+        event = _recorded_event()
+        self._deaths += [self.bufs.span(r) + (event,) for r in roles]
 
     # --- ops ---------------------------------------------------------------------------------
     def _chunk(self, kind: str, off: int) -> List[torch.Tensor]:
@@ -165,16 +288,25 @@ class Executor:
             send = self.chunks[op.kind][op.src]  # forwarding waits for its arrival, not for compute
             after = (self.arrivals[(op.kind, op.src)],) if (op.kind, op.src) in self.arrivals else ()
             key = (op.kind, op.src)
-            recv = [self._buf(("recv", op.kind, dst, i), s) for i, s in enumerate(specs)]
+            roles = [("recv", op.kind, dst, i) for i in range(len(specs))]
         else:
             folded = self._folded(op.kind, op.src)
             send = [t if t.dtype == s.dtype else t.to(s.dtype) for t, s in zip(folded, specs)]
             key = (op.kind, -op.src)  # partials: never freed by a Free op
             del self.acc[op.kind][op.src]
             # an offset receives at most one partial per direction; the direction keeps them apart
-            recv = [self._buf(("in", op.kind, dst, op.direction, i), s) for i, s in enumerate(specs)]
+            roles = [("in", op.kind, dst, op.direction, i) for i in range(len(specs))]
+        marks: list = []
+        recv = [self._take(r, marks) for r in roles]
+        if after:  # without `after` the transfer's stream waits for all compute so far anyway
+            after = tuple(after) + tuple(marks)
         handle = self.comm.exchange(op.ring, op.direction, send, recv, [s.category for s in specs], after=after)
         self.sends.setdefault(key, []).append((handle, send))  # keep what is sent alive until done
+        if op.kind not in ("q", "kv"):
+            acc_roles = [("acc", op.kind, op.src, i) for i in range(len(specs))]
+            for t, r in zip(send, acc_roles):
+                self._sending(t, r, handle)
+            self._died(acc_roles)
         if op.kind in ("q", "kv"):
             self.chunks[op.kind][dst] = recv
             self.arrivals[(op.kind, dst)] = handle
@@ -185,18 +317,20 @@ class Executor:
         self._chunk(kind, off)
         for h, _ in self.sends.pop((kind, off), []):
             h.wait()
+        roles = [("recv", kind, off, i) for i in range(len(self.chunks[kind][off]))]
         del self.chunks[kind][off]
+        if kind == "q" and self.stand_ins.pop(off, None) is not None:
+            roles.append(("stand_in", off))
+        self._died(roles)
         if kind == "q":
-            self.stand_ins.pop(off, None)
             for key in [k for k in self.kernel_lse if k[0] == off]:
                 del self.kernel_lse[key]
 
     def _partial(self, kind: str, off: int) -> List[torch.Tensor]:
         acc = self.acc[kind]
         if off not in acc:
-            specs = payload(self.plan.phase, kind, self.dims)
-            bufs = [self._buf(("acc", kind, off, i), TensorSpec(s.category, s.shape, self.acc_dtype))
-                    for i, s in enumerate(specs)]
+            n = len(payload(self.plan.phase, kind, self.dims))
+            bufs = [self._take(("acc", kind, off, i)) for i in range(n)]
             if kind == "o":  # untouched rows: out = 0, lse = -inf
                 bufs[0].zero_()
                 bufs[1].fill_(float("-inf"))
@@ -209,19 +343,21 @@ class Executor:
     def _folded(self, kind: str, off: int) -> List[torch.Tensor]:
         """The partial of ``off`` with every partial received for it folded in (plan order)."""
         mine = self._partial(kind, off)
-        for handle, theirs in self.incoming[kind].pop(off, []):
+        incoming = self.incoming[kind].pop(off, [])
+        for handle, theirs in incoming:
             handle.wait()
             if kind == "o":
                 merge_into(mine[0], mine[1], theirs[0], theirs[1], scratch=self._scratch)
             else:
                 for m, t in zip(mine, theirs):
                     m.add_(t)
+        if incoming and self.device.type == "cuda":
+            self._died([r for r in self.bufs.layout.offsets if r[:3] == ("in", kind, off)])
         return mine
 
     def _scratch(self, like: torch.Tensor) -> torch.Tensor:
         """A reusable scratch view shaped like ``like`` (rows are leading, so a prefix view fits)."""
-        full = self._buf(("scratch", like.dim()), TensorSpec("", (self.seq,) + tuple(like.shape[1:]), like.dtype))
-        return full[: like.shape[0]]
+        return self._take(("scratch", like.dim()))[: like.shape[0]]
 
     def _slices(self, qo: int, ko: int) -> BlockSlices:
         i = self.shape.q_chunk(self.position, qo)
@@ -241,8 +377,8 @@ class Executor:
         sl = self._slices(qo, ko)
         q, dout, delta, lse = self._chunk("q", qo)
         k, v = self._chunk("kv", ko)
-        if qo not in self.stand_ins:
-            self.stand_ins[qo] = delta_stand_in(dout, delta)
+        if qo not in self.stand_ins:  # a foreign chunk's stand-in lives in the pool until its Free
+            self.stand_ins[qo] = self._take(("stand_in", qo)).copy_(delta_stand_in(dout, delta))
         out = self.stand_ins[qo]
         rows, cols = sl.q_rows, sl.kv_cols
         lkey = (qo, sl.q_start, sl.q_stop)
@@ -283,5 +419,5 @@ def run_virtual(
         for ex in execs:
             ex.step(op)
     results = [ex.finish() for ex in execs]
-    hub._posted.clear()
+    hub.clear()
     return results, [c.traffic for c in hub.ranks]

@@ -1,14 +1,18 @@
 """Process groups of a mesh: the CP group plus its row (Q) and column (KV) rings.
 
-``MeshGroups.create`` builds the rings collectively; ``MeshGroups.from_groups`` adopts existing
-groups (Megatron's hierarchical CP groups for sizes [a, b] are exactly these, DESIGN.md section 2)
-after checking their membership locally, so a wrong group fails on every rank before any message.
+``MeshGroups.create`` builds the rings collectively, after every rank agreed on the shape;
+``MeshGroups.from_groups`` adopts existing groups (Megatron's hierarchical CP groups for sizes
+[a, b] are exactly these, DESIGN.md section 2) after checking their membership on every rank and
+sharing the verdict over the CP group, so a wrong group on one rank fails on all of them.
+The rings' timeout is the default group's (or ``timeout=``); adopted groups keep their own.
 """
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Dict, List, Optional, Tuple
 
+import torch
 import torch.distributed as dist
 
 from .comm import ProcessGroupComm, Traffic
@@ -24,6 +28,45 @@ def _ranks(group) -> List[int]:
     return list(dist.get_process_group_ranks(group))
 
 
+def group_timeout(group=None) -> Optional[timedelta]:
+    """The timeout a process group's operations run under (None = the default group's; None if unknown)."""
+    pg = group if group is not None and group is not dist.group.WORLD else dist.distributed_c10d._get_default_group()
+    for device in getattr(pg, "_device_types", []) or [torch.device("cpu")]:
+        try:
+            return pg._get_backend(device).options._timeout
+        except (AttributeError, RuntimeError):
+            continue
+    return None
+
+
+def _shared_verdict(error: Optional[str], group, what: str) -> None:
+    """Raise the same ValueError on every rank of ``group`` if any rank found an ``error``."""
+    verdicts: List[Optional[str]] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(verdicts, error, group=group)
+    ranks = _ranks(group)
+    bad = [(r, e) for r, e in zip(ranks, verdicts) if e is not None]
+    if bad:
+        others = f" (and on ranks {[r for r, _ in bad[1:]]})" if len(bad) > 1 else ""
+        raise ValueError(f"{what}: on rank {bad[0][0]}{others}: {bad[0][1]}")
+
+
+def _raise_first(gathered: List[tuple]) -> None:
+    """MeshGroups.create: the same ValueError on every rank if any rank's shape failed or differs."""
+    for rank, (error, _, _) in enumerate(gathered):
+        if error is not None:
+            raise ValueError(f"MeshGroups.create: on rank {rank}: {error}")
+    sizes = {len(x[2]) for x in gathered}
+    if len(sizes) > 1:
+        raise ValueError(f"MeshGroups.create: CP groups of different sizes {sorted(sizes)}; pass equal-size groups")
+    shapes = [x[1] for x in gathered]
+    for rank, s in enumerate(shapes):
+        if s != shapes[0]:
+            raise ValueError(
+                f"MeshGroups.create: ranks ask for different mesh shapes: {shapes[0][0]}x{shapes[0][1]} on rank 0 "
+                f"but {s[0]}x{s[1]} on rank {rank}; call it with the same shape on every rank"
+            )
+
+
 class MeshGroups:
     """This rank's view of an a x b mesh over real process groups.
 
@@ -31,8 +74,10 @@ class MeshGroups:
     ``col_group``, ``cp_ranks`` (global ranks in CP order) and ``traffic`` (bytes this rank moved).
     """
 
-    def __init__(self, shape: MeshShape, cp_group, row_group, col_group, cp_ranks: List[int]) -> None:
+    def __init__(self, shape: MeshShape, cp_group, row_group, col_group, cp_ranks: List[int],
+                 timeout: Optional[timedelta] = None) -> None:
         self.shape = shape
+        self.timeout = timeout  # what a stalled peer costs: the rings' process-group timeout
         self.cp_group, self.row_group, self.col_group = cp_group, row_group, col_group
         self.cp_ranks = cp_ranks
         me = dist.get_rank()
@@ -48,6 +93,7 @@ class MeshGroups:
         }
         self.traffic = Traffic()
         self.buffers = BufferPool()  # receive buffers and accumulators, reused by every layer
+        self._agreed_calls = None  # call signatures all CP ranks agreed on (attention.py)
         self._comm: Optional[ProcessGroupComm] = None
         # what greedy plans are tuned for: a Cluster (None = $MESH_CP_CLUSTER or h100-ib400) and
         # the GPU distance between consecutive CP ranks (Megatron: the TP size)
@@ -56,48 +102,70 @@ class MeshGroups:
 
     # --- construction ------------------------------------------------------------------------
     @classmethod
-    def create(cls, shape, group=None) -> "MeshGroups":
+    def create(cls, shape, group=None, *, timeout: Optional[timedelta] = None) -> "MeshGroups":
         """Build the row and column groups of ``shape`` over the CP ``group`` (None = world).
 
         A world collective (like ``dist.new_group``): call it on every rank, in the same order.
         With several CP groups (data parallel), each rank passes its own; all rings of all of them
-        are created on every rank.
+        are created on every rank. Every rank first shares its shape and CP group (one
+        ``all_gather_object`` on the world), so a rank asking for something else makes all raise
+        the same ``ValueError`` before any group exists. ``timeout`` (default: the default
+        group's, as given to ``init_process_group``) bounds how long a ring waits for a peer.
         """
         if not dist.is_initialized():
             raise ValueError("torch.distributed is not initialised; call init_process_group first")
+        if timeout is not None and not isinstance(timeout, timedelta):
+            raise ValueError(f"timeout must be a datetime.timedelta or None, got {timeout!r}")
+        timeout = timeout or group_timeout()
         cp_ranks = _ranks(group)
-        mesh_shape = MeshShape.for_size(shape, len(cp_ranks))
-        if group is None or group is dist.group.WORLD:
-            all_cp = [cp_ranks]
-        else:
-            gathered: List[Optional[List[int]]] = [None] * dist.get_world_size()
-            dist.all_gather_object(gathered, cp_ranks)
-            all_cp = sorted({tuple(x) for x in gathered})  # type: ignore[arg-type]
-            if any(len(x) != len(cp_ranks) for x in all_cp):
-                raise ValueError("CP groups of different sizes passed to MeshGroups.create")
+        mesh_shape, error = None, None
+        try:
+            mesh_shape = MeshShape.for_size(shape, len(cp_ranks))
+        except ValueError as exc:
+            error = str(exc)
+        gathered: List[Optional[tuple]] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, (error, None if mesh_shape is None else (mesh_shape.a, mesh_shape.b),
+                                          tuple(cp_ranks)))
+        _raise_first(gathered)
+        all_cp = sorted({x[2] for x in gathered})
         me = dist.get_rank()
         row_group = col_group = None
         for ranks in all_cp:
             for ring in mesh_shape.row_rings():
-                pg = dist.new_group([ranks[i] for i in ring])
+                pg = dist.new_group([ranks[i] for i in ring], timeout=timeout)
                 if me in (ranks[i] for i in ring):
                     row_group = pg
             for ring in mesh_shape.col_rings():
-                pg = dist.new_group([ranks[i] for i in ring])
+                pg = dist.new_group([ranks[i] for i in ring], timeout=timeout)
                 if me in (ranks[i] for i in ring):
                     col_group = pg
         cp_group = group if group is not None else dist.group.WORLD
-        return cls(mesh_shape, cp_group, row_group, col_group, cp_ranks)
+        return cls(mesh_shape, cp_group, row_group, col_group, cp_ranks, timeout=timeout)
 
     @classmethod
     def from_groups(cls, cp_group, row_group, col_group) -> "MeshGroups":
         """Adopt existing groups; the shape is (size of row group, size of column group).
 
-        Checks, without communicating, that the rings are the consecutive-a / stride-a subsets of
-        the CP group that the mesh needs (Megatron: ``hierarchical_context_parallel_sizes=[a, b]``).
+        Checks that the rings are the consecutive-a / stride-a subsets of the CP group that the
+        mesh needs (Megatron: ``hierarchical_context_parallel_sizes=[a, b]``) on every rank, then
+        shares the verdict over the CP group (one ``all_gather_object``): a wrong group on one rank
+        raises the same ``ValueError`` on all. The groups keep their own timeout (Megatron's
+        ``--distributed-timeout-minutes``).
         """
         cp_ranks = _ranks(cp_group)
-        row, col = _ranks(row_group), _ranks(col_group)
+        if dist.get_rank() not in cp_ranks:  # no group to share a verdict on
+            raise ValueError(f"rank {dist.get_rank()} is not a member of the CP group {cp_ranks}")
+        error, shape = None, None
+        try:
+            shape = cls._check_rings(cp_ranks, _ranks(row_group), _ranks(col_group))
+        except ValueError as exc:
+            error = str(exc)
+        _shared_verdict(error, cp_group, "MeshGroups.from_groups")
+        return cls(shape, cp_group, row_group, col_group, cp_ranks, timeout=group_timeout(row_group))
+
+    @staticmethod
+    def _check_rings(cp_ranks: List[int], row: List[int], col: List[int]) -> MeshShape:
+        """The mesh shape the row/column rings form in the CP group, or ValueError naming the fix."""
         a, b = len(row), len(col)
         if a * b != len(cp_ranks):
             raise ValueError(
@@ -107,8 +175,6 @@ class MeshGroups:
             )
         shape = MeshShape(a, b)
         me = dist.get_rank()
-        if me not in cp_ranks:
-            raise ValueError(f"rank {me} is not a member of the CP group {cp_ranks}")
         pos = cp_ranks.index(me)
         want_row = [cp_ranks[i] for i in shape.row_ring(pos)]
         want_col = [cp_ranks[i] for i in shape.col_ring(pos)]
@@ -119,7 +185,7 @@ class MeshGroups:
                 f"{a} consecutive CP ranks and the column group {b} CP ranks of stride {a} "
                 "(Megatron: hierarchical_context_parallel_sizes=[a, b], in that order)"
             )
-        return cls(shape, cp_group, row_group, col_group, cp_ranks)
+        return shape
 
     # --- transport ---------------------------------------------------------------------------
     def ring(self, name: str) -> Tuple[object, Dict[int, int]]:

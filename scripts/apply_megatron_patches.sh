@@ -14,7 +14,7 @@ here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 patches=("$here"/patches/core_v0.19.x/*.patch)
 for f in megatron/training/arguments.py megatron/training/models/gpt.py; do
   if [ ! -f "$dir/$f" ]; then
-    echo "error: $dir/$f not found; $dir is not a Megatron-LM checkout of core_v0.19.x (megatron/training/models/ appeared in 0.17)" >&2
+    echo "error: $dir/$f not found; $dir is not a Megatron-LM checkout of core_v0.19.x (megatron/training/models/gpt.py first appears in core_v0.19.0)" >&2
     exit 1
   fi
 done

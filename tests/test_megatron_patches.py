@@ -39,7 +39,7 @@ def test_patches_apply_to_the_wheel_and_are_idempotent(tmp_path):
     assert first.returncode == 0, first.stderr
     assert first.stdout.count("applied: ") == 2
     text = (tree / FILES[0]).read_text()
-    assert "--context-parallel-algo" in text and "apply_mesh_args(args)" in text
+    assert "--context-parallel-algo" in text and "apply_mesh_args_or_exit(args)" in text
     assert "with_mesh_attention(transformer_layer_spec)" in (tree / FILES[1]).read_text()
     again = _run(tree)
     assert again.returncode == 0 and again.stdout.count("already applied") == 2
@@ -60,7 +60,7 @@ def test_mismatch_fails_clearly_and_touches_nothing(tmp_path):
     assert _run(tmp_path / "nowhere").returncode == 2
 
 
-def test_patched_parser_accepts_the_flags(tmp_path, monkeypatch):
+def test_patched_parser_accepts_the_flags(tmp_path, monkeypatch, capsys):
     tree = _wheel_copy(tmp_path / "mlm")
     assert _run(tree).returncode == 0
     spec = importlib.util.spec_from_file_location("patched_megatron_arguments", tree / FILES[0])
@@ -70,9 +70,13 @@ def test_patched_parser_accepts_the_flags(tmp_path, monkeypatch):
                                       "--context-parallel-algo", "mesh", "--mesh-shape", "2x2"])
     args = mod.parse_args()
     assert args.context_parallel_algo == "mesh" and args.mesh_shape == "2x2"
-    # parse_and_validate_args runs megatron_mesh_cp's mapping before Megatron's validation
-    from megatron_mesh_cp.megatron.arguments import MeshArgumentError
-
+    # parse_and_validate_args runs megatron_mesh_cp's mapping before Megatron's validation; a bad
+    # setting is one error: line and exit code 2 (no traceback)
     monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", "--context-parallel-size", "1", "--context-parallel-algo", "mesh"])
-    with pytest.raises(MeshArgumentError, match="needs --context-parallel-size > 1"):
+    monkeypatch.setenv("RANK", "0")
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as info:
         mod.parse_and_validate_args()
+    assert info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and "needs --context-parallel-size > 1" in err[0]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from typing import List, Optional, Sequence
 
@@ -21,7 +22,8 @@ import torch
 from ..topology import MeshShape, parse_shape
 from .settings import SETTINGS
 
-__all__ = ["ALGORITHMS", "add_mesh_args", "apply_mesh_args", "MeshArgumentError"]
+__all__ = ["ALGORITHMS", "add_mesh_args", "apply_mesh_args", "apply_mesh_args_or_exit", "MeshArgumentError",
+           "escape_stray_percent"]
 
 ALGORITHMS = ("p2p", "all_gather", "a2a", "a2a+p2p", "mesh")
 KERNELS = ("auto", "torch", "te", "flash")
@@ -52,6 +54,21 @@ def add_mesh_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add("--mesh-planner", choices=("greedy", "in-order"), default="greedy")
     add("--mesh-cluster", default=None,
         help="cluster preset or YAML the greedy planner and mesh-shape=auto tune for (default h100-ib400)")
+    add("--mesh-check-finite", action="store_true",
+        help="check attention inputs and output gradients for NaN/Inf on every call (all CP ranks raise)")
+    return escape_stray_percent(parser)
+
+
+_FORMAT = re.compile(r"%%|%\([A-Za-z_]\w*\)[-#0 +]*\d*(?:\.\d+)?[diouxXeEfFgGcrsa]|%")
+
+
+def escape_stray_percent(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Double every ``%`` in help strings that is not a format spec, so ``--help`` works even when a
+    Megatron release copies a docstring with a bare ``%`` into a help string (0.19's
+    ``transformer_config.py`` does: ``unsupported format character ')'``)."""
+    for action in parser._actions:
+        if isinstance(action.help, str) and "%" in action.help:
+            action.help = _FORMAT.sub(lambda m: m.group(0) if len(m.group(0)) > 1 else "%%", action.help)
     return parser
 
 
@@ -154,6 +171,7 @@ def apply_mesh_args(args, argv: Optional[Sequence[str]] = None):
     _check_kernel(args, cp)
     SETTINGS.partial_dtype = torch.bfloat16 if _get(args, "mesh_partial_dtype", "fp32") == "bf16" else None
     SETTINGS.planner = _get(args, "mesh_planner", "greedy") or "greedy"
+    SETTINGS.check_finite = bool(_get(args, "mesh_check_finite", False))
     return args
 
 
@@ -228,3 +246,15 @@ def _resolve_shape(args, text: str, cp: int) -> MeshShape:
     if rank == 0:
         print(choice.explanation, flush=True)
     return choice.shape
+
+
+def apply_mesh_args_or_exit(args, argv: Optional[Sequence[str]] = None):
+    """:func:`apply_mesh_args` for command lines (the patched stock ``pretrain_gpt.py``): a bad
+    setting prints one ``error:`` line (from rank 0; ``$RANK``) and exits with code 2, as argparse
+    does, instead of a traceback on every rank."""
+    try:
+        return apply_mesh_args(args, argv)
+    except MeshArgumentError as exc:
+        if int(os.environ.get("RANK", "0") or 0) == 0:
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+        sys.exit(2)

@@ -179,6 +179,7 @@ class MeshCoreAttention(MegatronModule):
             query, key, value, self.mesh, causal=mask == AttnMaskType.causal, softmax_scale=self.softmax_scale,
             layout="sbhd", kernel=SETTINGS.kernel, partial_dtype=SETTINGS.partial_dtype, planner=SETTINGS.planner,
             deterministic=SETTINGS.deterministic,
+            check_finite=SETTINGS.check_finite,
         )
         SETTINGS.count_call(query, key, self.mesh.shape.n, training=torch.is_grad_enabled())
         s, b = out.shape[0], out.shape[1]

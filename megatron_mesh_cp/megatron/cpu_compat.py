@@ -11,8 +11,9 @@ without CUDA, :func:`activate` installs:
   CUDA-side randomness (e.g. Megatron's JIT warm-up, sized by the CP degree) never shifts the CPU
   generator that initialises the weights, and runs with different CP sizes start identically;
 * four pinned one-line patches of Megatron names (listed in :data:`PATCHES`): the ``allow_no_cuda``
-  initialisation, the dataset-helper compile step (the wheel ships the built helper), the model-
-  parallel RNG fork (dropout uses the CPU generator), and the device-architecture query.
+  initialisation, the dataset-helper compile step (skipped only when the built helper imports, as
+  in the wheel; a source checkout still builds it), the model-parallel RNG fork (dropout uses the
+  CPU generator), and the device-architecture query.
 
 It is never active when CUDA is present (``activate`` refuses), and it fails loudly, naming the
 attribute, if a Megatron release moved a name it patches. Process-group setup (gloo, and model-
@@ -39,7 +40,7 @@ _MODE = None
 PATCHES: List[Tuple[str, str, str]] = [
     ("megatron.core.tensor_parallel.random", "CudaRNGStatesTracker.fork", "no CUDA RNG states: use the CPU generator"),
     ("megatron.training.training", "initialize_megatron", "pass allow_no_cuda=True"),
-    ("megatron.core.datasets.utils", "compile_helpers", "the wheel ships the built helper and no Makefile"),
+    ("megatron.core.datasets.utils", "compile_helpers", "skip the build when the helper already imports (wheel)"),
     ("megatron.training.arguments", "get_device_arch_version", "no device to query"),
 ]
 
@@ -144,10 +145,36 @@ def _patch_megatron(training: bool) -> None:
     setattr(owner, name, functools.partial(getattr(owner, name), allow_no_cuda=True))
 
     owner, name = _resolve("megatron.core.datasets.utils", "compile_helpers")
-    setattr(owner, name, lambda: None)
+    setattr(owner, name, compile_helpers_if_missing(getattr(owner, name)))
 
     owner, name = _resolve("megatron.training.arguments", "get_device_arch_version")
     setattr(owner, name, lambda: 9)
+
+
+def compile_helpers_if_missing(build, module: str = "megatron.core.datasets.helpers_cpp"):
+    """Megatron's ``compile_helpers`` that skips the build when the helper already imports.
+
+    The wheel ships ``helpers_cpp`` prebuilt and no Makefile (so building fails there); a source
+    checkout has the Makefile and no built helper (so skipping would fail later). If the build
+    fails, say how to build it by hand.
+    """
+
+    def compile_helpers():
+        try:
+            importlib.import_module(module)
+            return
+        except ImportError:
+            pass
+        try:
+            build()
+        except SystemExit as exc:  # Megatron's compile_helpers exits on a failed make
+            raise RuntimeError(
+                f"cannot import {module} and building it failed; build it once by hand: "
+                "`make -C megatron/core/datasets` in the Megatron-LM checkout (needs a C++ compiler "
+                "and `pip install pybind11`)"
+            ) from exc
+
+    return compile_helpers
 
 
 def _patch_torch_cuda() -> None:

@@ -371,7 +371,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         from . import cpu_compat
 
         cpu_compat.activate()
-    if not opts.dry_run:
+    if not opts.dry_run and not ({"-h", "--help"} & set(megatron_argv)):
         megatron_argv = _default_data(megatron_argv, opts.data_cache_dir)
     from .arguments import MeshArgumentError
 

@@ -17,6 +17,7 @@ class MeshSettings:
     deterministic: bool = False  # Megatron's --deterministic-mode: ask the kernel for a deterministic backward
     partial_dtype: Optional[torch.dtype] = None  # None: fp32 partials (exact)
     planner: str = "greedy"
+    check_finite: bool = False  # --mesh-check-finite: NaN/Inf in attention inputs raise on every CP rank
     cluster: object = None  # a megatron_mesh_cp.cluster.Cluster, or None for the default
     shape_explanation: str = ""
     # what Ring would have sent for the calls made so far (like-for-like partial dtype)

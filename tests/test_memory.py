@@ -1,0 +1,90 @@
+"""Memory that follows the plan (issue 9 item 6) and a bounded pool (issue 11): the bytes a rank's
+buffer pool holds for one layer shape equal the plan's peak live bytes, per phase."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_mesh_cp import MeshShape
+from megatron_mesh_cp.attention import plans_for
+from megatron_mesh_cp.comm import VirtualHub
+from megatron_mesh_cp.execute import BufferPool, run_virtual
+from megatron_mesh_cp.kernels import TorchKernel
+from megatron_mesh_cp.layout import zigzag_shard
+from megatron_mesh_cp.memory import buffer_lives, layout
+from megatron_mesh_cp.plan import ChunkDims, peak_live_bytes
+
+
+def _case(a, b, causal, h, hk, s_local=8, d=8, batch=1, seed=0):
+    shape = MeshShape(a, b)
+    n = shape.n
+    g = torch.Generator().manual_seed(seed)
+    q, do = (torch.randn(s_local * n, batch, h, d, generator=g) for _ in range(2))
+    k, v = (torch.randn(s_local * n, batch, hk, d, generator=g) for _ in range(2))
+    mesh = type("M", (), {"shape": shape, "cluster": None, "stride": 1})()
+    plans = plans_for(q, k, mesh, causal, "sbhd", None, "greedy")
+    sh = lambda x, r: zigzag_shard(x, n, r, 0)  # noqa: E731
+    fwd_in = [dict(q=sh(q, r), k=sh(k, r), v=sh(v, r)) for r in range(n)]
+    dims = ChunkDims.of(fwd_in[0]["q"], fwd_in[0]["k"], torch.float32)
+    return shape, plans, fwd_in, lambda res: [
+        dict(fwd_in[r], out=res[r][0], lse=res[r][1], dout=sh(do, r), delta=(sh(do, r) * res[r][0]).sum(-1))
+        for r in range(n)], dims
+
+
+SHAPES = [(1, 16, True, 8, 2), (8, 2, True, 8, 2), (4, 4, True, 8, 2), (4, 4, False, 8, 8), (16, 1, False, 8, 2),
+          (2, 2, True, 4, 1)]
+
+
+@pytest.mark.parametrize("a,b,causal,h,hk", SHAPES)
+def test_pool_bytes_equal_the_plans_peak_live_bytes_per_phase(a, b, causal, h, hk):
+    shape, (fwd, bwd), fwd_in, bwd_in, dims = _case(a, b, causal, h, hk)
+    kern = TorchKernel()
+    peak_f, peak_b = peak_live_bytes(fwd, dims), peak_live_bytes(bwd, dims)
+    hub = VirtualHub(shape)  # forward only
+    res, _ = run_virtual(fwd, shape, fwd_in, kern, causal=causal, scale=0.3, hub=hub)
+    assert [c.buffers.nbytes() for c in hub.ranks] == [peak_f] * shape.n
+    hub_b = VirtualHub(shape)  # backward only
+    run_virtual(bwd, shape, bwd_in(res), kern, causal=causal, scale=0.3, hub=hub_b)
+    assert [c.buffers.nbytes() for c in hub_b.ranks] == [peak_b] * shape.n
+    run_virtual(bwd, shape, bwd_in(res), kern, causal=causal, scale=0.3, hub=hub)  # both: one arena, the larger
+    assert [c.buffers.nbytes() for c in hub.ranks] == [max(peak_f, peak_b)] * shape.n
+    for plan in (fwd, bwd):  # bytes are reused: far less than one buffer per chunk ever received
+        lives = buffer_lives(plan, dims)
+        assert layout(plan, dims).nbytes == peak_live_bytes(plan, dims) < sum(x.nbytes for x in lives)
+
+
+def test_reused_bytes_keep_results_exact_and_bitwise_repeatable():
+    shape, (fwd, bwd), fwd_in, bwd_in, _ = _case(4, 4, True, 8, 2)
+    kern = TorchKernel()
+    hub = VirtualHub(shape)
+    first, _ = run_virtual(fwd, shape, fwd_in, kern, causal=True, scale=0.3, hub=hub)
+    g1, _ = run_virtual(bwd, shape, bwd_in(first), kern, causal=True, scale=0.3, hub=hub)
+    # a fresh pool (no reuse across runs) and the warm one give the same bits
+    fresh, _ = run_virtual(fwd, shape, fwd_in, kern, causal=True, scale=0.3)
+    g2, _ = run_virtual(bwd, shape, bwd_in(fresh), kern, causal=True, scale=0.3, hub=hub)
+    assert all(torch.equal(x, y) for r1, r2 in zip(first, fresh) for x, y in zip(r1, r2))
+    assert all(torch.equal(x, y) for r1, r2 in zip(g1, g2) for x, y in zip(r1, r2))
+
+
+def test_pool_keeps_the_most_recent_layer_shapes_and_a_byte_cap():
+    kern = TorchKernel()
+    pool = BufferPool(max_shapes=2)
+    sizes = []
+    for s_local in (4, 6, 8):
+        shape, (fwd, _), fwd_in, _, dims = _case(2, 2, True, 4, 2, s_local=s_local)
+        hub = VirtualHub(shape)
+        for c in hub.ranks:
+            c.buffers = pool if c.position == 0 else BufferPool()
+        run_virtual(fwd, shape, fwd_in, kern, causal=True, scale=0.3, hub=hub)
+        sizes.append(peak_live_bytes(fwd, dims))
+    assert len(pool) == 2 and pool.nbytes() == sizes[1] + sizes[2]  # the 4-token shape was evicted
+    capped = BufferPool(max_bytes=sizes[2])
+    for s_local in (4, 8):
+        shape, (fwd, _), fwd_in, _, _ = _case(2, 2, True, 4, 2, s_local=s_local)
+        hub = VirtualHub(shape)
+        hub.ranks[0].buffers = capped
+        run_virtual(fwd, shape, fwd_in, kern, causal=True, scale=0.3, hub=hub)
+    assert len(capped) == 1 and capped.nbytes() == sizes[2]
+    with pytest.raises(ValueError, match="max_shapes"):
+        BufferPool(max_shapes=0)
