@@ -262,3 +262,13 @@ def test_cpu_compat_fails_loudly_when_a_pinned_name_moves():
         cpu_compat._resolve("megatron.no_such_module", "x")
     for module, attr, _ in cpu_compat.PATCHES:  # every pinned name exists in this megatron-core
         cpu_compat._resolve(module, attr)
+
+
+def test_cpu_compat_refuses_when_cuda_is_present(monkeypatch):
+    """The CPU stand-ins (recompute's RNG state included) are never installed next to a real GPU."""
+    from megatron_mesh_cp.megatron import cpu_compat
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(RuntimeError, match="must not be activated on a machine with CUDA"):
+        cpu_compat.activate()
+    assert not cpu_compat.is_active()
