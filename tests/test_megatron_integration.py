@@ -87,6 +87,12 @@ BAD = [
     (["--context-parallel-size", "4", "--context-parallel-algo", "mesh", "--mesh-shape", "four"], "AxB"),
     (["--context-parallel-size", "4", "--context-parallel-algo", "mesh", "--mesh-kernel", "te"],
      "--mesh-kernel te: attention kernel 'te' cannot run here"),
+    (["--context-parallel-size", "4", "--context-parallel-algo", "mesh", "--hybrid-context-parallel"],
+     "mesh CP needs one fixed CP group"),
+    (["--context-parallel-size", "4", "--context-parallel-algo", "mesh", "--multi-latent-attention"],
+     "key head dim 192 (qk-head-dim + qk-pos-emb-head-dim) and value head dim 128"),
+    (["--context-parallel-size", "4", "--context-parallel-algo", "mesh", "--cuda-graph-impl", "local"],
+     "CUDA graphs (--cuda-graph-impl"),
 ]
 
 

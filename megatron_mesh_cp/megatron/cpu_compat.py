@@ -7,6 +7,7 @@ without CUDA, :func:`activate` installs:
   to CPU, makes ``Tensor.cuda()`` / ``Tensor.to("cuda")`` / ``pin_memory`` no-ops; autograd runs
   backward code without Python modes, so custom-Function backwards and tensor hooks (where
   activation recompute re-runs the forward) re-enter it;
+  ``Tensor.type()`` names CPU tensors ``torch.cuda.*`` (the distributed optimizer checks it);
 * no-op stand-ins for ``torch.cuda`` streams, events, ``synchronize`` and ``current_device``;
 * a separate CPU generator standing in for the CUDA one: random tensors asked for on "cuda" draw
   from it, and ``torch.cuda.manual_seed`` / ``get_rng_state`` / ``set_rng_state`` act on it. So
@@ -85,6 +86,10 @@ class _CudaToCpu(TorchFunctionMode):
             return args[0]
         if func is torch.Tensor.register_hook:
             return func(args[0], _in_mode(args[1]))
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs and args[0].device.type == "cpu":
+            # the distributed optimizer accepts only "torch.cuda.*Tensor" parameters: name the
+            # stand-in device's tensors as CUDA ones (a conversion, .type(dtype), is left alone)
+            return func(*args).replace("torch.", "torch.cuda.", 1)
         if "device" in kwargs and _is_cuda(kwargs["device"]):
             kwargs["device"] = "cpu"
             if func in _RANDOM_FACTORIES and kwargs.get("generator") is None:
