@@ -30,7 +30,8 @@ BASE = {
 def env(tmp: Path) -> Dict[str, str]:
     e = dict(os.environ)
     e.update(CUDA_DEVICE_MAX_CONNECTIONS="1", PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1",
-             MESH_CP_DATA_DIR=str(tmp / "data"))
+             MESH_CP_DATA_DIR=str(tmp / "data"),
+             PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), e.get("PYTHONPATH", "")]).rstrip(os.pathsep))
     return e
 
 

@@ -8,10 +8,11 @@ import torch.distributed as dist
 from megatron_mesh_cp import zigzag_shard
 
 
-def gpt_direct(ctx, cp, shape, seed=0, seq=64, batch=2, vocab=128):
+def gpt_direct(ctx, cp, shape, seed=0, seq=64, batch=2, vocab=128, **config_kw):
     """Build a tiny GPT (RoPE, GQA) with the mesh spec, run one forward/backward on this rank's share.
 
-    Returns the global loss sum and, on rank 0, the CP-summed gradients of every parameter.
+    ``config_kw`` overrides TransformerConfig fields (recompute, hidden dropout). Returns the global
+    loss sum and, on rank 0, the CP-summed gradients of every parameter.
     """
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
@@ -29,7 +30,7 @@ def gpt_direct(ctx, cp, shape, seed=0, seq=64, batch=2, vocab=128):
         1, 1, context_parallel_size=cp, hierarchical_context_parallel_sizes=list(shape) if cp > 1 else None
     )
     torch.manual_seed(seed)
-    config = TransformerConfig(
+    settings = dict(
         num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_query_groups=2,
         context_parallel_size=cp, cp_comm_type="mesh" if cp > 1 else None,
         hierarchical_context_parallel_sizes=list(shape) if cp > 1 else None,
@@ -37,6 +38,7 @@ def gpt_direct(ctx, cp, shape, seed=0, seq=64, batch=2, vocab=128):
         masked_softmax_fusion=False, gradient_accumulation_fusion=False, apply_rope_fusion=False,
         persist_layer_norm=False, bias_dropout_fusion=False,
     )
+    config = TransformerConfig(**dict(settings, **config_kw))
     model = GPTModel(config, transformer_layer_spec=gpt_mesh_spec(config), vocab_size=vocab,
                      max_sequence_length=seq, position_embedding_type="rope")
     g = torch.Generator().manual_seed(seed + 1)
@@ -59,3 +61,36 @@ def gpt_direct(ctx, cp, shape, seed=0, seq=64, batch=2, vocab=128):
         for v in grads.values():
             dist.all_reduce(v, group=group)
     return {"loss": float(total), "grads": grads if dist.get_rank() == 0 else None}
+
+
+def cuda_rng_under_checkpoint(ctx):
+    """Megatron's activation checkpointing on CPU: the CUDA RNG state it saves and restores is the
+    stand-in generator's, so a recomputed function that draws "cuda" randomness draws the same numbers.
+
+    Returns (state round-trip ok, forward output, recomputed-gradient error vs the analytic one).
+    """
+    from megatron.core.tensor_parallel import random as mrandom
+
+    from megatron_mesh_cp.megatron import cpu_compat
+
+    cpu_compat.activate(training=False)
+    torch.cuda.manual_seed(ctx.rank + 7)
+    state = mrandom._get_cuda_rng_state()
+    first = torch.rand(4, device="cuda")
+    mrandom._set_cuda_rng_state(state)
+    roundtrip = bool(torch.equal(first, torch.rand(4, device="cuda")))
+
+    x = torch.randn(8, requires_grad=True)
+    noise = []
+
+    def f(t):
+        n = torch.rand(8, device="cuda")  # drawn again in the recompute: must be the same numbers
+        noise.append(n)
+        return t * n
+
+    out = mrandom.checkpoint(f, False, x)
+    torch.rand(8, device="cuda")  # moves the generator on between forward and backward
+    out.sum().backward()
+    same_noise = bool(torch.equal(noise[0], noise[1]))
+    grad_err = float((x.grad - noise[0]).abs().max())
+    return {"roundtrip": roundtrip, "same_noise": same_noise, "grad_err": grad_err}

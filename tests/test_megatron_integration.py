@@ -87,6 +87,12 @@ BAD = [
     (["--context-parallel-size", "4", "--context-parallel-algo", "mesh", "--mesh-shape", "four"], "AxB"),
     (["--context-parallel-size", "4", "--context-parallel-algo", "mesh", "--mesh-kernel", "te"],
      "--mesh-kernel te: attention kernel 'te' cannot run here"),
+    (["--context-parallel-size", "4", "--context-parallel-algo", "mesh", "--hybrid-context-parallel"],
+     "mesh CP needs one fixed CP group"),
+    (["--context-parallel-size", "4", "--context-parallel-algo", "mesh", "--multi-latent-attention"],
+     "key head dim 192 (qk-head-dim + qk-pos-emb-head-dim) and value head dim 128"),
+    (["--context-parallel-size", "4", "--context-parallel-algo", "mesh", "--cuda-graph-impl", "local"],
+     "CUDA graphs (--cuda-graph-impl"),
 ]
 
 
@@ -262,3 +268,13 @@ def test_cpu_compat_fails_loudly_when_a_pinned_name_moves():
         cpu_compat._resolve("megatron.no_such_module", "x")
     for module, attr, _ in cpu_compat.PATCHES:  # every pinned name exists in this megatron-core
         cpu_compat._resolve(module, attr)
+
+
+def test_cpu_compat_refuses_when_cuda_is_present(monkeypatch):
+    """The CPU stand-ins (recompute's RNG state included) are never installed next to a real GPU."""
+    from megatron_mesh_cp.megatron import cpu_compat
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(RuntimeError, match="must not be activated on a machine with CUDA"):
+        cpu_compat.activate()
+    assert not cpu_compat.is_active()

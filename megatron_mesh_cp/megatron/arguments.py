@@ -155,6 +155,7 @@ def apply_mesh_args(args, argv: Optional[Sequence[str]] = None):
         )
     if _get(args, "window_size") is not None:
         raise MeshArgumentError("mesh CP does not support sliding-window attention yet; drop --window-size")
+    _refuse_incompatible_features(args)
     shape = _resolve_shape(args, shape_text or "auto", cp)
     hier = _get(args, "hierarchical_context_parallel_sizes")
     if hier and list(hier) != [shape.a, shape.b]:
@@ -173,6 +174,30 @@ def apply_mesh_args(args, argv: Optional[Sequence[str]] = None):
     SETTINGS.planner = _get(args, "mesh_planner", "greedy") or "greedy"
     SETTINGS.check_finite = bool(_get(args, "mesh_check_finite", False))
     return args
+
+
+def _refuse_incompatible_features(args) -> None:
+    """Megatron features that cannot run with mesh CP, refused at start-up with the reason."""
+    if _get(args, "hybrid_context_parallel", False):
+        raise MeshArgumentError(
+            "--hybrid-context-parallel regroups CP ranks per packed sample; mesh CP needs one fixed CP group "
+            "of a*b ranks and no packed sequences; drop --hybrid-context-parallel"
+        )
+    if _get(args, "multi_latent_attention", False):
+        qk = int(_get(args, "qk_head_dim", 0) or 0) + int(_get(args, "qk_pos_emb_head_dim", 0) or 0)
+        v = int(_get(args, "v_head_dim", 0) or 0)
+        if qk != v:
+            raise MeshArgumentError(
+                f"--multi-latent-attention gives key head dim {qk} (qk-head-dim + qk-pos-emb-head-dim) and value "
+                f"head dim {v}; mesh CP needs them equal; use another --context-parallel-algo"
+            )
+    graphs = str(_get(args, "cuda_graph_impl", "none") or "none")
+    if graphs != "none" or _get(args, "enable_cuda_graph", False) or _get(args, "external_cuda_graph", False):
+        raise MeshArgumentError(
+            "CUDA graphs (--cuda-graph-impl / --enable-cuda-graph / --external-cuda-graph) are not supported with "
+            "mesh CP: its attention chooses and issues its ring transfers from Python on every call, which a "
+            "graph replay would skip; drop the CUDA-graph flag"
+        )
 
 
 def _cluster(args):

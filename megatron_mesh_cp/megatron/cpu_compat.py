@@ -4,16 +4,21 @@ Megatron-LM's training loop assumes CUDA throughout (see docs/megatron_on_cpu.md
 without CUDA, :func:`activate` installs:
 
 * one generic ``TorchFunctionMode`` that rewrites ``device="cuda"`` (str, ``torch.device`` or int)
-  to CPU, makes ``Tensor.cuda()`` / ``Tensor.to("cuda")`` / ``pin_memory`` no-ops;
+  to CPU, makes ``Tensor.cuda()`` / ``Tensor.to("cuda")`` / ``pin_memory`` no-ops; autograd runs
+  backward code without Python modes, so custom-Function backwards and tensor hooks (where
+  activation recompute re-runs the forward) re-enter it;
+  ``Tensor.type()`` names CPU tensors ``torch.cuda.*`` (the distributed optimizer checks it);
 * no-op stand-ins for ``torch.cuda`` streams, events, ``synchronize`` and ``current_device``;
 * a separate CPU generator standing in for the CUDA one: random tensors asked for on "cuda" draw
   from it, and ``torch.cuda.manual_seed`` / ``get_rng_state`` / ``set_rng_state`` act on it. So
   CUDA-side randomness (e.g. Megatron's JIT warm-up, sized by the CP degree) never shifts the CPU
   generator that initialises the weights, and runs with different CP sizes start identically;
-* four pinned one-line patches of Megatron names (listed in :data:`PATCHES`): the ``allow_no_cuda``
+* pinned one-line patches of Megatron names (listed in :data:`PATCHES`): the ``allow_no_cuda``
   initialisation, the dataset-helper compile step (skipped only when the built helper imports, as
   in the wheel; a source checkout still builds it), the model-parallel RNG fork (dropout uses the
-  CPU generator), and the device-architecture query.
+  CPU generator), the device-architecture query, and the CUDA RNG state get/set of activation
+  checkpointing (``--recompute-granularity``), which act on the stand-in generator (Megatron's own
+  set would be queued by ``torch.cuda._lazy_call`` and never run).
 
 It is never active when CUDA is present (``activate`` refuses), and it fails loudly, naming the
 attribute, if a Megatron release moved a name it patches. Process-group setup (gloo, and model-
@@ -39,6 +44,8 @@ _MODE = None
 #: the training loop).
 PATCHES: List[Tuple[str, str, str]] = [
     ("megatron.core.tensor_parallel.random", "CudaRNGStatesTracker.fork", "no CUDA RNG states: use the CPU generator"),
+    ("megatron.core.tensor_parallel.random", "_get_cuda_rng_state", "recompute saves the stand-in generator's state"),
+    ("megatron.core.tensor_parallel.random", "_set_cuda_rng_state", "recompute restores the stand-in generator's state"),
     ("megatron.training.training", "initialize_megatron", "pass allow_no_cuda=True"),
     ("megatron.core.datasets.utils", "compile_helpers", "skip the build when the helper already imports (wheel)"),
     ("megatron.training.arguments", "get_device_arch_version", "no device to query"),
@@ -57,6 +64,20 @@ _CUDA_GENERATOR = torch.Generator()  # stands in for the CUDA default generator
 _RANDOM_FACTORIES = {torch.rand, torch.randn, torch.randint, torch.randperm, torch.normal}
 
 
+def _in_mode(fn):
+    """``fn`` run with the mode pushed: autograd runs backward code (custom-Function backwards, tensor
+    hooks) without the Python mode stack, so e.g. a recomputed forward would otherwise reach CUDA."""
+
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        if _MODE is None or torch._C._len_torch_function_stack() > 0:
+            return fn(*args, **kwargs)
+        with _MODE:
+            return fn(*args, **kwargs)
+
+    return wrapped
+
+
 class _CudaToCpu(TorchFunctionMode):
     """Send every CUDA placement to the CPU."""
 
@@ -64,6 +85,12 @@ class _CudaToCpu(TorchFunctionMode):
         kwargs = dict(kwargs or {})
         if func is torch.Tensor.cuda or func is torch.Tensor.pin_memory:
             return args[0]
+        if func is torch.Tensor.register_hook:
+            return func(args[0], _in_mode(args[1]))
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs and args[0].device.type == "cpu":
+            # the distributed optimizer accepts only "torch.cuda.*Tensor" parameters: name the
+            # stand-in device's tensors as CUDA ones (a conversion, .type(dtype), is left alone)
+            return func(*args).replace("torch.", "torch.cuda.", 1)
         if "device" in kwargs and _is_cuda(kwargs["device"]):
             kwargs["device"] = "cpu"
             if func in _RANDOM_FACTORIES and kwargs.get("generator") is None:
@@ -139,6 +166,10 @@ def _patch_megatron(training: bool) -> None:
         yield
 
     setattr(owner, name, fork)
+    owner, name = _resolve("megatron.core.tensor_parallel.random", "_get_cuda_rng_state")
+    setattr(owner, name, lambda device="cuda", clone=False, graph_safe=False: _CUDA_GENERATOR.get_state())
+    owner, name = _resolve("megatron.core.tensor_parallel.random", "_set_cuda_rng_state")
+    setattr(owner, name, lambda new_state, device=-1, graph_safe=False: _CUDA_GENERATOR.set_state(new_state))
     if not training:
         return
     owner, name = _resolve("megatron.training.training", "initialize_megatron")
@@ -186,10 +217,12 @@ def _patch_torch_cuda() -> None:
     cuda.current_stream = lambda *a, **k: _FakeStream()
     cuda.default_stream = lambda *a, **k: _FakeStream()
     cuda.stream = lambda *a, **k: contextlib.nullcontext()
-    cuda.get_rng_state = lambda *a, **k: _CUDA_GENERATOR.get_state()
-    cuda.set_rng_state = lambda state, *a, **k: _CUDA_GENERATOR.set_state(state)
+    cuda.get_rng_state = cuda.random.get_rng_state = lambda *a, **k: _CUDA_GENERATOR.get_state()
+    cuda.set_rng_state = cuda.random.set_rng_state = lambda state, *a, **k: _CUDA_GENERATOR.set_state(state)
     cuda.manual_seed = lambda seed: _CUDA_GENERATOR.manual_seed(int(seed))
     cuda.manual_seed_all = lambda seed: _CUDA_GENERATOR.manual_seed(int(seed))
+    backward_node = torch.autograd.function.BackwardCFunction
+    backward_node.apply = _in_mode(backward_node.apply)
     cuda.empty_cache = lambda: None
     cuda.memory_allocated = lambda *a, **k: 0
     cuda.max_memory_allocated = lambda *a, **k: 0
@@ -204,10 +237,10 @@ def activate(training: bool = True) -> None:
     e.g. 0.16.x, or a model built directly).
     """
     global _ACTIVE, _MODE
-    if _ACTIVE:
-        return
     if torch.cuda.is_available():
         raise RuntimeError("cpu_compat must not be activated on a machine with CUDA; run the GPU path instead")
+    if _ACTIVE:
+        return
     _patch_megatron(training)
     _patch_torch_cuda()
     _MODE = _CudaToCpu()

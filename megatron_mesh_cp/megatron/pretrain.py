@@ -136,9 +136,32 @@ def _capture_losses() -> None:
     training.training_log = training_log
 
 
+def _full_grads_of_distributed_optimizer(model) -> None:
+    """With --use-distributed-optimizer each rank holds only its reduced shard of every grad bucket;
+    all-gather the shards so every rank's main_grad is the full reduced gradient (the optimizer reads
+    only its own shard, which this leaves unchanged)."""
+    from megatron.core.distributed.param_and_grad_buffer import shard_buffer
+
+    for chunk in model:
+        for group in getattr(chunk, "bucket_groups", []) + getattr(chunk, "expert_parallel_bucket_groups", []):
+            if not group.ddp_config.use_distributed_optimizer:
+                continue
+            size, rank = group.intra_distributed_optimizer_instance_size, group.intra_distributed_optimizer_instance_rank
+            for bucket in group.buckets:
+                mine = shard_buffer(bucket.grad_data, size)[rank].clone()
+                torch.distributed.all_gather_into_tensor(
+                    bucket.grad_data, mine, group=group.intra_distributed_optimizer_instance_group
+                )
+
+
 def _capture_first_grads(path: str) -> None:
-    """Save every parameter's reduced gradient right before the first optimizer step."""
+    """Save every parameter's reduced gradient right before the first optimizer step.
+
+    Keys are ``tp{t}.pp{p}.c{chunk}.{name}``: rank 0 gathers the grads of every (TP, PP) position
+    (CP and DP ranks hold the same reduced grads), so runs with the same TP/PP compare one to one.
+    """
     import megatron.training.training as training
+    from megatron.core import parallel_state as mpu
 
     orig = _pinned(training, "train_step")
     state = {"done": False}
@@ -149,15 +172,20 @@ def _capture_first_grads(path: str) -> None:
             step = optimizer.step
 
             def first_step(*sa, **sk):
+                _full_grads_of_distributed_optimizer(model)
                 grads = {}
-                for chunk in model:
-                    for name, p in chunk.named_parameters():
-                        g = getattr(p, "main_grad", None)
-                        g = p.grad if g is None else g
-                        if g is not None:
-                            grads[name] = g.detach().double().cpu().clone()
+                if mpu.get_context_parallel_rank() == 0 and mpu.get_data_parallel_rank() == 0:
+                    where = f"tp{mpu.get_tensor_model_parallel_rank()}.pp{mpu.get_pipeline_model_parallel_rank()}"
+                    for c, chunk in enumerate(model):
+                        for name, p in chunk.named_parameters():
+                            g = getattr(p, "main_grad", None)
+                            g = p.grad if g is None else g
+                            if g is not None:
+                                grads[f"{where}.c{c}.{name}"] = g.detach().double().cpu().clone()
+                everyone = [None] * torch.distributed.get_world_size()
+                torch.distributed.all_gather_object(everyone, grads)
                 if torch.distributed.get_rank() == 0:
-                    torch.save(grads, path)
+                    torch.save({k: v for part in everyone for k, v in part.items()}, path)
                 optimizer.step = step
                 return step(*sa, **sk)
 
