@@ -53,4 +53,4 @@ def test_launcher_dry_run_fails_naming_the_unset_variable(tmp_path):
                          env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert res.returncode == 2, res.stderr[-2000:]
     assert "environment variable" in res.stderr and "is not set" in res.stderr
-    assert "TOKENIZER_MODEL" in res.stderr or "DATA_PATH" in res.stderr
+    assert "TOKENIZER_MODEL is not set" in res.stderr and "DATA_PATH is not set" in res.stderr

@@ -1,5 +1,5 @@
-"""The CPU-testable parts of the GPU path: buffer reuse, the GPU check script (smoke), the
-attention benchmark on gloo, and the SLURM job dry runs."""
+"""The CPU-testable parts of the GPU path: buffer reuse, the GPU check script (smoke) and the
+attention benchmark on gloo (the SLURM jobs: test_slurm_jobs.py)."""
 
 from __future__ import annotations
 
@@ -67,37 +67,3 @@ def test_attention_benchmark_on_gloo(tmp_path):
     assert all(float(r["ms"]) > 0 and int(r["bytes_per_rank"]) > 0 and r["bytes_source"] == "measured" for r in rows)
     assert "skip p2p: needs Transformer Engine on CUDA" in res.stdout
     assert out_png.stat().st_size > 10_000
-
-
-def _dry(script, **env):
-    e = dict(os.environ, PYTHON=sys.executable, PYTHONWARNINGS="ignore", **env)
-    e.pop("SLURM_JOB_ID", None)
-    return subprocess.run(["bash", str(ROOT / "scripts" / "slurm" / script), "--dry-run"], capture_output=True,
-                          text=True, timeout=600, cwd=ROOT, env=e)
-
-
-def test_slurm_256gpu_dry_run_resolves_commands_and_mesh_shape():
-    res = _dry("pretrain_256gpu.sbatch", CONTAINER_IMAGE="nvcr.io/nvidia/pytorch:25.10-py3", CONTAINER_MOUNTS="/data:/data")
-    assert res.returncode == 0, res.stderr[-3000:]
-    out = res.stdout
-    assert "config llama3_8b_1m_256gpu_mesh.yaml, 32 nodes x 8 GPUs = 256 ranks" in out
-    assert "export NCCL_IB_TIMEOUT=22" in out and "export CUDA_DEVICE_MAX_CONNECTIONS=1" in out
-    assert "srun --nodes=32" in out and "--nproc-per-node=8" in out and "--container-image=nvcr.io/nvidia/pytorch:25.10-py3" in out
-    assert "--container-mounts=/data:/data," in out
-    assert "/runs/llama3_8b_1m_256gpu_mesh/dryrun/checkpoints" in out
-    assert "CP 256 x DP 1; CP algorithm mesh, mesh shape" in out and "mesh_shape=auto ->" in out
-
-
-def test_slurm_smoke_and_ab_configs_and_errors():
-    res = _dry("smoke_2node.sbatch")
-    assert res.returncode == 0, res.stderr[-3000:]
-    assert "2 nodes x 8 GPUs = 16 ranks" in res.stdout and "CP 16 x DP 1; CP algorithm mesh" in res.stdout
-    ring = _dry("pretrain_256gpu.sbatch", CONFIG="llama3_70b_1m_256gpu_ring")
-    assert "TP 8 x PP 1 x CP 32 x DP 1; CP algorithm p2p" in ring.stdout
-    bad = _dry("pretrain_256gpu.sbatch", CONFIG="nope")
-    assert bad.returncode != 0 and "no config 'nope' in configs/; choose one of" in bad.stderr
-    e = dict(os.environ)
-    e.pop("SLURM_JOB_ID", None)
-    live = subprocess.run([sys.executable, str(ROOT / "scripts" / "slurm" / "job.py"), "--config", "gpt_tiny_cpu"],
-                          capture_output=True, text=True, cwd=ROOT, env=e)
-    assert live.returncode != 0 and "not inside a SLURM allocation" in live.stderr

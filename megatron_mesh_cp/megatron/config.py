@@ -18,23 +18,27 @@ from functools import lru_cache
 from string import Template
 from typing import FrozenSet, List, Mapping, Optional
 
-__all__ = ["ConfigError", "config_to_argv", "multi_value_flags"]
+__all__ = ["ConfigError", "config_to_argv", "megatron_parser", "multi_value_flags"]
 
 
 class ConfigError(ValueError):
     """A config file that cannot be turned into arguments as written (the message names the fix)."""
 
 
-@lru_cache(maxsize=1)
-def multi_value_flags() -> FrozenSet[str]:
-    """Option strings that take several values in Megatron's parser plus the mesh-CP arguments."""
+def megatron_parser() -> argparse.ArgumentParser:
+    """Megatron's own argument parser with the mesh-CP arguments added (parses, validates nothing)."""
     from megatron.training.arguments import add_megatron_arguments
 
     from .arguments import add_mesh_args
 
-    parser = add_mesh_args(add_megatron_arguments(argparse.ArgumentParser(add_help=False)))
-    return frozenset(s for a in parser._actions if a.nargs in ("*", "+") or (isinstance(a.nargs, int) and a.nargs > 1)
-                     for s in a.option_strings)
+    return add_mesh_args(add_megatron_arguments(argparse.ArgumentParser(add_help=False, allow_abbrev=False)))
+
+
+@lru_cache(maxsize=1)
+def multi_value_flags() -> FrozenSet[str]:
+    """Option strings that take several values in Megatron's parser plus the mesh-CP arguments."""
+    return frozenset(s for a in megatron_parser()._actions
+                     if a.nargs in ("*", "+") or (isinstance(a.nargs, int) and a.nargs > 1) for s in a.option_strings)
 
 
 def _substitute(value: str, key: str, path: str, env: Mapping[str, str]) -> str:
@@ -59,23 +63,31 @@ def config_to_argv(path: str, env: Optional[Mapping[str, str]] = None,
     if not isinstance(cfg, dict):
         raise ConfigError(f"{path}: expected a mapping of argument names to values")
     argv: List[str] = []
+    errors: List[str] = []
     for key, value in cfg.items():
-        flag = "--" + str(key).replace("_", "-")
-        if value is None or value is False:
-            continue
-        if value is True:
-            argv.append(flag)
-        elif isinstance(value, (list, tuple)):
-            argv += [flag] + [_substitute(str(v), key, path, env) for v in value]
-        elif isinstance(value, str):
-            text = _substitute(value, key, path, env)
-            if flag in (multi_value_flags() if multi is None else multi):
-                tokens = shlex.split(text)
-                if not tokens:
-                    raise ConfigError(f"{path}: {key}: {value!r} is empty after substitution")
-                argv += [flag] + tokens
-            else:
-                argv += [flag, text]
-        else:
-            argv += [flag, str(value)]
+        try:
+            argv += _flag_tokens(key, value, path, env, multi)
+        except ConfigError as exc:
+            errors.append(str(exc))
+    if errors:  # every problem at once, not one per attempt
+        raise ConfigError("; ".join(errors))
     return argv
+
+
+def _flag_tokens(key, value, path: str, env: Mapping[str, str], multi: Optional[FrozenSet[str]]) -> List[str]:
+    flag = "--" + str(key).replace("_", "-")
+    if value is None or value is False:
+        return []
+    if value is True:
+        return [flag]
+    if isinstance(value, (list, tuple)):
+        return [flag] + [_substitute(str(v), key, path, env) for v in value]
+    if not isinstance(value, str):
+        return [flag, str(value)]
+    text = _substitute(value, key, path, env)
+    if flag not in (multi_value_flags() if multi is None else multi):
+        return [flag, text]
+    tokens = shlex.split(text)
+    if not tokens:
+        raise ConfigError(f"{path}: {key}: {value!r} is empty after substitution")
+    return [flag] + tokens

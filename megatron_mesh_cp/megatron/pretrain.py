@@ -38,7 +38,7 @@ __all__ = ["main", "cli", "config_to_argv", "parse_megatron_args"]
 
 log = logging.getLogger("megatron_mesh_cp")
 
-LAUNCHER_FLAGS = ("--config", "--summary-json", "--plot-loss", "--dump-grads", "--data-cache-dir")
+LAUNCHER_FLAGS = ("--config", "--summary-json", "--plot-loss", "--dump-grads", "--data-cache-dir", "--gpu-memory-gib")
 _LOSSES: List[List[float]] = []
 
 
@@ -227,6 +227,8 @@ def _launcher_options(argv: Sequence[str]):
     p.add_argument("--plot-loss", default=None)
     p.add_argument("--dump-grads", default=None)
     p.add_argument("--dry-run", action="store_true")
+    p.add_argument("--gpu-memory-gib", type=float, default=float(os.environ.get("MESH_CP_GPU_MEMORY_GIB", "0")) or None,
+                   help="the dry run's memory warning threshold (default: this GPU's memory, else 80)")
     p.add_argument("--data-cache-dir", default=os.environ.get("MESH_CP_DATA_DIR", str(Path.home() / ".cache" / "megatron-mesh-cp")))
     return p.parse_known_args(list(argv))
 
@@ -263,18 +265,19 @@ def _summary(args, opts, started: float) -> Dict:
     }
 
 
-def _print_resolved(args) -> None:
-    """--dry-run: the parallel layout and CP algorithm the arguments resolve to (nothing is started)."""
-    from .settings import SETTINGS
-
+def _print_resolved(args, gpu_gib: Optional[float]) -> None:
+    """--dry-run: the parallel layout, CP algorithm and per-GPU memory estimate (nothing is started)."""
+    from .memory import report
     algo = getattr(args, "context_parallel_algo", None) or (args.cp_comm_type[0] if args.cp_comm_type else "p2p")
     log.info(f"world {args.world_size}: TP {args.tensor_model_parallel_size} x PP "
              f"{args.pipeline_model_parallel_size} x CP {args.context_parallel_size} x DP {args.data_parallel_size}; "
              f"CP algorithm {algo}" + (f", mesh shape {args.mesh_shape}" if algo == "mesh" else "")
              + f"; seq {args.seq_length}, {args.num_layers} layers, heads {args.num_attention_heads}"
              f"/{args.num_query_groups if args.group_query_attention else args.num_attention_heads} kv")
-    if SETTINGS.shape_explanation:
-        log.info(SETTINGS.shape_explanation)
+    if gpu_gib is None:
+        gpu_gib = torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available() else 80.0
+    for level, line in report(args, gpu_gib):
+        getattr(log, level)(line)
 
 
 def _print_summary(s: Dict) -> None:
@@ -377,7 +380,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     started = time.time()
     from ..logs import configure as configure_logging
 
-    configure_logging()
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    # rank 0 and the last rank (it reports the loss) at the configured level, the others warnings only
+    configure_logging(None if rank in (0, world - 1) else "WARNING")
     raw = list(sys.argv[1:] if argv is None else argv)
     opts, rest = _launcher_options(raw)
     try:
@@ -403,7 +408,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         sys.exit(2)
     if opts.dry_run:
-        _print_resolved(args)
+        _print_resolved(args, opts.gpu_memory_gib)
         return
     if cpu:
         _init_distributed_cpu(args)
