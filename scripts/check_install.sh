@@ -36,5 +36,7 @@ assert "site-packages" in where and not where.startswith(sys.argv[1] + "/"), f"i
 print(f"import megatron_mesh_cp: {where}")
 PY
 "$venv/bin/mesh-cp-simulate" --cp 16 --seq 128K --heads 32 --kv-heads 8 --algos ring,mesh
-"$venv/bin/mesh-cp-demo" --ranks 4 --seq 256 --heads 4 --kv-heads 2 --head-dim 16
+"$venv/bin/mesh-cp-demo" --ranks 4 --seq 256 --heads 4 --kv-heads 2 --head-dim 16 | tee "$work/demo.log"
+# the entry point configures logging: the kernel choice is logged, once (rank 0)
+[ "$(grep -c 'mesh attention kernel:' "$work/demo.log")" = 1 ] || { echo "error: kernel choice not logged once" >&2; exit 1; }
 echo "installed package OK: simulate CLI and 4-rank demo ran outside the checkout"

@@ -41,7 +41,7 @@ def dataset(tmp_path):
 
 
 def test_256gpu_dry_run_resumes_exits_in_time_and_passes_preflight(dataset):
-    res = _dry("pretrain_256gpu.sbatch", CONTAINER_IMAGE="nvcr.io/nvidia/pytorch:25.10-py3",
+    res = _dry("pretrain_256gpu.sbatch", "--gpu-memory-gib", "40", CONTAINER_IMAGE="nvcr.io/nvidia/pytorch:25.10-py3",
                CONTAINER_MOUNTS="/data:/data", **dataset)
     out = res.stdout
     assert res.returncode == 0, out[-3000:] + res.stderr[-3000:]
@@ -57,7 +57,8 @@ def test_256gpu_dry_run_resumes_exits_in_time_and_passes_preflight(dataset):
     assert "software checked in the container at job start" in out
     assert "preflight: ok   data: 2 dataset prefix(es), .bin and .idx present" in out and "preflight: passed" in out
     assert "CP 256 x DP 1; CP algorithm mesh, mesh shape" in out and "mesh_shape=auto ->" in out
-    assert "memory per GPU (estimate):" in out
+    assert "memory per GPU (estimate):" in out and "optimizer 0.4 (over 256 shards)" in out
+    assert "exceeds the GPU's 40 GiB" in out  # the 8B/CP256 estimate is ~55 GiB
     assert not Path(ckpt).exists()  # a dry run creates nothing
 
 
