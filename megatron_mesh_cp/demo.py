@@ -14,6 +14,7 @@ import time
 
 import torch
 
+from .logs import configure as configure_logging
 from .plan import CATEGORIES, ChunkDims, plan_traffic
 from .schedule import build_plans
 from .spawn import RankPool
@@ -65,6 +66,7 @@ def main(argv=None) -> None:
     p.add_argument("--no-causal", action="store_true")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
+    configure_logging()
     n = args.ranks
     if args.shape:
         shape = MeshShape.for_size(parse_shape(args.shape), n)

@@ -52,6 +52,9 @@ def _resolve(path: str):
 
 def _worker(rank: int, world: int, port: int, tasks, results, timeout_s: float, env: dict) -> None:
     os.environ.update(env)
+    from .logs import configure_rank
+
+    configure_rank(rank)
     import torch
     import torch.distributed as dist
 

@@ -7,9 +7,11 @@
 
 Mesh runs every listed shape (``auto`` asks the simulator); the Megatron/TE algorithms (``p2p``,
 ``all_gather``, ``a2a``, ``a2a+p2p``) run through Transformer Engine's DotProductAttention when TE
-is installed, and are reported as skipped otherwise. Reports time (slowest rank), TFLOP/s per GPU
-and bytes sent per rank: measured for mesh, from the algorithm's traffic formula for TE (marked
-"model"). Runs on CPU with gloo at small scale too, so the script can be trusted before GPU hours.
+is installed, and are reported as skipped otherwise. Each rank generates only its own zigzag share
+(S/n tokens; the full sequence never exists anywhere). Time: ``--repeats`` timed runs of ``--iters``
+steps each, the slowest rank per run; reported as the median with the min-max spread. Bytes sent per
+rank: measured for mesh, from the algorithm's traffic formula for TE (labelled "formula", hatched in
+the plot). Runs on CPU with gloo at small scale too, so the script can be trusted before GPU hours.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import argparse
 import csv
 import math
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -27,35 +30,52 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from megatron_mesh_cp import MeshGroups, mesh_attention, valid_shapes, zigzag_shard  # noqa: E402
+from megatron_mesh_cp import MeshGroups, mesh_attention  # noqa: E402
 from megatron_mesh_cp.cluster import Workload, load_cluster  # noqa: E402
+from megatron_mesh_cp.logs import configure as configure_logging  # noqa: E402
 from megatron_mesh_cp.topology import MeshShape  # noqa: E402
 
 TE_ALGOS = ("p2p", "all_gather", "a2a", "a2a+p2p")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
-def _timed(fn, iters, warmup, device):
+def _timed(fn, iters, warmup, repeats, device):
+    """Seconds per step for each of ``repeats`` runs of ``iters`` steps (slowest rank per run)."""
     for _ in range(warmup):
         fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    dist.barrier()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    t = torch.tensor([(time.perf_counter() - t0) / iters], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the step is as slow as the slowest rank
-    return float(t)
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t = torch.tensor([(time.perf_counter() - t0) / iters], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the step is as slow as the slowest rank
+        times.append(float(t))
+    return times
 
 
-def _inputs(args, n, rank, device, dtype):
-    g = torch.Generator().manual_seed(1234)
-    s = args.seq
-    full = [torch.randn(s, args.batch, hh, args.head_dim, generator=g) for hh in (args.heads, args.kv_heads, args.kv_heads, args.heads)]
-    return [zigzag_shard(x, n, rank, dim=0).to(device=device, dtype=dtype).requires_grad_(i < 3) for i, x in enumerate(full)]
+def _inputs(args, n, rank, device, dtype, seed=1234):
+    """q, k, v, dout: this rank's zigzag share only (pieces rank and 2n-1-rank, S/n tokens).
+
+    Piece p of tensor i is drawn from its own seed on the target device, so the shares of all ranks
+    together are one well-defined sequence that no rank ever materialises.
+    """
+    if args.seq % (2 * n):
+        raise ValueError(f"--seq {args.seq} must be divisible by 2 * world size = {2 * n}")
+    m = args.seq // (2 * n)
+    out = []
+    for i, hh in enumerate((args.heads, args.kv_heads, args.kv_heads, args.heads)):
+        parts = []
+        for piece in (rank, 2 * n - 1 - rank):
+            g = torch.Generator(device=device).manual_seed(seed + 1_000_003 * i + piece)
+            parts.append(torch.randn(m, args.batch, hh, args.head_dim, generator=g, device=device, dtype=torch.float32))
+        out.append(torch.cat(parts).to(dtype).requires_grad_(i < 3))
+    return out
 
 
 def bench_mesh(args, shape, device, dtype, cluster):
@@ -70,9 +90,9 @@ def bench_mesh(args, shape, device, dtype, cluster):
 
     step()
     mesh.traffic.reset()
-    t = _timed(step, args.iters, args.warmup, device)
-    calls = args.iters + args.warmup
-    return t, mesh.traffic.total_sent() / calls, "measured"
+    times = _timed(step, args.iters, args.warmup, args.repeats, device)
+    calls = args.iters * args.repeats + args.warmup
+    return times, mesh.traffic.total_sent() / calls, "measured"
 
 
 def bench_te(args, algo, device, dtype):
@@ -96,11 +116,12 @@ def bench_te(args, algo, device, dtype):
         out = attn(q, k, v)
         out.backward(do.reshape(out.shape))
 
-    t = _timed(step, args.iters, args.warmup, device)
-    return t, _model_bytes(args, algo, n, dtype), "model"
+    times = _timed(step, args.iters, args.warmup, args.repeats, device)
+    return times, _formula_bytes(args, algo, n, dtype), "formula"
 
 
-def _model_bytes(args, algo, n, dtype):
+def _formula_bytes(args, algo, n, dtype):
+    """What TE's algorithm sends per rank by its traffic formula (not measured: TE has no counters)."""
     e = torch.empty((), dtype=dtype).element_size()
     u = args.seq // n * args.batch * args.heads * args.head_dim * e
     gamma = args.kv_heads / args.heads
@@ -126,7 +147,8 @@ def main():
     p.add_argument("--algos", default="mesh," + ",".join(TE_ALGOS))
     p.add_argument("--kernel", default="auto")
     p.add_argument("--cluster", default="h100-ib400", help="what mesh_shape=auto and the planner tune for")
-    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--iters", type=int, default=5, help="steps per timed run")
+    p.add_argument("--repeats", type=int, default=5, help="timed runs; the median and min-max are reported")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--csv", default=None)
     p.add_argument("--plot", default=None)
@@ -139,6 +161,7 @@ def main():
     device = torch.device("cuda" if cuda else "cpu")
     dtype = DTYPES[args.dtype or ("bf16" if cuda else "fp32")]
     n, rank = dist.get_world_size(), dist.get_rank()
+    configure_logging(None if rank == 0 else "WARNING")
     if args.seq % (2 * n):
         raise SystemExit(f"--seq {args.seq} must be divisible by 2 * world size = {2 * n}")
     cluster = load_cluster(args.cluster)
@@ -157,8 +180,8 @@ def main():
             else:
                 shape = MeshShape.for_size(text, n)
                 label = f"mesh {shape}"
-            t, nbytes, how = bench_mesh(args, (shape.a, shape.b), device, dtype, cluster)
-            rows.append((label, t, flops / t / 1e12, nbytes, how))
+            times, nbytes, how = bench_mesh(args, (shape.a, shape.b), device, dtype, cluster)
+            rows.append((label, times, nbytes, how))
     te_ok = True
     try:
         import transformer_engine.pytorch  # noqa: F401
@@ -169,37 +192,55 @@ def main():
             if rank == 0:
                 print(f"skip {algo}: needs Transformer Engine on CUDA", flush=True)
             continue
-        t, nbytes, how = bench_te(args, algo, device, dtype)
-        rows.append((f"te {algo}", t, flops / t / 1e12, nbytes, how))
+        times, nbytes, how = bench_te(args, algo, device, dtype)
+        rows.append((f"te {algo}", times, nbytes, how))
     if rank == 0:
-        print(f"{'algorithm':<24}{'ms':>10}{'TFLOP/s/GPU':>14}{'MiB/rank':>12}  bytes")
-        for label, t, tf, nb, how in rows:
-            print(f"{label:<24}{t * 1e3:>10.2f}{tf:>14.3f}{nb / 2**20:>12.2f}  {how}")
-        if args.csv:
-            with open(args.csv, "w", newline="") as f:
-                wr = csv.writer(f)
-                wr.writerow(["algorithm", "world", "seq", "heads", "kv_heads", "head_dim", "dtype", "ms", "tflops_per_gpu",
-                             "bytes_per_rank", "bytes_source"])
-                for label, t, tf, nb, how in rows:
-                    wr.writerow([label, n, args.seq, args.heads, args.kv_heads, args.head_dim, str(dtype).replace("torch.", ""),
-                                 f"{t * 1e3:.4f}", f"{tf:.4f}", int(nb) if nb == nb else "", how])
-        if args.plot:
-            import matplotlib
-
-            matplotlib.use("Agg")
-            import matplotlib.pyplot as plt
-
-            fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 3.8))
-            labels = [r[0] for r in rows]
-            a1.barh(labels, [r[1] * 1e3 for r in rows], color="#4c72b0")
-            a1.set_xlabel("ms per layer (fwd+bwd)")
-            a2.barh(labels, [r[3] / 2**20 for r in rows], color="#dd8452")
-            a2.set_xlabel("MiB sent per rank")
-            fig.suptitle(f"CP={n}, S={args.seq}, heads {args.heads}/{args.kv_heads}, d={args.head_dim}, {device.type}")
-            fig.tight_layout()
-            fig.savefig(args.plot, dpi=110)
+        _report(args, rows, n, dtype, device, flops)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _report(args, rows, n, dtype, device, flops):
+    """Table, CSV and plot: median ms with min-max over the repeats; bytes measured or by formula."""
+    stats = [(label, statistics.median(ts), min(ts), max(ts), nb, how) for label, ts, nb, how in rows]
+    print(f"{'algorithm':<24}{'median ms':>10}{'min-max ms':>18}{'TFLOP/s/GPU':>13}{'MiB/rank':>11}  bytes "
+          f"({args.repeats} runs x {args.iters} steps)")
+    for label, med, lo, hi, nb, how in stats:
+        print(f"{label:<24}{med * 1e3:>10.2f}{f'{lo * 1e3:.2f}-{hi * 1e3:.2f}':>18}{flops / med / 1e12:>13.3f}"
+              f"{nb / 2**20:>11.2f}  {how}")
+    if args.csv:
+        with open(args.csv, "w", newline="") as f:
+            wr = csv.writer(f)
+            wr.writerow(["algorithm", "world", "seq", "heads", "kv_heads", "head_dim", "dtype", "ms", "ms_min", "ms_max",
+                         "repeats", "iters", "tflops_per_gpu", "bytes_per_rank", "bytes_source"])
+            for label, med, lo, hi, nb, how in stats:
+                wr.writerow([label, n, args.seq, args.heads, args.kv_heads, args.head_dim, str(dtype).replace("torch.", ""),
+                             f"{med * 1e3:.4f}", f"{lo * 1e3:.4f}", f"{hi * 1e3:.4f}", args.repeats, args.iters,
+                             f"{flops / med / 1e12:.4f}", int(nb) if nb == nb else "", how])
+    if args.plot:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 3.8))
+        labels = [r[0] for r in stats]
+        med = [r[1] * 1e3 for r in stats]
+        spread = [[m - r[2] * 1e3 for m, r in zip(med, stats)], [r[3] * 1e3 - m for m, r in zip(med, stats)]]
+        a1.barh(labels, med, xerr=spread, capsize=3, color="#4c72b0")
+        a1.set_xlabel(f"ms per layer (fwd+bwd): median, min-max of {args.repeats} runs")
+        for label, _, _, _, nb, how in stats:
+            a2.barh(label, nb / 2**20, color="#dd8452" if how == "measured" else "white", edgecolor="#dd8452",
+                    hatch=None if how == "measured" else "//")
+        from matplotlib.patches import Patch
+
+        a2.legend(handles=[Patch(color="#dd8452", label="measured"),
+                           Patch(facecolor="white", edgecolor="#dd8452", hatch="//", label="formula (not measured)")],
+                  fontsize=8)
+        a2.set_xlabel("MiB sent per rank")
+        fig.suptitle(f"CP={n}, S={args.seq}, heads {args.heads}/{args.kv_heads}, d={args.head_dim}, {device.type}")
+        fig.tight_layout()
+        fig.savefig(args.plot, dpi=110)
 
 
 if __name__ == "__main__":

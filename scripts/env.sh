@@ -2,6 +2,8 @@
 # Create (or refresh) a project environment; idempotent and quiet when it is current.
 #   scripts/env.sh          .venv     Python 3.12, torch 2.13.0, megatron-core 0.19.2 (the main one)
 #   scripts/env.sh compat   .venv311  Python 3.11, CPU torch 2.13.0, megatron-core 0.16.1 (compat tests)
+# The main env gets the package editable (tests run the checkout); scripts/check_install.sh installs it
+# non-editable into the compat env, as a user's `pip install .` would.
 # Finds the interpreter via $PYTHON, pyenv, or python3.X on PATH.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -12,7 +14,7 @@ case "$flavour" in
   *) echo "usage: $0 [main|compat]" >&2; exit 2 ;;
 esac
 stamp="$venv/.requirements.sha"
-want="$(cat "$req" "$root/setup.py" | sha256sum | cut -d' ' -f1)"
+want="$(cat "$req" "$root/pyproject.toml" | sha256sum | cut -d' ' -f1)"
 
 find_python() {
   if [ "$flavour" = main ] && [ -n "${PYTHON:-}" ]; then echo "$PYTHON"; return; fi
@@ -42,5 +44,7 @@ fi
 echo "installing $(basename "$req") into $venv (first time: torch is a large download)" >&2
 "$venv/bin/python" -m pip install -q --upgrade pip >&2
 "$venv/bin/python" -m pip install -q -r "$req" >&2
-"$venv/bin/python" -m pip install -q --no-deps -e "$root" >&2
+if [ "$flavour" = main ]; then
+  "$venv/bin/python" -m pip install -q --no-deps -e "$root" >&2
+fi
 echo "$want" > "$stamp"

@@ -6,6 +6,6 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 bash scripts/env.sh main
-export CUDA_DEVICE_MAX_CONNECTIONS=1 PYTHONWARNINGS="${PYTHONWARNINGS:-ignore}" OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+export CUDA_DEVICE_MAX_CONNECTIONS=1 OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 exec "$root/.venv/bin/torchrun" --nproc_per_node 4 --master_port "${MASTER_PORT:-29517}" \
   scripts/pretrain_gpt_mesh.py --config configs/gpt_tiny_cpu.yaml "$@"

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The project's test command: make sure both environments exist, then run the suite in each.
 #   main   (.venv,    Python 3.12, megatron-core 0.19.2): every test
-#   compat (.venv311, Python 3.11, megatron-core 0.16.1): the core-attention/spec tests on GPTModel
+#   compat (.venv311, Python 3.11, megatron-core 0.16.1): the core-attention/spec tests on GPTModel,
+#   then the package installed there non-editable and run from outside the checkout (check_install.sh)
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
@@ -11,3 +12,5 @@ export PYTHONWARNINGS="${PYTHONWARNINGS:-ignore}"
 "$root/.venv/bin/python" -m pytest -q tests "$@"
 echo "--- megatron-core 0.16.1 (Python 3.11) ---"
 "$root/.venv311/bin/python" -m pytest -q tests/test_megatron_core_direct.py
+echo "--- installed package (non-editable, offline, Python 3.11), run from outside the checkout ---"
+bash scripts/check_install.sh

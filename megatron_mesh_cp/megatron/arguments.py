@@ -266,10 +266,7 @@ def _resolve_shape(args, text: str, cp: int) -> MeshShape:
         partial_bytes=2 if _get(args, "mesh_partial_dtype", "fp32") == "bf16" else 4,
     )
     choice = choose_shape(cp, cluster, w, stride=tp)
-    SETTINGS.shape_explanation = choice.explanation
-    rank = _get(args, "rank", 0) or 0
-    if rank == 0:
-        print(choice.explanation, flush=True)
+    SETTINGS.shape_explanation = choice.explanation  # choose_shape has logged it
     return choice.shape
 
 

@@ -4,7 +4,8 @@
 switches (``--context-parallel-algo mesh --mesh-shape AxB|auto``...) and a few launcher options:
 
 * ``--config FILE.yaml`` -- a flat YAML of Megatron arguments (``context_parallel_algo: mesh``,
-  ``mesh_shape: 2x2``...); command-line flags after it override it;
+  ``mesh_shape: 2x2``...; ``${VAR}`` from the environment, see :mod:`.config`); command-line flags
+  after it override it;
 * ``--summary-json FILE`` -- per-iteration lm loss and attention bytes, written by the last rank;
 * ``--plot-loss FILE.png`` -- after training, rerun the same config with CP = 1 on one process and
   plot both loss curves;
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -30,35 +32,14 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-__all__ = ["main", "config_to_argv", "parse_megatron_args"]
+from .config import ConfigError, config_to_argv
 
-LAUNCHER_FLAGS = ("--config", "--summary-json", "--plot-loss", "--dump-grads", "--data-cache-dir")
+__all__ = ["main", "cli", "config_to_argv", "parse_megatron_args"]
+
+log = logging.getLogger("megatron_mesh_cp")
+
+LAUNCHER_FLAGS = ("--config", "--summary-json", "--plot-loss", "--dump-grads", "--data-cache-dir", "--gpu-memory-gib")
 _LOSSES: List[List[float]] = []
-
-
-def config_to_argv(path: str) -> List[str]:
-    """Flat YAML (``name: value``) -> Megatron flags: ``true`` -> ``--name``, lists -> repeated values.
-
-    ``$VAR`` / ``${VAR}`` in string values are expanded from the environment (paths, tokenizers).
-    """
-    import yaml
-
-    with open(path) as f:
-        cfg = yaml.safe_load(f) or {}
-    if not isinstance(cfg, dict):
-        raise ValueError(f"{path}: expected a mapping of argument names to values")
-    argv: List[str] = []
-    for key, value in cfg.items():
-        flag = "--" + str(key).replace("_", "-")
-        if value is None or value is False:
-            continue
-        if value is True:
-            argv.append(flag)
-        elif isinstance(value, (list, tuple)):
-            argv += [flag] + [str(v) for v in value]
-        else:
-            argv += [flag, os.path.expandvars(str(value))]
-    return argv
 
 
 def _has(argv: Sequence[str], flag: str) -> bool:
@@ -274,6 +255,8 @@ def _launcher_options(argv: Sequence[str]):
     p.add_argument("--plot-loss", default=None)
     p.add_argument("--dump-grads", default=None)
     p.add_argument("--dry-run", action="store_true")
+    p.add_argument("--gpu-memory-gib", type=float, default=float(os.environ.get("MESH_CP_GPU_MEMORY_GIB", "0")) or None,
+                   help="the dry run's memory warning threshold (default: this GPU's memory, else 80)")
     p.add_argument("--data-cache-dir", default=os.environ.get("MESH_CP_DATA_DIR", str(Path.home() / ".cache" / "megatron-mesh-cp")))
     return p.parse_known_args(list(argv))
 
@@ -310,32 +293,33 @@ def _summary(args, opts, started: float) -> Dict:
     }
 
 
-def _print_resolved(args) -> None:
-    """--dry-run: the parallel layout and CP algorithm the arguments resolve to (nothing is started)."""
-    from .settings import SETTINGS
-
+def _print_resolved(args, gpu_gib: Optional[float]) -> None:
+    """--dry-run: the parallel layout, CP algorithm and per-GPU memory estimate (nothing is started)."""
+    from .memory import report
     algo = getattr(args, "context_parallel_algo", None) or (args.cp_comm_type[0] if args.cp_comm_type else "p2p")
-    print(f"[mesh-cp] world {args.world_size}: TP {args.tensor_model_parallel_size} x PP "
-          f"{args.pipeline_model_parallel_size} x CP {args.context_parallel_size} x DP {args.data_parallel_size}; "
-          f"CP algorithm {algo}" + (f", mesh shape {args.mesh_shape}" if algo == "mesh" else "")
-          + f"; seq {args.seq_length}, {args.num_layers} layers, heads {args.num_attention_heads}"
-          f"/{args.num_query_groups if args.group_query_attention else args.num_attention_heads} kv", flush=True)
-    if SETTINGS.shape_explanation:
-        print(f"[mesh-cp] {SETTINGS.shape_explanation}", flush=True)
+    log.info(f"world {args.world_size}: TP {args.tensor_model_parallel_size} x PP "
+             f"{args.pipeline_model_parallel_size} x CP {args.context_parallel_size} x DP {args.data_parallel_size}; "
+             f"CP algorithm {algo}" + (f", mesh shape {args.mesh_shape}" if algo == "mesh" else "")
+             + f"; seq {args.seq_length}, {args.num_layers} layers, heads {args.num_attention_heads}"
+             f"/{args.num_query_groups if args.group_query_attention else args.num_attention_heads} kv")
+    if gpu_gib is None:
+        gpu_gib = torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available() else 80.0
+    for level, line in report(args, gpu_gib):
+        getattr(log, level)(line)
 
 
 def _print_summary(s: Dict) -> None:
     if s["losses"]:
         it, loss = s["losses"][-1]
-        print(f"[mesh-cp] final lm loss {loss:.6f} at iteration {it} "
-              f"(CP={s['context_parallel_size']}, {s['algo']}{' ' + s['mesh_shape'] if s['mesh_shape'] else ''})")
+        log.info(f"final lm loss {loss:.6f} at iteration {it} "
+                 f"(CP={s['context_parallel_size']}, {s['algo']}{' ' + s['mesh_shape'] if s['mesh_shape'] else ''})")
     if s["attention_calls"]:
         mesh, ring = s["attention_bytes_sent_per_rank"], s["ring_bytes_per_rank"]
         n = s["context_parallel_size"]
-        print(f"[mesh-cp] attention bytes sent by this rank: {mesh / 2**20:.2f} MiB over {s['attention_calls']} "
-              f"layer calls; Ring (1x{n}) would have sent {ring / 2**20:.2f} MiB "
-              f"({(1 - mesh / ring) if ring else 0:.1%} less with mesh)")
-    print(f"[mesh-cp] done in {s['seconds']:.1f} s", flush=True)
+        log.info(f"attention bytes sent by this rank: {mesh / 2**20:.2f} MiB over {s['attention_calls']} "
+                 f"layer calls; Ring (1x{n}) would have sent {ring / 2**20:.2f} MiB "
+                 f"({(1 - mesh / ring) if ring else 0:.1%} less with mesh)")
+    log.info(f"done in {s['seconds']:.1f} s")
 
 
 def _reference_run(argv: List[str], out_json: str) -> Dict:
@@ -363,44 +347,87 @@ def _reference_run(argv: List[str], out_json: str) -> Dict:
     env.update(WORLD_SIZE="1", RANK="0", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     cmd = [sys.executable, os.path.abspath(sys.argv[0])] + clean + ["--context-parallel-size", "1", "--summary-json", out_json]
-    print("[mesh-cp] reference run (CP=1): " + " ".join(cmd[1:3]) + " ...", flush=True)
+    log.info("reference run (CP=1): " + " ".join(cmd[1:3]) + " ...")
     subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL, timeout=900)
     with open(out_json) as f:
         return json.load(f)
 
 
 def _plot(summary: Dict, ref: Dict, path: str) -> None:
+    """Both loss curves, and below them |loss(CP=n) - loss(CP=1)| per iteration on a log axis."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for s, label, style in ((ref, "CP=1", "-"), (summary, f"CP={summary['context_parallel_size']} {summary['algo']} "
-                                                 f"{summary['mesh_shape'] or ''}", "--")):
+    label = f"CP={summary['context_parallel_size']} {summary['algo']} {summary['mesh_shape'] or ''}".strip()
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 5.5), sharex=True, gridspec_kw={"height_ratios": [3, 2]})
+    for s, name, style in ((ref, "CP=1", "-"), (summary, label, "--")):
         xs, ys = zip(*s["losses"]) if s["losses"] else ((), ())
-        ax.plot(xs, ys, style, marker="o", ms=3, label=label)
-    ax.set_xlabel("iteration")
-    ax.set_ylabel("lm loss")
-    ax.set_title("GPT on the Python stdlib (byte-level): mesh CP vs no CP")
-    ax.legend()
+        top.plot(xs, ys, style, marker="o", ms=3, label=name)
+    top.set_ylabel("lm loss")
+    top.legend()
+    ref_loss = dict((int(i), v) for i, v in ref["losses"])
+    pairs = [(int(i), abs(v - ref_loss[int(i)])) for i, v in summary["losses"] if int(i) in ref_loss]
+    if pairs:
+        xs, ds = zip(*pairs)
+        floor = min([d for d in ds if d > 0], default=1e-7) / 10  # equal losses: drawn here, not dropped
+        bottom.semilogy(xs, [d if d > 0 else floor for d in ds], color="C3", lw=1,
+                        label=f"max |Δ| = {max(ds):.2e}")
+        same = [x for x, d in pairs if d == 0]
+        bottom.semilogy(same, [floor] * len(same), "v", color="C2", label="identical (Δ = 0)")
+        nonzero = [(x, d) for x, d in pairs if d > 0]
+        if nonzero:
+            bottom.semilogy(*zip(*nonzero), "o", ms=3, color="C3")
+        bottom.legend(fontsize=8)
+    bottom.set_ylabel("|Δ lm loss| vs CP=1")
+    bottom.set_xlabel("iteration")
+    top.set_title(f"GPT on {summary.get('data', 'the configured data')}: {label} vs CP=1", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
+def _data_label(args, stdlib: bool) -> str:
+    if stdlib:
+        return "the Python stdlib's sources (byte-level)"
+    if getattr(args, "mock_data", False):
+        return "mock data"
+    paths = [p for p in (getattr(args, "data_path", None) or []) if not p.replace(".", "").isdigit()]
+    return ", ".join(os.path.basename(p) for p in paths) or "the configured data"
+
+
+def cli() -> None:
+    """Console entry point ``mesh-cp-pretrain`` (the same as ``scripts/pretrain_gpt_mesh.py``)."""
+    # Megatron requires one CUDA connection with TP/CP > 1; it must be set before CUDA starts
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    main()
+
+
 def main(argv: Optional[Sequence[str]] = None) -> None:
     started = time.time()
+    from ..logs import configure as configure_logging
+
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    # rank 0 and the last rank (it reports the loss) at the configured level, the others warnings only
+    configure_logging(None if rank in (0, world - 1) else "WARNING")
     raw = list(sys.argv[1:] if argv is None else argv)
     opts, rest = _launcher_options(raw)
-    megatron_argv = (config_to_argv(opts.config) if opts.config else []) + rest
+    try:
+        megatron_argv = (config_to_argv(opts.config) if opts.config else []) + rest
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        sys.exit(2)
     cpu = not torch.cuda.is_available()
     if cpu:
         from . import cpu_compat
 
         cpu_compat.activate()
+    stdlib = False
     if not opts.dry_run and not ({"-h", "--help"} & set(megatron_argv)):
+        given = len(megatron_argv)
         megatron_argv = _default_data(megatron_argv, opts.data_cache_dir)
+        stdlib = len(megatron_argv) > given
     from .arguments import MeshArgumentError
 
     try:
@@ -409,7 +436,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         sys.exit(2)
     if opts.dry_run:
-        _print_resolved(args)
+        _print_resolved(args, opts.gpu_memory_gib)
         return
     if cpu:
         _init_distributed_cpu(args)
@@ -431,6 +458,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 
     last = torch.distributed.get_rank() == torch.distributed.get_world_size() - 1
     summary = _summary(args, opts, started)
+    summary["data"] = _data_label(args, stdlib)
     if last:
         _print_summary(summary)
         if opts.summary_json:
@@ -440,4 +468,4 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         if opts.plot_loss and args.context_parallel_size > 1:
             ref = _reference_run(megatron_argv, str(Path(opts.plot_loss).with_suffix(".cp1.json")))
             _plot(summary, ref, opts.plot_loss)
-            print(f"[mesh-cp] loss curve (vs CP=1) written to {opts.plot_loss}", flush=True)
+            log.info(f"loss curve (vs CP=1) written to {opts.plot_loss}")

@@ -1,21 +1,27 @@
 #!/usr/bin/env python3
 """Resolve and launch a mesh-CP pretraining job inside a SLURM allocation (or print it: --dry-run).
 
-    python scripts/slurm/job.py --config llama3_8b_1m_256gpu_mesh --nodes 32 [--dry-run] [-- extra args]
+    python scripts/slurm/job.py --config llama3_8b_1m_256gpu_mesh --nodes 32 [--time-limit 04:00:00] [--dry-run] [-- extra args]
 
-Builds the run directory (runs/<config>/<job id>/ with logs/ and checkpoints/), the NCCL/CUDA
-environment, and one ``srun`` that starts torchrun on every node (``--launcher torchrun``, default)
-or one task per GPU (``--launcher tasks``), optionally inside a container (pyxis/enroot:
-``--container-image``/``--container-mounts`` or $CONTAINER_IMAGE/$CONTAINER_MOUNTS). The config is
-selected by name from configs/. ``--dry-run`` prints the resolved commands and the mesh shape the
-config resolves to for this many GPUs, and launches nothing. The .sbatch files next to this script
-call it.
+One directory per config, so a resubmitted or requeued job resumes: runs/<config>/checkpoints
+(``--save`` and ``--load``), logs/ (the batch log and one file per rank and job), tensorboard/ and
+summary-<job>.json. Megatron stops and saves ``--exit-margin-min`` before the time limit
+(``--exit-duration-in-mins``) and on SIGTERM (``--exit-signal-handler``). Before ``srun`` fans out,
+a preflight (:mod:`megatron_mesh_cp.megatron.preflight`) runs on the first node and stops the job in
+seconds if the software, tokenizer, data or checkpoint directory is wrong. Launchers: ``torchrun``
+(default: one agent per node, it sets LOCAL_RANK) or ``tasks`` (one task per GPU: RANK/LOCAL_RANK
+from SLURM, every task sees all the node's GPUs and binds GPU LOCAL_RANK, as Megatron does).
+Containers: ``--container-image``/``--container-mounts`` (pyxis) or $CONTAINER_IMAGE/$CONTAINER_MOUNTS.
+``--dry-run`` prints the environment and commands, runs the same preflight here (software and GPU
+checks only without a container image: they belong to the image otherwise) and the launcher's own
+dry run (layout, mesh shape, memory estimate), and exits 1 if a check failed.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -26,6 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent.parent
 NCCL_ENV = {
     "CUDA_DEVICE_MAX_CONNECTIONS": "1",  # Megatron: ordered kernel launch for TP/CP overlap
     "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",  # a failed rank takes the job down instead of hanging it
+    "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",  # less fragmentation with 1M-token activations
     "NCCL_IB_TIMEOUT": "22",
     "NCCL_IB_QPS_PER_CONNECTION": "4",  # spread point-to-point traffic over more queue pairs
     "NCCL_P2P_NET_CHUNKSIZE": "524288",  # larger chunks for the CP rings' inter-node send/recv
@@ -35,7 +42,8 @@ NCCL_ENV = {
     "OMP_NUM_THREADS": "8",
 }
 PASSTHROUGH = ("NCCL_SOCKET_IFNAME", "NCCL_IB_HCA", "NCCL_DEBUG", "DATA_PATH", "TOKENIZER_MODEL", "HF_HOME",
-               "MESH_CP_CLUSTER", "WANDB_API_KEY")
+               "MESH_CP_CLUSTER", "MESH_CP_CLUSTER_DIR", "MESH_CP_LOG_LEVEL", "WANDB_API_KEY", "WANDB_PROJECT")
+PORT = 29500
 
 
 def parse(argv):
@@ -44,6 +52,8 @@ def parse(argv):
     p.add_argument("--nodes", type=int, default=int(os.environ.get("SLURM_NNODES", "1")))
     p.add_argument("--gpus-per-node", type=int, default=8)
     p.add_argument("--launcher", choices=("torchrun", "tasks"), default="torchrun")
+    p.add_argument("--time-limit", default=None, help="the job's SLURM time limit (inside a job: asked from squeue)")
+    p.add_argument("--exit-margin-min", type=int, default=15, help="stop and save this long before the limit")
     p.add_argument("--container-image", default=os.environ.get("CONTAINER_IMAGE"))
     p.add_argument("--container-mounts", default=os.environ.get("CONTAINER_MOUNTS"))
     p.add_argument("--runs-dir", default=os.environ.get("RUNS_DIR", str(ROOT / "runs")))
@@ -63,75 +73,130 @@ def config_path(name: str) -> Path:
     return path
 
 
+def slurm_minutes(text: str) -> int:
+    """A SLURM time (``M``, ``M:S``, ``H:M:S``, ``D-H``, ``D-H:M``, ``D-H:M:S``) in whole minutes."""
+    m = re.fullmatch(r"(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?", text.strip())
+    if not m or text.strip() in ("UNLIMITED", "INVALID"):
+        raise SystemExit(f"error: cannot read the time limit {text!r}; pass --time-limit like 04:00:00")
+    days, a, b, c = m.groups()
+    if days is not None:  # D-H[:M[:S]]
+        return int(days) * 1440 + int(a) * 60 + int(b or 0)
+    if c is not None:  # H:M:S
+        return int(a) * 60 + int(b)
+    return int(a)  # M or M:S
+
+
+def time_limit(args) -> str:
+    """The running job's time left (squeue), else --time-limit."""
+    job = os.environ.get("SLURM_JOB_ID")
+    if job and not args.dry_run:
+        try:
+            left = subprocess.run(["squeue", "-h", "-j", job, "-o", "%L"], capture_output=True, text=True,
+                                  timeout=30).stdout.strip()
+            if left:
+                return left
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+    if not args.time_limit:
+        raise SystemExit("error: no time limit known; pass --time-limit (the .sbatch files pass their #SBATCH --time)")
+    return args.time_limit
+
+
+def container_flags(args, run: Path):
+    if not args.container_image:
+        return [f"--chdir={ROOT}"]
+    mounts = [m for m in (args.container_mounts or "").split(",") if m] + [f"{ROOT}:{ROOT}", f"{run}:{run}"]
+    return [f"--container-image={args.container_image}", f"--container-workdir={ROOT}",
+            f"--container-mounts={','.join(mounts)}"]
+
+
 def build(args, extra):
     cfg = config_path(args.config)
     job = os.environ.get("SLURM_JOB_ID", "dryrun" if args.dry_run else "local")
-    run = Path(args.runs_dir) / cfg.stem / job
+    run = Path(args.runs_dir) / cfg.stem
     ckpt, logs = run / "checkpoints", run / "logs"
     world = args.nodes * args.gpus_per_node
+    exit_min = slurm_minutes(time_limit(args)) - args.exit_margin_min
+    if exit_min < 5:
+        raise SystemExit(f"error: the time limit leaves {exit_min} min after the {args.exit_margin_min} min exit margin")
     env = dict(NCCL_ENV)
     env.update({k: os.environ[k] for k in PASSTHROUGH if k in os.environ})
-    train = [args.python, str(ROOT / "scripts" / "pretrain_gpt_mesh.py"), "--config", str(cfg),
-             "--save", str(ckpt), "--load", str(ckpt), "--tensorboard-dir", str(run / "tensorboard"),
-             "--summary-json", str(run / "summary.json"), *extra]
-    srun = ["srun", f"--nodes={args.nodes}", "--kill-on-bad-exit=1", f"--output={logs}/%x-%j-%t.log"]
-    if args.container_image:
-        srun += [f"--container-image={args.container_image}", f"--container-workdir={ROOT}"]
-        mounts = [m for m in (args.container_mounts or "").split(",") if m] + [f"{ROOT}:{ROOT}", f"{run}:{run}"]
-        srun += [f"--container-mounts={','.join(mounts)}"]
+    logging = ["--tensorboard-dir", str(run / "tensorboard")]
+    if "WANDB_API_KEY" in os.environ:  # W&B only when the key is there
+        logging += ["--wandb-project", os.environ.get("WANDB_PROJECT", "megatron-mesh-cp"), "--wandb-exp-name",
+                    f"{cfg.stem}-{job}", "--wandb-save-dir", str(run / "wandb")]
+    train = [str(ROOT / "scripts" / "pretrain_gpt_mesh.py"), "--config", str(cfg),
+             "--save", str(ckpt), "--load", str(ckpt), "--exit-duration-in-mins", str(exit_min),
+             "--exit-signal-handler", *logging, "--summary-json", str(run / f"summary-{job}.json"), *extra]
+    box = container_flags(args, run)
+    preflight = ["srun", "--nodes=1", "--ntasks=1", "--nodelist=$FIRST_NODE", f"--gpus-per-node={args.gpus_per_node}",
+                 *box, args.python, "-m", "megatron_mesh_cp.megatron.preflight", "--config", str(cfg),
+                 "--gpus-per-node", str(args.gpus_per_node), "--save", str(ckpt), *logging, *extra]
+    srun = ["srun", f"--nodes={args.nodes}", "--kill-on-bad-exit=1", f"--output={logs}/{job}-rank%t.log", *box]
     if args.launcher == "torchrun":
         srun += ["--ntasks-per-node=1", f"--gpus-per-node={args.gpus_per_node}"]
         inner = [args.python, "-m", "torch.distributed.run", f"--nnodes={args.nodes}",
                  f"--nproc-per-node={args.gpus_per_node}", "--rdzv-backend=c10d",
-                 "--rdzv-endpoint=$MASTER_ADDR:29500", f"--rdzv-id={job}"] + train[1:]
-        cmd = srun + ["bash", "-c", " ".join(shlex.quote(c) if not c.startswith("--rdzv-endpoint") else c for c in inner)]
+                 f"--rdzv-endpoint=$MASTER_ADDR:{PORT}", f"--rdzv-id={job}"] + train
+        cmd = srun + ["bash", "-c", " ".join(c if c.startswith("--rdzv-endpoint") else shlex.quote(c) for c in inner)]
     else:
-        srun += [f"--ntasks-per-node={args.gpus_per_node}", "--gpus-per-task=1", "--cpu-bind=none"]
-        export = "export RANK=$SLURM_PROCID WORLD_SIZE=$SLURM_NTASKS LOCAL_RANK=$SLURM_LOCALID MASTER_PORT=29500"
-        cmd = srun + ["bash", "-c", export + "; " + " ".join(shlex.quote(c) for c in train)]
-    return cfg, run, world, env, cmd
+        # every task sees all the node's GPUs (no --gpus-per-task: Megatron calls set_device(LOCAL_RANK))
+        srun += [f"--ntasks-per-node={args.gpus_per_node}", f"--gpus-per-node={args.gpus_per_node}",
+                 "--gpu-bind=none", "--cpu-bind=none"]
+        export = ("export RANK=$SLURM_PROCID WORLD_SIZE=$SLURM_NTASKS LOCAL_RANK=$SLURM_LOCALID "
+                  f"LOCAL_WORLD_SIZE=$SLURM_NTASKS_PER_NODE MASTER_PORT={PORT}")
+        cmd = srun + ["bash", "-c", export + "; " + " ".join(shlex.quote(c) for c in [args.python] + train)]
+    return cfg, run, world, env, preflight, cmd, logging + extra
 
 
-def resolve_shape(cfg: Path, world: int, python: str) -> str:
-    """The launcher's --dry-run for this world size: the parallel layout and the mesh shape."""
-    env = dict(os.environ, WORLD_SIZE=str(world), RANK="0", LOCAL_RANK="0")
-    env.setdefault("TOKENIZER_MODEL", "/unset/tokenizer")
-    env.setdefault("DATA_PATH", "/unset/data")
-    env["PYTHONWARNINGS"] = "ignore"
-    try:
-        out = subprocess.run([python, str(ROOT / "scripts" / "pretrain_gpt_mesh.py"), "--config", str(cfg), "--dry-run"],
-                             env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        return f"(not resolved here: {exc})"
-    lines = [l for l in out.stdout.splitlines() if l.startswith("[mesh-cp]")]
-    if out.returncode != 0 or not lines:
-        tail = (out.stderr.strip().splitlines() or ["no output"])[-1]
-        return f"(not resolved here: {tail})"
-    return "\n".join(lines)
+def local_checks(args, cfg: Path, run: Path, world: int, flags) -> int:
+    """--dry-run: the preflight and the launcher's dry run, here; returns the number of failures."""
+    env = dict(os.environ, WORLD_SIZE=str(world), RANK="0", LOCAL_RANK="0", PYTHONPATH=str(ROOT))
+    py = sys.executable if args.python == "python3" else args.python
+    checks = [("preflight", [py, "-m", "megatron_mesh_cp.megatron.preflight", "--config", str(cfg),
+                             "--save", str(run / "checkpoints"), *flags] + (["--no-software"] if args.container_image else [])),
+              ("launcher dry run", [py, str(ROOT / "scripts" / "pretrain_gpt_mesh.py"), "--config", str(cfg), "--dry-run", *flags])]
+    failed = 0
+    for name, command in checks:
+        try:
+            out = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            print(f"{name}: could not run here: {exc}")
+            failed += 1
+            continue
+        lines = [l for l in out.stdout.splitlines() if l.startswith(("preflight:", "[mesh-cp]"))]
+        lines += [f"error: {l[7:]}" for l in out.stderr.splitlines() if l.startswith("error: ")]
+        print(f"{name} (here{', software checked in the container at job start' if args.container_image and name == 'preflight' else ''}):")
+        print("\n".join("  " + l for l in lines) or f"  (no output; exit {out.returncode}) {out.stderr.strip()[-500:]}")
+        failed += out.returncode != 0
+    return failed
 
 
 def main(argv=None):
     args, extra = parse(sys.argv[1:] if argv is None else argv)
-    cfg, run, world, env, cmd = build(args, extra)
+    cfg, run, world, env, preflight, cmd, flags = build(args, extra)
     header = (f"job: config {cfg.name}, {args.nodes} nodes x {args.gpus_per_node} GPUs = {world} ranks, "
               f"launcher {args.launcher}{', container ' + args.container_image if args.container_image else ''}")
     if args.dry_run:
         print(header)
-        print(f"run dir: {run}  (logs/, checkpoints/, tensorboard/, summary.json)")
+        print(f"run dir: {run}  (checkpoints/ resumed by every resubmission, logs/, tensorboard/, summary-<job>.json)")
         print("environment:\n" + "\n".join(f"  export {k}={shlex.quote(v)}" for k, v in env.items()))
+        print("preflight (first node):\n  " + " ".join(shlex.quote(c) if "$" not in c else c for c in preflight))
         print("command:\n  " + " ".join(shlex.quote(c) for c in cmd))
-        py = sys.executable if args.python == "python3" else args.python
-        print("resolved on this machine:\n" + resolve_shape(cfg, world, py))
-        return 0
+        return 1 if local_checks(args, cfg, run, world, flags) else 0
     if "SLURM_JOB_ID" not in os.environ:
-        raise SystemExit("error: not inside a SLURM allocation; submit the .sbatch script with sbatch, or pass --dry-run")
+        raise SystemExit("error: not inside a SLURM allocation; submit with scripts/slurm/submit.sh, or pass --dry-run")
     (run / "logs").mkdir(parents=True, exist_ok=True)
     (run / "checkpoints").mkdir(parents=True, exist_ok=True)
     os.environ.update(env)
     nodes = subprocess.run(["scontrol", "show", "hostnames", os.environ["SLURM_JOB_NODELIST"]],
                            capture_output=True, text=True, check=True).stdout.split()
-    os.environ["MASTER_ADDR"] = nodes[0]
+    os.environ["MASTER_ADDR"] = os.environ["FIRST_NODE"] = nodes[0]
     print(header, flush=True)
+    check = [c.replace("$FIRST_NODE", nodes[0]) for c in preflight]
+    print("preflight: " + " ".join(shlex.quote(c) for c in check), flush=True)
+    if subprocess.run(check).returncode != 0:
+        raise SystemExit(f"error: preflight failed on {nodes[0]}; nothing was started on the other nodes")
     print("command: " + " ".join(shlex.quote(c) for c in cmd), flush=True)
     os.execvp(cmd[0], cmd)
 

@@ -1,0 +1,102 @@
+"""Per-GPU memory estimate for a resolved Megatron configuration with mesh CP (the launcher's dry run).
+
+Weights and optimizer: the parameter count of the most loaded model shard from Megatron's own
+``theoretical_memory_usage`` (GQA, SwiGLU, MoE, untied output layer), at bf16 parameters, fp32 main
+gradients and fp32 Adam state + master weights, the last sharded over DP x CP by the distributed
+optimizer (Megatron's estimator shards over DP only, which overstates CP runs). Activations: Megatron's
+per-layer term (flash attention, no score matrix) on this rank's sequence share; with full recompute
+only each layer's input is kept plus one layer being recomputed. Attention transient: the mesh plan's
+peak live chunks (``plan.validate``) times the largest chunk it receives. An estimate, not a measurement.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import List, Tuple
+
+import torch
+
+__all__ = ["estimate", "report"]
+
+GIB = 2**30
+ASSUMED_VOCAB = 128256  # Llama-3's, when the tokenizer (not loaded by a dry run) gives no size
+
+
+def _params_on_most_loaded_shard(args, vocab: int) -> float:
+    from megatron.training.theoretical_memory_usage import compute_weight_and_optimizer_memory
+
+    a = copy.copy(args)
+    a.padded_vocab_size = vocab
+    a.use_distributed_optimizer, a.data_parallel_size = True, 1  # 18 bytes per parameter, so count = bytes / 18
+    return compute_weight_and_optimizer_memory(a) / 18
+
+
+def _attention_transient(args, s_local: int, bytes_el: int) -> Tuple[float, int]:
+    """Bytes of the mesh executor's receive buffers and accumulators at its peak, and that peak in chunks."""
+    from ..plan import ChunkDims, payload, validate
+    from ..schedule import build_plans
+    from .settings import SETTINGS
+
+    shape = getattr(args, "mesh_shape", None)
+    if getattr(args, "context_parallel_algo", None) != "mesh" or not shape:
+        return 0.0, 0
+    a, b = (int(x) for x in str(shape).split("x"))
+    tp = args.tensor_model_parallel_size
+    heads = max(1, args.num_attention_heads // tp)
+    kv = max(1, (args.num_query_groups if args.group_query_attention else args.num_attention_heads) // tp)
+    d = args.kv_channels or args.hidden_size // args.num_attention_heads
+    dtype = {2: torch.bfloat16, 4: torch.float32}[bytes_el]
+    dims = ChunkDims(args.micro_batch_size, s_local, heads, kv, d, dtype)
+    worst, peak_chunks = 0.0, 0
+    for plan in build_plans(a, b, SETTINGS.planner, cluster=SETTINGS.cluster, stride=tp):
+        peak = validate(plan)
+        chunk = max(sum(t.nbytes for t in payload(plan.phase, k, dims)) for k in ("q", "kv", "o", "dq", "dkv"))
+        acc = 3 * s_local * args.micro_batch_size * heads * d * 4  # fp32 out/dq + dk/dv accumulators
+        if peak * chunk + acc > worst:
+            worst, peak_chunks = peak * chunk + acc, peak
+    return worst, peak_chunks
+
+
+def estimate(args) -> dict:
+    """Bytes per GPU by component (and the assumptions made), for the most loaded rank."""
+    vocab = getattr(args, "padded_vocab_size", None) or args.vocab_size or ASSUMED_VOCAB
+    params = _params_on_most_loaded_shard(args, vocab)
+    cp, tp, dp = args.context_parallel_size, args.tensor_model_parallel_size, args.data_parallel_size
+    shards = dp * cp if args.use_distributed_optimizer else 1
+    bytes_el = 2 if (args.bf16 or args.fp16) else 4
+    s_local, mb, h = args.seq_length // cp, args.micro_batch_size, args.hidden_size
+    layers = args.num_layers // args.pipeline_model_parallel_size
+    per_layer = s_local * mb * h * (10 + 24 / tp)  # Megatron's flash-attention layer term (bytes, 16-bit)
+    full = getattr(args, "recompute_granularity", None) == "full"
+    kept = s_local * mb * h * bytes_el / (tp if args.sequence_parallel else 1)  # a layer's input
+    activations = layers * kept + per_layer if full else layers * per_layer
+    logits = s_local * mb * vocab / tp * (bytes_el + 4)  # logits and their fp32 softmax/gradient
+    attention, peak_chunks = _attention_transient(args, s_local, bytes_el)
+    parts = {
+        "parameters": params * bytes_el,
+        "gradients": params * 4,
+        "optimizer": params * 12 / shards,
+        "activations": activations,
+        "logits": logits,
+        "attention": attention,
+    }
+    return {"parts": parts, "total": sum(parts.values()), "params": params, "vocab_assumed": vocab == ASSUMED_VOCAB
+            and not (getattr(args, "padded_vocab_size", None) or args.vocab_size), "recompute": full,
+            "optimizer_shards": shards, "peak_chunks": peak_chunks}
+
+
+def report(args, gpu_gib: float) -> List[Tuple[str, str]]:
+    """(level, line) pairs: the breakdown, and a warning when the total exceeds ``gpu_gib``."""
+    e = estimate(args)
+    p = e["parts"]
+    lines = [("info", f"memory per GPU (estimate): {e['total'] / GIB:.1f} GiB = parameters {p['parameters'] / GIB:.1f} "
+              f"+ gradients {p['gradients'] / GIB:.1f} + optimizer {p['optimizer'] / GIB:.1f} (over {e['optimizer_shards']} "
+              f"shards) + activations {p['activations'] / GIB:.1f} ({'full recompute' if e['recompute'] else 'no recompute'}) "
+              f"+ logits {p['logits'] / GIB:.1f} + attention transient {p['attention'] / GIB:.2f}"
+              + (f" ({e['peak_chunks']} live chunks at peak)" if e["peak_chunks"] else "")
+              + f"; {e['params'] / 1e9:.2f} B parameters on this shard"
+              + (f"; vocabulary assumed {ASSUMED_VOCAB} (set vocab_size)" if e["vocab_assumed"] else ""))]
+    if e["total"] > gpu_gib * GIB:
+        lines.append(("warning", f"the estimate ({e['total'] / GIB:.1f} GiB) exceeds the GPU's {gpu_gib:.0f} GiB: "
+                      "raise TP/CP, enable full recompute, or use the distributed optimizer"))
+    return lines

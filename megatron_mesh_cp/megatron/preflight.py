@@ -1,0 +1,183 @@
+"""Preflight for a cluster job: check in seconds, on one node, what would otherwise fail on all of them.
+
+    python -m megatron_mesh_cp.megatron.preflight --config configs/X.yaml [--gpus-per-node 8] [--save DIR]
+
+Checks the config (environment variables set, see :mod:`.config`), the software (this package,
+megatron-core 0.19.x for the launcher, Transformer Engine when the config uses it, ``transformers``
+for a Hugging Face tokenizer), the tokenizer and data paths (each blend prefix's ``.bin``/``.idx``),
+that the checkpoint directory is writable, and the GPUs this node shows. Prints one line per check
+and exits 1 if any failed. ``scripts/slurm/job.py`` runs it on the first node before ``srun`` fans
+out, and its ``--dry-run`` runs the same checks here (``--no-software``/``--no-gpus`` when this
+machine is not the one that will run the job, e.g. a container image).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+import tempfile
+from typing import List, NamedTuple, Optional
+
+__all__ = ["Check", "run_checks", "main"]
+
+LAUNCHER_MCORE = (0, 19)
+
+
+class Check(NamedTuple):
+    name: str
+    ok: bool
+    detail: str
+
+
+def _version(module: str) -> str:
+    mod = importlib.import_module(module)
+    return str(getattr(mod, "__version__", "unknown"))
+
+
+def _software(args) -> List[Check]:
+    out = []
+    import megatron_mesh_cp
+
+    out.append(Check("megatron-mesh-cp", True, f"{megatron_mesh_cp.__version__} at {os.path.dirname(megatron_mesh_cp.__file__)}"))
+    try:
+        from megatron.core import package_info
+
+        ok = tuple(int(x) for x in package_info.__version__.split(".")[:2]) == LAUNCHER_MCORE
+        out.append(Check("megatron-core", ok, package_info.__version__ + ("" if ok else
+                         f"; the launcher needs {'.'.join(map(str, LAUNCHER_MCORE))}.x (pip install 'megatron-core~=0.19.0')")))
+    except ImportError as exc:
+        out.append(Check("megatron-core", False, f"not importable ({exc}); pip install 'megatron-core~=0.19.0'"))
+    if args.transformer_impl == "transformer_engine":
+        try:
+            out.append(Check("transformer-engine", True, _version("transformer_engine")))
+        except Exception as exc:  # TE fails with OSError/RuntimeError too when its CUDA libraries are missing
+            out.append(Check("transformer-engine", False, f"not importable ({type(exc).__name__}: {exc}); the config "
+                             "sets transformer_impl: transformer_engine (use a TE container or pip install "
+                             "'megatron-mesh-cp[te]')"))
+    for wanted, module, why in ((args.tensorboard_dir, "torch.utils.tensorboard", "--tensorboard-dir needs the tensorboard package"),
+                                (args.wandb_project, "wandb", "--wandb-project (W&B logging) needs the wandb package")):
+        if wanted:
+            try:
+                importlib.import_module(module)
+                out.append(Check(module, True, "importable"))
+            except ImportError:
+                out.append(Check(module, False, f"not importable; {why}"))
+    if args.tokenizer_type == "HuggingFaceTokenizer":
+        try:
+            out.append(Check("transformers", True, _version("transformers")))
+        except ImportError:
+            out.append(Check("transformers", False, "not importable; HuggingFaceTokenizer needs it "
+                             "(pip install 'megatron-mesh-cp[megatron]')"))
+    return out
+
+
+def _tokenizer(args, software: bool) -> List[Check]:
+    if args.tokenizer_type in (None, "NullTokenizer"):
+        return []
+    path = args.tokenizer_model
+    if not path:
+        return [Check("tokenizer", False, f"{args.tokenizer_type} needs --tokenizer-model (tokenizer_model:)")]
+    if not os.path.exists(path):
+        return [Check("tokenizer", False, f"{path} does not exist (compute nodes are usually offline: point "
+                      "TOKENIZER_MODEL at a local tokenizer directory)")]
+    if args.tokenizer_type == "HuggingFaceTokenizer" and software:
+        try:
+            from transformers import AutoTokenizer
+
+            tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+            return [Check("tokenizer", True, f"{path}: {type(tok).__name__}, vocab {len(tok)}")]
+        except ImportError:
+            return []  # reported by the software check
+        except Exception as exc:
+            return [Check("tokenizer", False, f"{path} does not load: {type(exc).__name__}: {exc}")]
+    return [Check("tokenizer", True, path)]
+
+
+def _data(args) -> List[Check]:
+    if args.mock_data:
+        return [Check("data", True, "mock data")]
+    from megatron.core.datasets.utils import get_blend_from_list
+
+    blends = [("data_path", args.data_path), ("train_data_path", args.train_data_path),
+              ("valid_data_path", args.valid_data_path), ("test_data_path", args.test_data_path)]
+    prefixes = [(k, p) for k, v in blends if v for p in get_blend_from_list(v)[0]]
+    if not prefixes:
+        return [Check("data", False, "no data_path (or train/valid/test_data_path) and no mock_data")]
+    missing = [f"{k}: {p}.{ext}" for k, p in prefixes for ext in ("bin", "idx") if not os.path.isfile(f"{p}.{ext}")]
+    if missing:
+        return [Check("data", False, "missing " + ", ".join(missing[:4]) + (" ..." if len(missing) > 4 else ""))]
+    return [Check("data", True, f"{len(prefixes)} dataset prefix(es), .bin and .idx present")]
+
+
+def _writable(path: Optional[str]) -> List[Check]:
+    if not path:
+        return []
+    existing = path
+    while not os.path.exists(existing):  # the job creates it; check the directory it will be created in
+        existing = os.path.dirname(existing) or "."
+    try:
+        with tempfile.NamedTemporaryFile(dir=existing):
+            pass
+    except OSError as exc:
+        return [Check("checkpoints", False, f"{path}: {existing} is not writable: {exc}")]
+    resume = os.path.exists(os.path.join(path, "latest_checkpointed_iteration.txt"))
+    return [Check("checkpoints", True, f"{path} ({'resumes from its latest checkpoint' if resume else 'starts fresh'})")]
+
+
+def _gpus(expected: int) -> List[Check]:
+    import torch
+
+    if not torch.cuda.is_available():
+        return [Check("gpus", False, "CUDA is not available on this node")]
+    n = torch.cuda.device_count()
+    ok = n >= expected
+    return [Check("gpus", ok, f"{n} visible ({torch.cuda.get_device_name(0)})" +
+                  ("" if ok else f"; the job starts {expected} ranks per node, each binding GPU LOCAL_RANK"))]
+
+
+def run_checks(config: str, *, gpus_per_node: int = 0, save: Optional[str] = None, software: bool = True,
+               extra: Optional[List[str]] = None) -> List[Check]:
+    """All checks for one config (plus extra Megatron flags); never raises for a failed check."""
+    from .config import ConfigError, config_to_argv, megatron_parser
+
+    try:
+        argv = config_to_argv(config) + list(extra or [])
+    except ConfigError as exc:
+        return [Check("config", False, str(exc))]
+    args, _ = megatron_parser().parse_known_args(argv)
+    checks = [Check("config", True, config)]
+    steps = {
+        "software": lambda: _software(args) if software else [],
+        "tokenizer": lambda: _tokenizer(args, software),
+        "data": lambda: _data(args),
+        "checkpoints": lambda: _writable(save or args.save),
+        "gpus": lambda: _gpus(gpus_per_node) if gpus_per_node else [],
+    }
+    for name, step in steps.items():
+        try:
+            checks += step()
+        except Exception as exc:  # a check that cannot run is a failed check, reported with the rest
+            checks.append(Check(name, False, f"{type(exc).__name__}: {exc}"))
+    return checks
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m megatron_mesh_cp.megatron.preflight", description=__doc__.splitlines()[0])
+    p.add_argument("--config", required=True)
+    p.add_argument("--gpus-per-node", type=int, default=0, help="check this many GPUs are visible (0: skip)")
+    p.add_argument("--save", default=None, help="checkpoint directory that must be writable")
+    p.add_argument("--no-software", action="store_true", help="skip the import/version checks")
+    args, extra = p.parse_known_args(argv)
+    checks = run_checks(args.config, gpus_per_node=args.gpus_per_node, save=args.save,
+                        software=not args.no_software, extra=extra)
+    for c in checks:
+        print(f"preflight: {'ok  ' if c.ok else 'FAIL'} {c.name}: {c.detail}", flush=True)
+    failed = [c.name for c in checks if not c.ok]
+    print(f"preflight: {'passed' if not failed else 'FAILED (' + ', '.join(failed) + ')'}", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
