@@ -19,7 +19,8 @@ from .cluster import Cluster, Workload
 from .layout import BlockCase
 from .topology import MeshShape, valid_shapes
 
-__all__ = ["ShapeChoice", "HybridChoice", "choose_shape", "choose_hybrid_shape", "ulysses_degrees", "shape_bound"]
+__all__ = ["ShapeChoice", "HybridChoice", "choose_shape", "choose_hybrid_shape", "ulysses_degrees", "shape_bound",
+           "default_budget", "BUDGET_X_RING"]
 
 log = logging.getLogger("megatron_mesh_cp")
 
@@ -30,6 +31,8 @@ class ShapeChoice:
     seconds: float  # simulated forward + backward of one attention layer
     table: Tuple[Tuple[Tuple[int, int], Optional[float], str], ...]  # (shape, seconds or None, note)
     explanation: str
+    peak_bytes: int = 0  # the chosen plans' attention memory per rank (pool arena)
+    budget: float = 0.0  # the memory budget the search honoured
 
 
 @dataclass(frozen=True)
@@ -41,6 +44,8 @@ class HybridChoice:
     seconds: float
     table: Tuple[Tuple[Tuple[int, int, int], Optional[float], str], ...]
     explanation: str
+    peak_bytes: int = 0
+    budget: float = 0.0
 
 
 def _ring_hops(cluster: Cluster, rings, stride: int) -> str:
@@ -82,21 +87,36 @@ def shape_bound(a: int, b: int, cluster: Cluster, w: Workload, stride: int = 1) 
     return total
 
 
-def _search(cands: List[Tuple[tuple, float, Callable[[], float]]]):
-    """Score candidates (key, bound, simulate) in bound order, skipping those that cannot win."""
-    rows, best = [], float("inf")
+#: auto's default memory budget, in multiples of what TE's p2p Ring holds for the same layer.
+BUDGET_X_RING = 4.0
+#: Planning rounds spent looking for the live-chunk limit that fits a shape into the budget.
+PROBES = 5
+
+
+def default_budget(w: Workload) -> float:
+    """``BUDGET_X_RING`` times TE Ring's peak attention memory per rank for this layer."""
+    from .baselines import te_ring_peak_bytes
+
+    return BUDGET_X_RING * te_ring_peak_bytes(w)
+
+
+def _search(cands: List[Tuple[tuple, float, Callable[[], Tuple[float, int]]]]):
+    """Score candidates (key, bound, simulate) in bound order, skipping those that cannot win;
+    returns rows (key, seconds or None, note) and the peak bytes of each scored candidate."""
+    rows, peaks, best = [], {}, float("inf")
     for key, bound, run in sorted(cands, key=lambda c: c[1]):
         if bound >= best:
             rows.append((key, None, f"skipped: lower bound {bound * 1e3:.2f} ms >= best {best * 1e3:.2f} ms"))
             continue
         try:
-            t = run()
-        except ValueError as exc:  # memory budget too small for this tile
+            t, peaks[key] = run()
+        except ValueError as exc:  # the memory budget is too small for this tile
             rows.append((key, None, str(exc)))
+            log.info("mesh_shape=auto skips %s: %s", "x".join(map(str, key)), exc)
             continue
         rows.append((key, t, ""))
         best = min(best, t)
-    return rows
+    return rows, peaks
 
 
 def _mesh_time(a, b, cluster, w, stride, max_live, chains="auto") -> float:
@@ -108,17 +128,56 @@ def _mesh_time(a, b, cluster, w, stride, max_live, chains="auto") -> float:
             + replay(bwd, cluster, w, stride=stride, record=None).time)
 
 
+def _within_budget(a, b, cluster, w, stride, max_live, budget, extra=0) -> Tuple[float, int]:
+    """(simulated seconds, peak bytes) of the a x b mesh planned to fit ``budget`` bytes per rank
+    (``extra``: bytes held beside the pool, e.g. the all-to-all's); ValueError when it cannot."""
+    from .baselines import plan_peak_bytes
+    from .schedule import build_plans
+
+    fwd, bwd = build_plans(a, b, cluster=cluster, workload=w, stride=stride, max_live=max_live)
+    peak = plan_peak_bytes(fwd, bwd, w) + extra
+    if peak > budget:  # the largest live-chunk budget whose plans fit (bisection, a few probes)
+        from .plan import validate
+
+        lo, hi, fit = 2, max(validate(fwd), validate(bwd)) - 1, None
+        for _ in range(PROBES):
+            if lo > hi:
+                break
+            mid = (lo + hi + 1) // 2
+            try:
+                f, b_ = build_plans(a, b, cluster=cluster, workload=w, stride=stride, max_live=mid)
+                p = plan_peak_bytes(f, b_, w) + extra
+            except ValueError:
+                p = None
+            if p is not None and p <= budget:
+                lo, fit = mid + 1, (mid, p)
+            elif p is None:
+                lo = mid + 1
+            else:
+                hi = mid - 1
+        if fit is None:
+            raise ValueError(f"its plans need {peak / 2**20:.0f} MiB (budget {budget / 2**20:.0f} MiB) and no "
+                             f"live-chunk limit tried brings them under it")
+        max_live, peak = fit
+    return _mesh_time(a, b, cluster, w, stride, max_live), peak
+
+
 @lru_cache(maxsize=128)
 def choose_shape(
-    n: int, cluster: Cluster, workload: Workload, *, stride: int = 1, max_live: Optional[int] = None
+    n: int, cluster: Cluster, workload: Workload, *, stride: int = 1, max_live: Optional[int] = None,
+    memory_budget: Optional[float] = None,
 ) -> ShapeChoice:
-    """The fastest valid shape for CP size ``n``; ``explanation`` is the one-line reason (also logged)."""
+    """The fastest valid shape for CP size ``n`` whose plans fit ``memory_budget`` bytes of attention
+    memory per rank (default: :func:`default_budget`, 4x TE Ring's); ``explanation`` is the logged reason."""
+    budget = default_budget(workload) if memory_budget is None else memory_budget
     cands = [((a, b), shape_bound(a, b, cluster, workload, stride),
-              lambda a=a, b=b: _mesh_time(a, b, cluster, workload, stride, max_live)) for a, b in valid_shapes(n)]
-    rows = _search(cands)
+              lambda a=a, b=b: _within_budget(a, b, cluster, workload, stride, max_live, budget))
+             for a, b in valid_shapes(n)]
+    rows, peaks = _search(cands)
     timed = sorted((t, s) for s, t, _ in rows if t is not None)
     if not timed:
-        raise ValueError(f"no mesh shape for CP={n} fits the memory budget of {max_live} live chunks; raise it")
+        raise ValueError(f"no mesh shape for CP={n} fits the memory budget ({budget / 2**20:.0f} MiB per rank, "
+                         f"max_live={max_live}); raise memory_budget")
     best_t, best = timed[0]
     ring = next((t for s, t, _ in rows if s == (1, n)), None)
     if ring is None and best != (1, n):
@@ -129,10 +188,11 @@ def choose_shape(
     text = (
         f"mesh_shape=auto -> {best[0]}x{best[1]} for CP={n} (S/rank={workload.seq_local}, heads "
         f"{workload.heads}/{workload.kv_heads} kv, d={workload.head_dim}, {cluster.name}, stride {stride}): "
-        f"simulated {best_t * 1e3:.2f} ms/layer fwd+bwd{runner}{vs_ring}"
+        f"simulated {best_t * 1e3:.2f} ms/layer fwd+bwd, peak attention memory {peaks[best] / 2**20:.0f} MiB/rank "
+        f"(budget {budget / 2**20:.0f} MiB){runner}{vs_ring}"
     )
     log.info(text)
-    return ShapeChoice(MeshShape(*best), best_t, tuple(sorted(rows)), text)
+    return ShapeChoice(MeshShape(*best), best_t, tuple(sorted(rows)), text, peaks[best], budget)
 
 
 def ulysses_degrees(n: int, cluster: Cluster, heads: int, kv_heads: int, stride: int = 1) -> List[int]:
@@ -145,34 +205,42 @@ def ulysses_degrees(n: int, cluster: Cluster, heads: int, kv_heads: int, stride:
 
 @lru_cache(maxsize=64)
 def choose_hybrid_shape(
-    n: int, cluster: Cluster, workload: Workload, *, stride: int = 1, max_live: Optional[int] = None
+    n: int, cluster: Cluster, workload: Workload, *, stride: int = 1, max_live: Optional[int] = None,
+    memory_budget: Optional[float] = None,
 ) -> HybridChoice:
-    """The fastest (u, a, b) with u * a * b = n for a2a+mesh (u = 1 is pure mesh); logged like choose_shape."""
-    from .baselines import _ulysses_a2a, ulysses_inner
+    """The fastest (u, a, b) with u * a * b = n for a2a+mesh (u = 1 is pure mesh) within the memory
+    budget (as :func:`choose_shape`); logged like choose_shape."""
+    from .baselines import _ulysses_a2a, ulysses_buffer_bytes, ulysses_inner
 
+    budget = default_budget(workload) if memory_budget is None else memory_budget
     cands = []
     for u in ulysses_degrees(n, cluster, workload.heads, workload.kv_heads, stride):
         inner = ulysses_inner(u, workload)
         a2a = sum(step[2] for part in _ulysses_a2a(u, cluster, workload, stride)[:4] for step in part)
         for a, b in valid_shapes(n // u):
-            run = (lambda a=a, b=b, inner=inner, u=u, a2a=a2a:
-                   a2a + _mesh_time(a, b, cluster, inner, stride * u, max_live))
+            def run(a=a, b=b, inner=inner, u=u, a2a=a2a):
+                t, peak = _within_budget(a, b, cluster, inner, stride * u, max_live, budget,
+                                         ulysses_buffer_bytes(u, workload))
+                return a2a + t, peak
+
             cands.append(((u, a, b), a2a + shape_bound(a, b, cluster, inner, stride * u), run))
     if not cands:
         raise ValueError(f"no Ulysses degree divides CP={n}, heads={workload.heads} and kv heads="
                          f"{workload.kv_heads} within a node of {cluster.gpus_per_node} GPUs (TP {stride})")
-    rows = _search(cands)
+    rows, peaks = _search(cands)
     timed = sorted((t, s) for s, t, _ in rows if t is not None)
     if not timed:
-        raise ValueError(f"no a2a+mesh shape for CP={n} fits the memory budget of {max_live} live chunks; raise it")
+        raise ValueError(f"no a2a+mesh shape for CP={n} fits the memory budget ({budget / 2**20:.0f} MiB per rank, "
+                         f"max_live={max_live}); raise memory_budget")
     best_t, (u, a, b) = timed[0]
     ring = _mesh_time(1, n, cluster, workload, stride, None, chains="one-way")  # TE's p2p Ring
     runner = (f", next {'x'.join(map(str, timed[1][1]))} {timed[1][0] * 1e3:.2f} ms" if len(timed) > 1 else "")
     text = (
         f"mesh_shape=auto (a2a+mesh) -> {u}x{a}x{b} for CP={n} (S/rank={workload.seq_local}, heads "
         f"{workload.heads}/{workload.kv_heads} kv, d={workload.head_dim}, {cluster.name}, stride {stride}): "
-        f"simulated {best_t * 1e3:.2f} ms/layer fwd+bwd{runner}, Ring 1x1x{n} {ring * 1e3:.2f} ms "
+        f"simulated {best_t * 1e3:.2f} ms/layer fwd+bwd, peak attention memory {peaks[(u, a, b)] / 2**20:.0f} "
+        f"MiB/rank (budget {budget / 2**20:.0f} MiB){runner}, Ring 1x1x{n} {ring * 1e3:.2f} ms "
         f"({ring / best_t:.2f}x slower)"
     )
     log.info(text)
-    return HybridChoice(u, MeshShape(a, b), best_t, tuple(sorted(rows)), text)
+    return HybridChoice(u, MeshShape(a, b), best_t, tuple(sorted(rows)), text, peaks[(u, a, b)], budget)

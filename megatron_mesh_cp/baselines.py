@@ -70,9 +70,41 @@ def _from_phases(algo: str, fwd: PhaseResult, bwd: PhaseResult, shape: str, note
     )
 
 
+def plan_peak_bytes(fwd, bwd, w: Workload) -> int:
+    """Bytes the executor's pool holds for these plans: the larger phase's arena (memory.layout)."""
+    from .memory import layout
+    from .simulate import workload_dims
+
+    dims = workload_dims(w)
+    return max(layout(fwd, dims).nbytes, layout(bwd, dims).nbytes)
+
+
+def te_ring_peak_bytes(w: Workload) -> int:
+    """What TE's p2p Ring holds beyond q, k, v, out per rank (an estimate from its buffers): forward,
+    double-buffered K/V and the fp32 output and lse accumulators; backward, double-buffered K/V and
+    dK/dV, the fp32 dQ accumulator and one block's dQ, dK, dV."""
+    e, p = w.bytes_per_element, w.partial_bytes
+    tok = w.batch * w.seq_local * w.head_dim
+    kv = 2 * tok * w.kv_heads
+    fwd = 2 * kv * e + tok * w.heads * 4 + w.batch * w.seq_local * w.heads * 4
+    bwd = 2 * kv * e + 2 * kv * p + tok * w.heads * 4 + (tok * w.heads + kv) * e
+    return max(fwd, bwd)
+
+
+def ulysses_buffer_bytes(u: int, w: Workload) -> int:
+    """The all-to-all's own tensors held across the inner attention: q, k, v (replicas included), out."""
+    if u <= 1:
+        return 0
+    iw = ulysses_inner(u, w)
+    return w.bytes_per_element * iw.batch * iw.seq_local * iw.head_dim * (2 * iw.heads + 2 * iw.kv_heads)
+
+
 def _plan_algo(algo, a, b, cluster, w, stride, planner="greedy", chains="auto", max_live=None, note=""):
     fwd, bwd = build_plans(a, b, planner, cluster=cluster, workload=w, stride=stride, max_live=max_live, chains=chains)
-    return _from_phases(algo, replay(fwd, cluster, w, stride=stride), replay(bwd, cluster, w, stride=stride), f"{a}x{b}", note)
+    res = _from_phases(algo, replay(fwd, cluster, w, stride=stride), replay(bwd, cluster, w, stride=stride),
+                       f"{a}x{b}", note)
+    res.peak_bytes = te_ring_peak_bytes(w) if algo == "ring" else plan_peak_bytes(fwd, bwd, w)
+    return res
 
 
 def _attention_time(cluster: Cluster, w: Workload, rows: int, keys: int, heads: int, backward: bool) -> float:
@@ -134,7 +166,9 @@ def _allgather(n: int, cluster: Cluster, w: Workload, stride: int) -> SimResult:
         ("backward", "compute", b_comp, 0, 0),
         ("backward", "reduce-scatter", _collective(cluster, n, stride, rs), rs, rs * x),
     ]
-    return _phased("allgather", steps, f"1x{n}")
+    res = _phased("allgather", steps, f"1x{n}")
+    res.peak_bytes = gather + (n - 1) * kv * p  # the gathered K/V and their gradients
+    return res
 
 
 def _ulysses_a2a(u: int, cluster: Cluster, w: Workload, stride: int):
@@ -169,7 +203,9 @@ def _ulysses(n: int, cluster: Cluster, w: Workload, stride: int) -> SimResult:
     steps = (before + [("forward", "compute", f_comp, 0, 0)] + after_fwd
              + before_bwd + [("backward", "compute", b_comp, 0, 0)] + after_bwd)
     note = f"kv heads replicated to {kv_heads}" if kv_heads != w.kv_heads else ""
-    return _phased("ulysses", steps, f"a2a {n}", note)
+    res = _phased("ulysses", steps, f"a2a {n}", note)
+    res.peak_bytes = ulysses_buffer_bytes(n, w)
+    return res
 
 
 def ulysses_inner(u: int, w: Workload) -> Workload:
@@ -195,7 +231,7 @@ def _ulysses_around(u: int, inner: Optional[SimResult], cluster: Cluster, w: Wor
     res = _phased(algo, steps, shape, f"kv heads replicated to {kv_heads}" if kv_heads != w.kv_heads else "")
     res.bytes_inter += inner.bytes_inter
     res.compute = inner.compute
-    res.peak_bytes = max(res.peak_bytes, inner.peak_bytes)
+    res.peak_bytes = inner.peak_bytes + ulysses_buffer_bytes(u, w)
     return res
 
 
