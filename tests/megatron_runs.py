@@ -50,7 +50,7 @@ def train(tmp: Path, name: str, nproc: int, extra: Sequence[str] = (), timeout: 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", str(_port()),
            str(LAUNCHER), "--config", str(cfg), "--summary-json", str(summary), "--dump-grads", str(grads), *extra]
     out = subprocess.run(cmd, env=env(tmp), capture_output=True, text=True, timeout=timeout, cwd=ROOT)
-    if out.returncode != 0:
+    if out.returncode != 0 or not summary.exists():  # Megatron exits 0 on some failures (sys.exit())
         raise AssertionError(f"{name} failed ({out.returncode}):\n{out.stdout[-4000:]}\n{out.stderr[-6000:]}")
     result = json.loads(summary.read_text())
     result["grads_path"] = str(grads)

@@ -4,10 +4,10 @@ Megatron-LM's training loop assumes CUDA throughout (see docs/megatron_on_cpu.md
 without CUDA, :func:`activate` installs:
 
 * one generic ``TorchFunctionMode`` that rewrites ``device="cuda"`` (str, ``torch.device`` or int)
-  to CPU, makes ``Tensor.cuda()`` / ``Tensor.to("cuda")`` / ``pin_memory`` no-ops; autograd runs
-  backward code without Python modes, so custom-Function backwards and tensor hooks (where
-  activation recompute re-runs the forward) re-enter it;
-  ``Tensor.type()`` names CPU tensors ``torch.cuda.*`` (the distributed optimizer checks it);
+  to CPU, makes ``Tensor.cuda()`` / ``Tensor.to("cuda")`` / ``pin_memory`` no-ops and has
+  ``Tensor.type()`` name CPU tensors ``torch.cuda.*`` (the distributed optimizer checks it).
+  Autograd runs backward code without Python modes, so custom-Function backwards and tensor hooks
+  (where activation recompute re-runs the forward) re-enter it;
 * no-op stand-ins for ``torch.cuda`` streams, events, ``synchronize`` and ``current_device``;
 * a separate CPU generator standing in for the CUDA one: random tensors asked for on "cuda" draw
   from it, and ``torch.cuda.manual_seed`` / ``get_rng_state`` / ``set_rng_state`` act on it. So
@@ -16,7 +16,8 @@ without CUDA, :func:`activate` installs:
 * pinned one-line patches of Megatron names (listed in :data:`PATCHES`): the ``allow_no_cuda``
   initialisation, the dataset-helper compile step (skipped only when the built helper imports, as
   in the wheel; a source checkout still builds it), the model-parallel RNG fork (dropout uses the
-  CPU generator), the device-architecture query, and the CUDA RNG state get/set of activation
+  CPU generator), the device-architecture query, the JIT-fusion warm-up (it only compiles
+  CUDA-sized fusions ahead of the first step), and the CUDA RNG state get/set of activation
   checkpointing (``--recompute-granularity``), which act on the stand-in generator (Megatron's own
   set would be queued by ``torch.cuda._lazy_call`` and never run).
 
@@ -49,6 +50,8 @@ PATCHES: List[Tuple[str, str, str]] = [
     ("megatron.training.training", "initialize_megatron", "pass allow_no_cuda=True"),
     ("megatron.core.datasets.utils", "compile_helpers", "skip the build when the helper already imports (wheel)"),
     ("megatron.training.arguments", "get_device_arch_version", "no device to query"),
+    ("megatron.training.training", "set_jit_fusion_options",
+     "a GPU warm-up: on CPU it only compiles (Inductor) CUDA-sized fusions, ~6 CPU-s per rank"),
 ]
 
 
@@ -180,6 +183,9 @@ def _patch_megatron(training: bool) -> None:
 
     owner, name = _resolve("megatron.training.arguments", "get_device_arch_version")
     setattr(owner, name, lambda: 9)
+
+    owner, name = _resolve("megatron.training.training", "set_jit_fusion_options")
+    setattr(owner, name, lambda *a, **k: None)
 
 
 def compile_helpers_if_missing(build, module: str = "megatron.core.datasets.helpers_cpp"):
