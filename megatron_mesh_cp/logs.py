@@ -3,7 +3,8 @@
 Modules only call ``logging.getLogger("megatron_mesh_cp")``. The entry points (launcher, demo,
 benchmarks) call :func:`configure` once: a ``[mesh-cp]`` stdout handler on that logger alone (no
 root logger, no warning filters; Megatron configures the root logger itself). The level comes from
-``MESH_CP_LOG_LEVEL`` (default INFO) and is exported so spawned ranks (:mod:`.spawn`) follow it.
+``MESH_CP_LOG_LEVEL`` (default INFO); ranks spawned by :mod:`.spawn` get it through
+:func:`inherited_env` (rank 0 at that level, the others warnings only).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import os
 import sys
 from typing import Optional
 
-__all__ = ["LOGGER", "configure", "configure_rank"]
+__all__ = ["LOGGER", "configure", "configure_rank", "inherited_env"]
 
 LOGGER = "megatron_mesh_cp"
 _ENV = "MESH_CP_LOG_LEVEL"
@@ -38,12 +39,19 @@ def configure(level: Optional[str] = None, prefix: str = "[mesh-cp]") -> logging
     log.addHandler(handler)
     log.setLevel(_level(level))
     log.propagate = False  # Megatron's root handler would print every record a second time
-    os.environ[_ENV] = logging.getLevelName(log.level)
     return log
 
 
+def inherited_env() -> dict:
+    """What a spawned rank needs to log like this process: the level, if an entry point configured it."""
+    log = logging.getLogger(LOGGER)
+    if any(getattr(h, "_mesh_cp", False) for h in log.handlers):
+        return {_ENV: logging.getLevelName(log.level)}
+    return {}
+
+
 def configure_rank(rank: int) -> None:
-    """In a spawned rank: follow the parent's configuration, rank 0 at its level, others warnings only."""
+    """In a spawned rank: configure only if the parent did (or the user set the level)."""
     if os.environ.get(_ENV):
         level = _level(None)
         configure(logging.getLevelName(level if rank == 0 else max(level, logging.WARNING)), f"[mesh-cp r{rank}]")

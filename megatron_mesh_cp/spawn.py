@@ -19,6 +19,8 @@ from typing import Any, Dict, List
 
 import torch.multiprocessing as mp
 
+from .logs import inherited_env
+
 __all__ = ["RankPool", "RankContext", "RankError", "free_port"]
 
 
@@ -88,6 +90,8 @@ class RankPool:
         port = free_port()
         env = dict(env or {})
         env.setdefault("OMP_NUM_THREADS", "1")
+        for key, value in inherited_env().items():
+            env.setdefault(key, value)
         self._procs = [
             ctx.Process(target=_worker, args=(r, n, port, self._tasks[r], self._results, timeout_s, env), daemon=True)
             for r in range(n)

@@ -17,7 +17,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.fixture
 def clean_logger(monkeypatch):
-    monkeypatch.delenv("MESH_CP_LOG_LEVEL", raising=False)
+    monkeypatch.setenv("MESH_CP_LOG_LEVEL", "")  # recorded, so teardown restores the original state
+    monkeypatch.delenv("MESH_CP_LOG_LEVEL")
     log = logging.getLogger(logs.LOGGER)
     saved = (list(log.handlers), log.level, log.propagate)
     yield log
@@ -38,7 +39,9 @@ def test_configure_is_idempotent_prefixed_and_exported(clean_logger, monkeypatch
     assert buf.getvalue() == "[mesh-cp] chosen\n"
     import os
 
-    assert os.environ["MESH_CP_LOG_LEVEL"] == "INFO"  # spawned ranks follow it
+    assert "MESH_CP_LOG_LEVEL" not in os.environ  # nothing leaks into unrelated subprocesses
+    assert logs.inherited_env() == {"MESH_CP_LOG_LEVEL": "INFO"}  # what RankPool hands its ranks
+    os.environ.update(logs.inherited_env())  # as in a spawned rank (monkeypatch restores it)
     logs.configure_rank(3)
     assert clean_logger.level == logging.WARNING and clean_logger.handlers[-1].formatter._fmt.startswith("[mesh-cp r3]")
 

@@ -137,11 +137,12 @@ def test_apply_maps_mesh_onto_megatron_settings():
     assert untouched.cp_comm_type == ["p2p"] and untouched.hierarchical_context_parallel_sizes is None
 
 
-def test_apply_auto_shape_uses_the_model(capsys):
+def test_apply_auto_shape_uses_the_model(caplog):
+    caplog.set_level("INFO", logger="megatron_mesh_cp")
     args = apply_mesh_args(_flat(context_parallel_size=16, context_parallel_algo="mesh", seq_length=16 * 4096), argv=[])
     a, b = args.hierarchical_context_parallel_sizes
     assert a * b == 16 and args.mesh_shape == f"{a}x{b}"
-    assert "mesh_shape=auto" in capsys.readouterr().out
+    assert "mesh_shape=auto" in caplog.text
 
 
 def test_apply_on_megatron_yaml_namespace():
