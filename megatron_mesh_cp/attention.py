@@ -22,8 +22,10 @@ import torch
 from .agree import agree, any_rank, plan_digest
 from .kernels import BlockKernel, lse_dtype, select_kernel
 from .layout import LAYOUTS, seq_dim
+from .hybrid import UlyssesIn, UlyssesOut
 from .plan import Plan
 from .schedule import build_plans
+from .ulysses import kv_repeats
 
 __all__ = ["mesh_attention", "check_inputs", "resolve_scale"]
 
@@ -96,7 +98,12 @@ def check_inputs(q, k, v, mesh, layout: str, softmax_scale) -> None:
             f"query heads ({h}) must be a multiple of kv heads ({hk}); "
             "use num_query_groups that divides num_attention_heads"
         )
-    n = mesh.shape.n
+    u = getattr(mesh, "ulysses", 1)
+    n = u * mesh.shape.n
+    if u > 1:
+        from .ulysses import check_ulysses_heads
+
+        check_ulysses_heads(h, hk, u, n)
     s_local = q.shape[s_dim]
     if s_local % 2:
         raise ValueError(
@@ -120,8 +127,9 @@ def plans_for(q, k, mesh, causal: bool, layout: str, partial_dtype, planner: str
         partial_bytes=torch.empty((), dtype=partial_dtype or acc).element_size(),
     )
     cluster = getattr(mesh, "cluster", None) or default_cluster()
-    return build_plans(mesh.shape.a, mesh.shape.b, planner, cluster=cluster, workload=w,
-                       stride=getattr(mesh, "stride", 1))
+    # a2a+mesh: consecutive super-ranks are u CP ranks apart
+    stride = getattr(mesh, "stride", 1) * getattr(mesh, "ulysses", 1)
+    return build_plans(mesh.shape.a, mesh.shape.b, planner, cluster=cluster, workload=w, stride=stride)
 
 
 class _MeshAttention(torch.autograd.Function):
@@ -188,8 +196,13 @@ def _prepare(q, k, v, mesh, causal, softmax_scale, layout, kernel, plans, partia
     scale = resolve_scale(softmax_scale, q.shape[-1])
     if partial_dtype is not None and (not isinstance(partial_dtype, torch.dtype) or not partial_dtype.is_floating_point):
         raise ValueError(f"partial_dtype must be a floating torch.dtype or None, got {partial_dtype!r}")
-    if plans is None:
-        plans = plans_for(q, k, mesh, causal, layout, partial_dtype, planner)
+    if plans is None:  # for what the mesh sees: a2a+mesh gives it u times the tokens on h/u heads
+        u = getattr(mesh, "ulysses", 1)
+        r = kv_repeats(q.shape[2], k.shape[2], u) if u > 1 else 1
+        s_dim = seq_dim(layout)
+        mq, mk = (torch.empty(u * x.shape[s_dim], x.shape[1 - s_dim], x.shape[2] * m // u, x.shape[3],
+                              dtype=x.dtype, device="meta") for x, m in ((q, 1), (k, r)))
+        plans = plans_for(mq, mk, mesh, causal, "sbhd", partial_dtype, planner)
     elif (plans[0].a, plans[0].b, plans[1].a, plans[1].b) != (mesh.shape.a, mesh.shape.b) * 2:
         raise ValueError(f"plans are for {plans[0].a}x{plans[0].b}, the mesh is {mesh.shape}")
     return blk, scale, plans
@@ -208,7 +221,7 @@ def _signature(q, k, mesh, causal, layout, partial_dtype, check_finite, determin
         "softmax_scale": scale, "partial_dtype": str(partial_dtype), "kernel": repr(blk) if blk else None,
         "forward plan": plan_digest(plans[0]) if plans else None,
         "backward plan": plan_digest(plans[1]) if plans else None,
-        "mesh shape": str(mesh.shape), "check_finite": bool(check_finite), "deterministic": bool(deterministic),
+        "mesh shape": str(mesh.shape), "ulysses": getattr(mesh, "ulysses", 1), "check_finite": bool(check_finite), "deterministic": bool(deterministic),
     }
 
 
@@ -247,6 +260,10 @@ def mesh_attention(
     check_finite: bool = False,
 ):
     """Context-parallel attention over ``mesh`` (a :class:`~megatron_mesh_cp.MeshGroups`).
+
+    With ``mesh.ulysses = u > 1`` (``a2a+mesh``) the inputs go through an all-to-all over heads in
+    the Ulysses group first and the mesh runs over the n/u super-ranks on h/u heads; inputs and
+    outputs are the same either way.
 
     q: ``[b, s_local, h, d]`` and k, v: ``[b, s_local, h_kv, d]`` (``layout="bshd"``; ``"sbhd"``
     swaps the first two dims), each rank holding its zigzag share (pieces g and 2n-1-g). Returns
@@ -294,7 +311,12 @@ def mesh_attention(
         _check_finite(mesh, "q, k or v", q, k, v)
     if layout == "bshd":  # the executor is sequence-major
         q, k, v = (x.transpose(0, 1) for x in (q, k, v))
+    u = getattr(mesh, "ulysses", 1)
+    if u > 1:  # a2a+mesh: all-to-all over heads in the Ulysses group around the unchanged mesh
+        q, k, v = UlyssesIn.apply(q, k, v, mesh, kv_repeats(q.shape[2], k.shape[2], u))
     out, lse = _MeshAttention.apply(q, k, v, mesh, bool(causal), scale, blk, plans, partial_dtype, bool(check_finite))
+    if u > 1:
+        out, lse = UlyssesOut.apply(out, lse, mesh, bool(return_lse))
     if layout == "bshd":
         out = out.transpose(0, 1).contiguous()
     return (out, lse) if return_lse else out

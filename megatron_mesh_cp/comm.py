@@ -126,7 +126,7 @@ class ProcessGroupComm(RingComm):
 
     def __init__(self, mesh) -> None:
         self.mesh = mesh
-        self.position = mesh.position
+        self.position = mesh.mesh_position  # on the a x b mesh (a2a+mesh: the super-rank)
         self.traffic = mesh.traffic
         self._seq = 0
         self._streams: Dict[Tuple[str, int], "torch.cuda.Stream"] = {}

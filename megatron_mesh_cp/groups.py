@@ -5,6 +5,9 @@
 [a, b] are exactly these, DESIGN.md section 2) after checking their membership on every rank and
 sharing the verdict over the CP group, so a wrong group on one rank fails on all of them.
 The rings' timeout is the default group's (or ``timeout=``); adopted groups keep their own.
+With a Ulysses degree u > 1 (``a2a+mesh``, docs/HYBRID.md) there is a third level: the Ulysses
+group of u consecutive CP ranks, and the rings join the ranks of the same Ulysses slot across
+groups (Megatron's hierarchical CP groups for sizes [u, a, b]).
 """
 
 from __future__ import annotations
@@ -59,33 +62,59 @@ def _raise_first(gathered: List[tuple]) -> None:
     if len(sizes) > 1:
         raise ValueError(f"MeshGroups.create: CP groups of different sizes {sorted(sizes)}; pass equal-size groups")
     shapes = [x[1] for x in gathered]
+    text = lambda s: "x".join(map(str, s if s[0] > 1 else s[1:]))  # noqa: E731  (u, a, b) or (a, b)
     for rank, s in enumerate(shapes):
         if s != shapes[0]:
             raise ValueError(
-                f"MeshGroups.create: ranks ask for different mesh shapes: {shapes[0][0]}x{shapes[0][1]} on rank 0 "
-                f"but {s[0]}x{s[1]} on rank {rank}; call it with the same shape on every rank"
+                f"MeshGroups.create: ranks ask for different mesh shapes: {text(shapes[0])} on rank 0 "
+                f"but {text(s)} on rank {rank}; call it with the same shape (and ulysses) on every rank"
             )
 
 
+def _super_ranks(cp_ranks: List[int], u: int, slot: int) -> List[int]:
+    """Global ranks of Ulysses slot ``slot`` in every Ulysses group, in super-rank order."""
+    return list(cp_ranks[slot::u])
+
+
+def _hybrid_shape(shape, n: int, u) -> MeshShape:
+    """The a x b mesh over the n/u super-ranks, or ValueError naming the fix."""
+    if not isinstance(u, int) or isinstance(u, bool) or u < 1:
+        raise ValueError(f"ulysses must be a positive integer (the Ulysses group size), got {u!r}")
+    if n % u:
+        raise ValueError(f"ulysses={u} does not divide the CP size {n}; use one of {[d for d in range(1, n + 1) if n % d == 0]}")
+    try:
+        return MeshShape.for_size(shape, n // u)
+    except ValueError as exc:
+        if u == 1:
+            raise
+        raise ValueError(
+            f"ulysses={u} x mesh {shape} does not fit the CP group of {n} ranks: the mesh spans the "
+            f"{n // u} super-ranks ({exc})"
+        ) from None
+
+
 class MeshGroups:
-    """This rank's view of an a x b mesh over real process groups.
+    """This rank's view of an a x b mesh over real process groups (times u for ``a2a+mesh``).
 
     Attributes: ``shape`` (MeshShape), ``position`` (CP rank), ``cp_group``, ``row_group``,
     ``col_group``, ``cp_ranks`` (global ranks in CP order) and ``traffic`` (bytes this rank moved).
     """
 
     def __init__(self, shape: MeshShape, cp_group, row_group, col_group, cp_ranks: List[int],
-                 timeout: Optional[timedelta] = None) -> None:
+                 timeout: Optional[timedelta] = None, ulysses_group=None, ulysses: int = 1) -> None:
         self.shape = shape
         self.timeout = timeout  # what a stalled peer costs: the rings' process-group timeout
         self.cp_group, self.row_group, self.col_group = cp_group, row_group, col_group
+        self.ulysses_group, self.ulysses = ulysses_group, ulysses
         self.cp_ranks = cp_ranks
         me = dist.get_rank()
         if me not in cp_ranks:
             raise ValueError(f"rank {me} is not a member of the CP group {cp_ranks}")
         self.position = cp_ranks.index(me)
-        r, c = shape.coords(self.position)
-        g = lambda rr, cc: cp_ranks[shape.rank(rr, cc)]  # noqa: E731
+        self.mesh_position, slot = divmod(self.position, ulysses)
+        r, c = shape.coords(self.mesh_position)
+        members = _super_ranks(cp_ranks, ulysses, slot)
+        g = lambda rr, cc: members[shape.rank(rr, cc)]  # noqa: E731
         # neighbours by direction: +1 = next on the ring, -1 = previous
         self._peers: Dict[str, Dict[int, int]] = {
             "row": {1: g(r, c + 1), -1: g(r, c - 1)},
@@ -102,8 +131,12 @@ class MeshGroups:
 
     # --- construction ------------------------------------------------------------------------
     @classmethod
-    def create(cls, shape, group=None, *, timeout: Optional[timedelta] = None) -> "MeshGroups":
+    def create(cls, shape, group=None, *, timeout: Optional[timedelta] = None, ulysses: int = 1) -> "MeshGroups":
         """Build the row and column groups of ``shape`` over the CP ``group`` (None = world).
+
+        ``ulysses=u`` > 1 builds ``a2a+mesh``: ``shape`` = (a, b) with u*a*b = the CP size, the
+        Ulysses groups are u consecutive CP ranks and the rings join equal Ulysses slots (the
+        layout of Megatron's hierarchical CP groups for sizes [u, a, b]).
 
         A world collective (like ``dist.new_group``): call it on every rank, in the same order.
         With several CP groups (data parallel), each rank passes its own; all rings of all of them
@@ -120,31 +153,44 @@ class MeshGroups:
         cp_ranks = _ranks(group)
         mesh_shape, error = None, None
         try:
-            mesh_shape = MeshShape.for_size(shape, len(cp_ranks))
+            mesh_shape = _hybrid_shape(shape, len(cp_ranks), ulysses)
         except ValueError as exc:
             error = str(exc)
         gathered: List[Optional[tuple]] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, (error, None if mesh_shape is None else (mesh_shape.a, mesh_shape.b),
+        dist.all_gather_object(gathered, (error, None if mesh_shape is None else (ulysses, mesh_shape.a, mesh_shape.b),
                                           tuple(cp_ranks)))
         _raise_first(gathered)
+        u = ulysses
         all_cp = sorted({x[2] for x in gathered})
         me = dist.get_rank()
-        row_group = col_group = None
+        mine = {}  # level -> this rank's group
+
+        def new_group(level, ranks):
+            pg = dist.new_group(ranks, timeout=timeout)
+            if me in ranks:
+                mine[level] = pg
+
         for ranks in all_cp:
-            for ring in mesh_shape.row_rings():
-                pg = dist.new_group([ranks[i] for i in ring], timeout=timeout)
-                if me in (ranks[i] for i in ring):
-                    row_group = pg
-            for ring in mesh_shape.col_rings():
-                pg = dist.new_group([ranks[i] for i in ring], timeout=timeout)
-                if me in (ranks[i] for i in ring):
-                    col_group = pg
+            if u > 1:
+                for start in range(0, len(ranks), u):
+                    new_group("ulysses", list(ranks[start:start + u]))
+            for slot in range(u):  # u = 1: exactly the pure mesh's groups, in the same order
+                members = _super_ranks(ranks, u, slot)
+                for ring in mesh_shape.row_rings():
+                    new_group("row", [members[i] for i in ring])
+                for ring in mesh_shape.col_rings():
+                    new_group("col", [members[i] for i in ring])
         cp_group = group if group is not None else dist.group.WORLD
-        return cls(mesh_shape, cp_group, row_group, col_group, cp_ranks, timeout=timeout)
+        return cls(mesh_shape, cp_group, mine.get("row"), mine.get("col"), cp_ranks, timeout=timeout,
+                   ulysses_group=mine.get("ulysses"), ulysses=u)
 
     @classmethod
-    def from_groups(cls, cp_group, row_group, col_group) -> "MeshGroups":
+    def from_groups(cls, cp_group, row_group, col_group, ulysses_group=None) -> "MeshGroups":
         """Adopt existing groups; the shape is (size of row group, size of column group).
+
+        With ``ulysses_group`` (u ranks, ``a2a+mesh``): it must be u consecutive CP ranks, the row
+        group a ranks of stride u and the column group b ranks of stride u*a (Megatron's
+        hierarchical CP groups for sizes [u, a, b], in that order).
 
         Checks that the rings are the consecutive-a / stride-a subsets of the CP group that the
         mesh needs (Megatron: ``hierarchical_context_parallel_sizes=[a, b]``) on every rank, then
@@ -156,34 +202,50 @@ class MeshGroups:
         if dist.get_rank() not in cp_ranks:  # no group to share a verdict on
             raise ValueError(f"rank {dist.get_rank()} is not a member of the CP group {cp_ranks}")
         error, shape = None, None
+        ulysses = _ranks(ulysses_group) if ulysses_group is not None else None
         try:
-            shape = cls._check_rings(cp_ranks, _ranks(row_group), _ranks(col_group))
+            shape = cls._check_rings(cp_ranks, _ranks(row_group), _ranks(col_group), ulysses)
         except ValueError as exc:
             error = str(exc)
         _shared_verdict(error, cp_group, "MeshGroups.from_groups")
-        return cls(shape, cp_group, row_group, col_group, cp_ranks, timeout=group_timeout(row_group))
+        return cls(shape, cp_group, row_group, col_group, cp_ranks, timeout=group_timeout(row_group),
+                   ulysses_group=ulysses_group, ulysses=len(ulysses) if ulysses else 1)
 
     @staticmethod
-    def _check_rings(cp_ranks: List[int], row: List[int], col: List[int]) -> MeshShape:
-        """The mesh shape the row/column rings form in the CP group, or ValueError naming the fix."""
+    def _check_rings(cp_ranks: List[int], row: List[int], col: List[int], ulysses: Optional[List[int]] = None) -> MeshShape:
+        """The mesh shape the row/column rings (and Ulysses group) form in the CP group, or
+        ValueError naming the fix."""
+        u = len(ulysses) if ulysses is not None else 1
         a, b = len(row), len(col)
-        if a * b != len(cp_ranks):
+        sizes, fix = (f"[{a}, {b}]", "[a, b] with a*b") if u == 1 else (f"[{u}, {a}, {b}]", "[u, a, b] with u*a*b")
+        if u * a * b != len(cp_ranks):
+            groups = f"row group ({a} ranks) x column group ({b} ranks)"
+            if u > 1:
+                groups = f"Ulysses group ({u} ranks) x " + groups
             raise ValueError(
-                f"row group ({a} ranks) x column group ({b} ranks) = {a * b} ranks, but the CP group "
-                f"has {len(cp_ranks)}; build the groups for a mesh shape whose product is the CP size "
-                "(Megatron: hierarchical_context_parallel_sizes=[a, b] with a*b = context_parallel_size)"
+                f"{groups} = {u * a * b} ranks, but the CP group has {len(cp_ranks)}; build the groups "
+                f"for a shape whose product is the CP size (Megatron: hierarchical_context_parallel_sizes="
+                f"{fix} = context_parallel_size)"
             )
         shape = MeshShape(a, b)
         me = dist.get_rank()
-        pos = cp_ranks.index(me)
-        want_row = [cp_ranks[i] for i in shape.row_ring(pos)]
-        want_col = [cp_ranks[i] for i in shape.col_ring(pos)]
+        sup, slot = divmod(cp_ranks.index(me), u)
+        members = _super_ranks(cp_ranks, u, slot)
+        want_row = [members[i] for i in shape.row_ring(sup)]
+        want_col = [members[i] for i in shape.col_ring(sup)]
+        want_ulysses = cp_ranks[sup * u:(sup + 1) * u]
+        if ulysses is not None and sorted(ulysses) != sorted(want_ulysses):
+            raise ValueError(
+                f"rank {me}: Ulysses group {ulysses} is not the {u} consecutive CP ranks {want_ulysses} "
+                f"of CP group {cp_ranks} (Megatron: hierarchical_context_parallel_sizes={sizes}, in that order)"
+            )
         if sorted(row) != sorted(want_row) or sorted(col) != sorted(want_col):
+            stride = "" if u == 1 else f" of stride {u}"
             raise ValueError(
                 f"rank {me}: row group {row} / column group {col} are not the {shape} mesh rings "
                 f"{want_row} / {want_col} of CP group {cp_ranks}; the row group must hold "
-                f"{a} consecutive CP ranks and the column group {b} CP ranks of stride {a} "
-                "(Megatron: hierarchical_context_parallel_sizes=[a, b], in that order)"
+                f"{a} consecutive CP ranks{stride} and the column group {b} CP ranks of stride {u * a} "
+                f"(Megatron: hierarchical_context_parallel_sizes={sizes}, in that order)"
             )
         return shape
 
@@ -199,7 +261,9 @@ class MeshGroups:
 
     @property
     def size(self) -> int:
-        return self.shape.n
+        """CP size: u * a * b."""
+        return len(self.cp_ranks)
 
     def __repr__(self) -> str:
-        return f"MeshGroups({self.shape}, position={self.position}, cp_ranks={self.cp_ranks})"
+        u = f"ulysses={self.ulysses}, " if self.ulysses > 1 else ""
+        return f"MeshGroups({self.shape}, {u}position={self.position}, cp_ranks={self.cp_ranks})"

@@ -32,7 +32,7 @@ def gpt_direct(ctx, cp, shape, seed=0, seq=64, batch=2, vocab=128, **config_kw):
     torch.manual_seed(seed)
     settings = dict(
         num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_query_groups=2,
-        context_parallel_size=cp, cp_comm_type="mesh" if cp > 1 else None,
+        context_parallel_size=cp, cp_comm_type=("mesh" if len(shape) == 2 else "a2a+mesh") if cp > 1 else None,
         hierarchical_context_parallel_sizes=list(shape) if cp > 1 else None,
         attention_dropout=0.0, hidden_dropout=0.0, use_cpu_initialization=True, transformer_impl="local",
         masked_softmax_fusion=False, gradient_accumulation_fusion=False, apply_rope_fusion=False,

@@ -1,4 +1,5 @@
-"""The core attention and spec on a GPTModel built directly (no training loop), CP = 4 mesh vs CP = 1.
+"""The core attention and spec on a GPTModel built directly (no training loop), CP = 4 mesh (and
+a2a+mesh 2x1x2 on Megatron's hierarchical CP groups [u, a, b]) vs CP = 1.
 
 Runs on every megatron-core the project supports: CI runs it under megatron-core 0.19.x
 (Python 3.12) and 0.16.1 (Python 3.11, CPU torch).
@@ -25,7 +26,7 @@ def cp1_ref(pools):
     return pools.get(4).run("rank_tasks_megatron:gpt_direct", 1, (1, 1), seed=3)[0]
 
 
-@pytest.mark.parametrize("shape", [(2, 2), (1, 4), (4, 1)])
+@pytest.mark.parametrize("shape", [(2, 2), (1, 4), (4, 1), (2, 1, 2)], ids=["2x2", "1x4", "4x1", "a2a+mesh-2x1x2"])
 def test_gpt_model_mesh_matches_cp1(pools, cp1_ref, shape):
     got = pools.get(4).run("rank_tasks_megatron:gpt_direct", 4, shape, seed=3)[0]
     _assert_same(got, cp1_ref, shape)

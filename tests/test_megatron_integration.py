@@ -28,6 +28,8 @@ def parity_runs(work):
         "mesh2x2": train(work, "mesh2x2", 4, context_parallel_size=4, context_parallel_algo="mesh", mesh_shape="2x2"),
         "ring1x4": train(work, "ring1x4", 4, context_parallel_size=4, context_parallel_algo="mesh", mesh_shape="1x4"),
         "cp2": train(work, "cp2", 2, context_parallel_size=2, context_parallel_algo="mesh", mesh_shape="auto"),
+        "a2a_mesh2x2x2": train(work, "a2a_mesh2x2x2", 8, context_parallel_size=8, context_parallel_algo="a2a+mesh",
+                               mesh_shape="2x2x2"),
     }
     return runs
 
@@ -36,7 +38,7 @@ def _rel(a, b):
     return abs(a - b) / abs(b)
 
 
-@pytest.mark.parametrize("name", ["mesh2x2", "ring1x4", "cp2"])
+@pytest.mark.parametrize("name", ["mesh2x2", "ring1x4", "cp2", "a2a_mesh2x2x2"])
 def test_loss_parity_through_megatron_loop(parity_runs, name):
     ref = parity_runs["cp1"]["losses"]
     got = parity_runs[name]["losses"]
@@ -46,7 +48,7 @@ def test_loss_parity_through_megatron_loop(parity_runs, name):
     assert ref[-1][1] < ref[0][1]  # it learns
 
 
-@pytest.mark.parametrize("name", ["mesh2x2", "ring1x4", "cp2"])
+@pytest.mark.parametrize("name", ["mesh2x2", "ring1x4", "cp2", "a2a_mesh2x2x2"])
 def test_gradient_parity_of_one_step(parity_runs, name):
     ref = torch.load(parity_runs["cp1"]["grads_path"])
     got = torch.load(parity_runs[name]["grads_path"])
@@ -66,6 +68,9 @@ def test_mesh_runs_report_bytes_and_shape(parity_runs):
     assert ring["attention_bytes_sent_per_rank"] == ring["ring_bytes_per_rank"]
     assert "[mesh-cp] final lm loss" in mesh["stdout"] and "Ring (1x4) would have sent" in mesh["stdout"]
     assert "mesh_shape=auto" in parity_runs["cp2"]["shape_explanation"]
+    hybrid = parity_runs["a2a_mesh2x2x2"]
+    assert hybrid["mesh_shape"] == "2x2x2" and hybrid["algo"] == "a2a+mesh" and hybrid["attention_calls"] == 20
+    assert 0 < hybrid["attention_bytes_sent_per_rank"] < hybrid["ring_bytes_per_rank"]
     # CP = 1 ran through the same spec: MeshCoreAttention handed off to Megatron's local attention
     assert parity_runs["cp1"]["attention_calls"] == 0 and parity_runs["cp1"]["losses"]
 
@@ -93,6 +98,12 @@ BAD = [
      "key head dim 192 (qk-head-dim + qk-pos-emb-head-dim) and value head dim 128"),
     (["--context-parallel-size", "4", "--context-parallel-algo", "mesh", "--cuda-graph-impl", "local"],
      "CUDA graphs (--cuda-graph-impl"),
+    (["--context-parallel-size", "4", "--context-parallel-algo", "a2a+mesh", "--mesh-shape", "2x1x4"],
+     "2x1x4 = 8 ranks but --context-parallel-size is 4"),
+    (["--context-parallel-size", "4", "--context-parallel-algo", "a2a+mesh", "--mesh-shape", "4x1x1",
+      "--num-attention-heads", "6", "--num-query-groups", "2"], "use U in [1, 2]"),
+    (["--context-parallel-size", "4", "--context-parallel-algo", "a2a+mesh", "--cp-comm-type", "a2a+p2p"],
+     "contradicts --cp-comm-type a2a+p2p"),
 ]
 
 
@@ -137,6 +148,43 @@ def test_apply_maps_mesh_onto_megatron_settings():
     assert untouched.cp_comm_type == ["p2p"] and untouched.hierarchical_context_parallel_sizes is None
 
 
+def test_apply_maps_a2a_mesh_onto_hierarchical_sizes():
+    args = apply_mesh_args(_flat(context_parallel_size=8, context_parallel_algo="a2a+mesh", mesh_shape="2x2x2"), argv=[])
+    assert args.cp_comm_type == ["a2a+mesh"] and args.hierarchical_context_parallel_sizes == [2, 2, 2]
+    assert args.mesh_shape == "2x2x2"
+    args = apply_mesh_args(_flat(context_parallel_size=8, cp_comm_type=["a2a+mesh"], mesh_shape="4x1x2"),
+                           argv=["--cp-comm-type", "a2a+mesh"])
+    assert args.context_parallel_algo == "a2a+mesh" and args.hierarchical_context_parallel_sizes == [4, 1, 2]
+    # auto: a Ulysses group inside a node (h100-ib400: 8 GPUs, TP 2 -> u <= 4), the mesh over n/u
+    args = apply_mesh_args(_flat(context_parallel_size=32, context_parallel_algo="a2a+mesh", seq_length=32 * 4096,
+                                 tensor_model_parallel_size=2), argv=[])
+    u, a, b = args.hierarchical_context_parallel_sizes
+    assert u * 2 <= 8 and u * a * b == 32 and args.mesh_shape == f"{u}x{a}x{b}"
+    from megatron_mesh_cp.megatron.settings import SETTINGS
+
+    assert SETTINGS.shape_explanation.startswith("mesh_shape=auto (a2a+mesh) -> ")
+
+
+A2A_BAD = [
+    (dict(mesh_shape="2x2x4"), "2x2x4 = 16 ranks but --context-parallel-size is 8"),
+    (dict(mesh_shape="2x4"), "must look like UxAxB"),
+    (dict(context_parallel_algo="mesh", mesh_shape="2x2x2"), "three factors (UxAxB); use --context-parallel-algo a2a+mesh"),
+    (dict(mesh_shape="2x2x2", hierarchical_context_parallel_sizes=[2, 4]), "contradicts mesh shape 2x2x2 (they must be [2, 2, 2])"),
+    (dict(mesh_shape="8x1x1", num_attention_heads=12, num_query_groups=4), "use U in [1, 2, 4]"),
+    (dict(mesh_shape="2x2x2", tensor_model_parallel_size=8, num_attention_heads=64, mesh_cluster="h100-ib400"),
+     "2 ranks x TP 8 = 16 GPUs spans more than one node of h100-ib400 (8 GPUs); use U in [1]"),
+    (dict(context_parallel_size=1), "a2a+mesh needs --context-parallel-size > 1"),
+]
+
+
+@pytest.mark.parametrize("kw,needle", A2A_BAD, ids=[n[:24] for _, n in A2A_BAD])
+def test_apply_rejects_inconsistent_a2a_mesh(kw, needle):
+    args = _flat(**dict(dict(context_parallel_size=8, context_parallel_algo="a2a+mesh"), **kw))
+    with pytest.raises(MeshArgumentError) as info:
+        apply_mesh_args(args, argv=[])
+    assert needle in str(info.value)
+
+
 def test_apply_auto_shape_uses_the_model(caplog):
     caplog.set_level("INFO", logger="megatron_mesh_cp")
     args = apply_mesh_args(_flat(context_parallel_size=16, context_parallel_algo="mesh", seq_length=16 * 4096), argv=[])
@@ -157,6 +205,10 @@ def test_apply_on_megatron_yaml_namespace():
     mp.mesh_shape, mp.hierarchical_context_parallel_sizes = "3x3", None
     with pytest.raises(MeshArgumentError, match="has 9 ranks but the CP group has 4"):
         apply_mesh_args(args, argv=[])
+    mp.context_parallel_algo, mp.mesh_shape, mp.cp_comm_type = "a2a+mesh", "2x1x2", "p2p"
+    mp.hierarchical_context_parallel_sizes = None
+    apply_mesh_args(args, argv=[])
+    assert mp.cp_comm_type == ["a2a+mesh"] and mp.hierarchical_context_parallel_sizes == [2, 1, 2]
 
 
 def test_megatron_yaml_config_file_parses_with_mesh(tmp_path):

@@ -116,6 +116,12 @@ BAD = {
     "shape_product": "choose one of",
     "group_sizes": "hierarchical_context_parallel_sizes",
     "group_members": "consecutive CP ranks",
+    # a2a+mesh (rank_tasks_hybrid.bad_input)
+    "hybrid_ulysses_size": "does not divide the CP size 4",
+    "hybrid_ulysses_shape": "does not fit the CP group of 4 ranks",
+    "hybrid_ulysses_group": "consecutive CP ranks",
+    "hybrid_heads": "use u in [1]",
+    "hybrid_plans": "plans are for 4x1, the mesh is 1x2",
 }
 
 
@@ -123,11 +129,14 @@ BAD = {
 def test_bad_input_raises_on_every_rank(pools, what):
     pool = pools.get(4)
     with pytest.raises(RankError) as info:
-        pool.run("rank_tasks:bad_input", what)
+        if what.startswith("hybrid_"):
+            pool.run("rank_tasks_hybrid:bad_input", what[len("hybrid_"):])
+        else:
+            pool.run("rank_tasks:bad_input", what)
     errors = info.value.errors
     assert sorted(errors) == [0, 1, 2, 3], errors
     assert {t for t, _, _ in errors.values()} == {"ValueError"}, errors
     messages = {m for _, m, _ in errors.values()}
     assert all(BAD[what] in m for m in messages), messages
-    if what not in ("group_members",):  # membership errors name the rank's own groups
+    if what not in ("group_members", "hybrid_ulysses_group"):  # membership errors name the rank's own groups
         assert len(messages) == 1, messages

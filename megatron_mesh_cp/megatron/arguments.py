@@ -1,9 +1,11 @@
 """Command-line switches for mesh CP and their mapping onto Megatron's own settings.
 
-``--context-parallel-algo {p2p,all_gather,a2a,a2a+p2p,mesh}`` selects the CP algorithm (for the
-non-mesh values it is an alias of ``--cp-comm-type``); ``--mesh-shape AxB|auto`` the tile.
+``--context-parallel-algo {p2p,all_gather,a2a,a2a+p2p,mesh,a2a+mesh}`` selects the CP algorithm
+(for the Megatron values it is an alias of ``--cp-comm-type``); ``--mesh-shape AxB|auto`` the tile,
+``UxAxB|auto`` for ``a2a+mesh`` (Ulysses degree u x mesh, docs/HYBRID.md).
 :func:`apply_mesh_args` maps them onto ``cp_comm_type`` and ``hierarchical_context_parallel_sizes``
-(Megatron builds the row and column rings as its hierarchical CP groups) and rejects every
+([a, b], or [u, a, b]: Megatron builds the Ulysses groups and the rings as its hierarchical CP
+groups) and rejects every
 inconsistent combination *before* training starts -- never a silent fallback to another algorithm
 or to CP = 1. It works on flat argparse namespaces and on Megatron's ``--yaml-cfg`` namespaces
 (settings under ``model_parallel``).
@@ -22,10 +24,11 @@ import torch
 from ..topology import MeshShape, parse_shape
 from .settings import SETTINGS
 
-__all__ = ["ALGORITHMS", "add_mesh_args", "apply_mesh_args", "apply_mesh_args_or_exit", "MeshArgumentError",
+__all__ = ["ALGORITHMS", "MESH_ALGORITHMS", "add_mesh_args", "apply_mesh_args", "apply_mesh_args_or_exit", "MeshArgumentError",
            "escape_stray_percent"]
 
-ALGORITHMS = ("p2p", "all_gather", "a2a", "a2a+p2p", "mesh")
+ALGORITHMS = ("p2p", "all_gather", "a2a", "a2a+p2p", "mesh", "a2a+mesh")
+MESH_ALGORITHMS = ("mesh", "a2a+mesh")
 KERNELS = ("auto", "torch", "te", "flash")
 
 
@@ -112,10 +115,10 @@ def apply_mesh_args(args, argv: Optional[Sequence[str]] = None):
     comm = _as_list(_get(args, "cp_comm_type"))
     comm_explicit = _explicit(argv, "--cp-comm-type") or (comm and comm != ["p2p"])
     if algo is None:
-        if "mesh" in comm:
-            algo = "mesh"  # --cp-comm-type mesh selects mesh too
+        if any(c in MESH_ALGORITHMS for c in comm):
+            algo = next(c for c in comm if c in MESH_ALGORITHMS)  # --cp-comm-type mesh selects mesh too
         elif shape_text is not None:
-            raise MeshArgumentError("--mesh-shape needs --context-parallel-algo mesh")
+            raise MeshArgumentError("--mesh-shape needs --context-parallel-algo mesh (or a2a+mesh)")
         else:
             return args
     if algo not in ALGORITHMS:
@@ -124,14 +127,14 @@ def apply_mesh_args(args, argv: Optional[Sequence[str]] = None):
         raise MeshArgumentError(
             f"--context-parallel-algo {algo} contradicts --cp-comm-type {' '.join(comm)}; pass only one of them"
         )
-    if algo != "mesh":
+    if algo not in MESH_ALGORITHMS:
         if shape_text is not None:
-            raise MeshArgumentError(f"--mesh-shape only applies to --context-parallel-algo mesh, not {algo}")
+            raise MeshArgumentError(f"--mesh-shape only applies to --context-parallel-algo mesh or a2a+mesh, not {algo}")
         _set(args, "cp_comm_type", [algo])
         return args
     if cp <= 1:
         raise MeshArgumentError(
-            "--context-parallel-algo mesh needs --context-parallel-size > 1 (with CP = 1 nothing is split); "
+            f"--context-parallel-algo {algo} needs --context-parallel-size > 1 (with CP = 1 nothing is split); "
             "raise --context-parallel-size or drop --context-parallel-algo"
         )
     seq = _get(args, "seq_length")
@@ -156,17 +159,22 @@ def apply_mesh_args(args, argv: Optional[Sequence[str]] = None):
     if _get(args, "window_size") is not None:
         raise MeshArgumentError("mesh CP does not support sliding-window attention yet; drop --window-size")
     _refuse_incompatible_features(args)
-    shape = _resolve_shape(args, shape_text or "auto", cp)
+    if algo == "a2a+mesh":
+        sizes = _resolve_hybrid_shape(args, shape_text or "auto", cp)
+    else:
+        shape = _resolve_shape(args, shape_text or "auto", cp)
+        sizes = [shape.a, shape.b]
+    text = "x".join(map(str, sizes))
     hier = _get(args, "hierarchical_context_parallel_sizes")
-    if hier and list(hier) != [shape.a, shape.b]:
+    if hier and list(hier) != sizes:
         raise MeshArgumentError(
-            f"--hierarchical-context-parallel-sizes {' '.join(map(str, hier))} contradicts mesh shape {shape} "
-            f"(they must be [{shape.a}, {shape.b}]); drop one of them"
+            f"--hierarchical-context-parallel-sizes {' '.join(map(str, hier))} contradicts mesh shape {text} "
+            f"(they must be {sizes}); drop one of them"
         )
-    _set(args, "hierarchical_context_parallel_sizes", [shape.a, shape.b])
-    _set(args, "cp_comm_type", ["mesh"])
-    _set(args, "context_parallel_algo", "mesh")
-    _set(args, "mesh_shape", f"{shape.a}x{shape.b}")
+    _set(args, "hierarchical_context_parallel_sizes", sizes)
+    _set(args, "cp_comm_type", [algo])
+    _set(args, "context_parallel_algo", algo)
+    _set(args, "mesh_shape", text)
     SETTINGS.kernel = _get(args, "mesh_kernel", "auto") or "auto"
     SETTINGS.deterministic = bool(_get(args, "deterministic_mode", False))
     _check_kernel(args, cp)
@@ -211,9 +219,13 @@ def _cluster(args):
         raise MeshArgumentError(f"--mesh-cluster: {exc}") from None
 
 
+def _tp(args) -> int:
+    return int(_get(args, "tensor_model_parallel_size", 1) or 1)
+
+
 def _layer(args, cp: int):
     """One rank's attention inputs: (tokens, micro batch, heads, kv heads, head dim) after TP and CP."""
-    tp = int(_get(args, "tensor_model_parallel_size", 1) or 1)
+    tp = _tp(args)
     heads = int(_get(args, "num_attention_heads"))
     groups = _get(args, "num_query_groups") if _get(args, "group_query_attention", False) else None
     kv_heads = int(groups or heads)
@@ -250,24 +262,73 @@ def _resolve_shape(args, text: str, cp: int) -> MeshShape:
     cluster = _cluster(args)
     SETTINGS.cluster = cluster
     if str(text).lower() != "auto":
+        if str(text).lower().replace("×", "x").count("x") == 2:
+            raise MeshArgumentError(f"--mesh-shape {text} has three factors (UxAxB); use --context-parallel-algo a2a+mesh")
         try:
             return MeshShape.for_size(parse_shape(text), cp)
         except ValueError as exc:
             raise MeshArgumentError(f"--mesh-shape: {exc}") from None
     from ..autoshape import choose_shape
+
+    choice = choose_shape(cp, cluster, _workload(args, cp), stride=_tp(args))
+    SETTINGS.shape_explanation = choice.explanation  # choose_shape has logged it
+    return choice.shape
+
+
+def _workload(args, cp: int):
     from ..cluster import Workload
 
-    tp = int(_get(args, "tensor_model_parallel_size", 1) or 1)
     seq_local, batch, heads, kv_heads, head_dim = _layer(args, cp)
     half = _get(args, "bf16", False) or _get(args, "fp16", False)
-    w = Workload(
+    return Workload(
         seq_local=seq_local, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
         batch=batch, causal=True, bytes_per_element=2 if half else 4,
         partial_bytes=2 if _get(args, "mesh_partial_dtype", "fp32") == "bf16" else 4,
     )
-    choice = choose_shape(cp, cluster, w, stride=tp)
-    SETTINGS.shape_explanation = choice.explanation  # choose_shape has logged it
-    return choice.shape
+
+
+def _parse_hybrid(text: str) -> List[int]:
+    parts = str(text).lower().replace("×", "x").split("x")
+    if len(parts) != 3 or not all(p.strip().isdigit() and int(p) >= 1 for p in parts):
+        raise MeshArgumentError(
+            f"--mesh-shape for a2a+mesh must look like UxAxB (Ulysses degree x mesh tile, e.g. 2x2x4) or auto, got {text!r}"
+        )
+    return [int(p) for p in parts]
+
+
+def _resolve_hybrid_shape(args, text: str, cp: int) -> List[int]:
+    """[u, a, b] for a2a+mesh, validated against the CP size, the heads and (if known) the node size."""
+    from ..ulysses import valid_ulysses
+
+    cluster = _cluster(args)
+    SETTINGS.cluster = cluster
+    _, _, heads, _, _ = _layer(args, cp)
+    tp = _tp(args)
+    if str(text).lower() == "auto":
+        from ..autoshape import choose_hybrid_shape
+
+        choice = choose_hybrid_shape(cp, cluster, _workload(args, cp), stride=tp)
+        SETTINGS.shape_explanation = choice.explanation  # choose_hybrid_shape has logged it
+        return [choice.u, choice.shape.a, choice.shape.b]
+    u, a, b = _parse_hybrid(text)
+    if u * a * b != cp:
+        raise MeshArgumentError(
+            f"--mesh-shape {text}: {u}x{a}x{b} = {u * a * b} ranks but --context-parallel-size is {cp}; "
+            f"choose U, A, B with U*A*B = {cp}"
+        )
+    if heads % u:
+        raise MeshArgumentError(
+            f"--mesh-shape {text}: the Ulysses degree {u} does not divide the {heads} attention heads per rank "
+            f"(--num-attention-heads / --tensor-model-parallel-size {tp}); use U in {valid_ulysses(heads, cp)}"
+        )
+    known = _get(args, "mesh_cluster") or os.environ.get("MESH_CP_CLUSTER")
+    if known and u * tp > cluster.gpus_per_node:
+        fit = [x for x in valid_ulysses(heads, cp) if x * tp <= cluster.gpus_per_node]
+        raise MeshArgumentError(
+            f"--mesh-shape {text}: a Ulysses group of {u} ranks x TP {tp} = {u * tp} GPUs spans more than one "
+            f"node of {cluster.name} ({cluster.gpus_per_node} GPUs); use U in {fit}"
+        )
+    return [u, a, b]
 
 
 def apply_mesh_args_or_exit(args, argv: Optional[Sequence[str]] = None):

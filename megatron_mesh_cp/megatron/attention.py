@@ -5,6 +5,8 @@ It has Megatron's core-attention contract (constructor and forward as ``DotProdu
 
 * CP > 1 and ``cp_comm_type == "mesh"``: mesh attention on the CP group, with Megatron's
   hierarchical CP groups (sizes [a, b]) as the row and column rings;
+* CP > 1 and ``cp_comm_type == "a2a+mesh"``: Ulysses x mesh (docs/HYBRID.md), with the hierarchical
+  CP groups for sizes [u, a, b] as the Ulysses group, the row and the column rings;
 * otherwise it hands off to Transformer Engine's ``TEDotProductAttention`` when TE is installed,
   else to Megatron's local ``DotProductAttention``.
 
@@ -25,6 +27,7 @@ from megatron.core.transformer.module import MegatronModule
 
 from ..attention import mesh_attention
 from ..groups import MeshGroups
+from ..ulysses import check_ulysses_heads
 from .settings import SETTINGS
 
 __all__ = ["MeshCoreAttention", "mesh_groups_for", "attention_traffic"]
@@ -41,23 +44,28 @@ def _te_attention():
     return TEDotProductAttention if HAVE_TE else None
 
 
-def mesh_groups_for(pg_collection=None) -> MeshGroups:
-    """The (cached) MeshGroups of this rank's CP group, from Megatron's hierarchical CP groups."""
+def mesh_groups_for(pg_collection=None, levels: int = 2) -> MeshGroups:
+    """The (cached) MeshGroups of this rank's CP group, from Megatron's hierarchical CP groups
+    (``levels`` = 2: [a, b] for mesh; 3: [u, a, b] for a2a+mesh)."""
     cp = getattr(pg_collection, "cp", None) if pg_collection is not None else None
     hcp = getattr(pg_collection, "hcp", None) if pg_collection is not None else None
     if cp is None:
         cp = parallel_state.get_context_parallel_group()
     if not hcp:
         hcp = parallel_state.get_hierarchical_context_parallel_groups(check_initialized=False)
-    if not hcp or len(hcp) != 2:
+    if not hcp or len(hcp) != levels:
+        sizes, algo, flag = ("[a, b]", "mesh", "AxB") if levels == 2 else ("[u, a, b]", "a2a+mesh", "UxAxB")
         raise ValueError(
-            "mesh CP needs Megatron's hierarchical CP groups for sizes [a, b]; pass --mesh-shape AxB (or auto) "
-            "through megatron_mesh_cp's arguments, or initialize_model_parallel(..., "
-            "hierarchical_context_parallel_sizes=[a, b])"
+            f"{algo} CP needs Megatron's hierarchical CP groups for sizes {sizes} (got {len(hcp or [])} levels); "
+            f"pass --context-parallel-algo {algo} --mesh-shape {flag} (or auto) through megatron_mesh_cp's "
+            f"arguments, or initialize_model_parallel(..., hierarchical_context_parallel_sizes={sizes})"
         )
-    key = tuple(torch.distributed.get_process_group_ranks(cp))
+    key = (tuple(torch.distributed.get_process_group_ranks(cp)), levels)
     if key not in _MESHES:
-        mesh = MeshGroups.from_groups(cp, hcp[0], hcp[1])
+        if levels == 3:
+            mesh = MeshGroups.from_groups(cp, hcp[1], hcp[2], ulysses_group=hcp[0])
+        else:
+            mesh = MeshGroups.from_groups(cp, hcp[0], hcp[1])
         mesh.cluster = SETTINGS.cluster
         mesh.stride = parallel_state.get_tensor_model_parallel_world_size() if parallel_state.model_parallel_is_initialized() else 1
         _MESHES[key] = mesh
@@ -89,7 +97,7 @@ class MeshCoreAttention(MegatronModule):
         super().__init__(config=config)
         self.config = config
         cp_size = config.context_parallel_size
-        self.use_mesh = cp_size > 1 and cp_comm_type == "mesh"
+        self.use_mesh = cp_size > 1 and cp_comm_type in ("mesh", "a2a+mesh")
         if not self.use_mesh:
             self.inner = self._fallback(
                 config, layer_number, attn_mask_type, attention_type, attention_dropout, softmax_scale,
@@ -118,11 +126,15 @@ class MeshCoreAttention(MegatronModule):
         self.attn_mask_type = attn_mask_type
         self.layer_number = layer_number
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(k_ch)
-        self.mesh = mesh_groups_for(pg_collection)
-        if self.mesh.shape.n != cp_size:
+        self.mesh = mesh_groups_for(pg_collection, levels=3 if cp_comm_type == "a2a+mesh" else 2)
+        if self.mesh.size != cp_size:
             raise ValueError(
-                f"the CP group has {self.mesh.shape.n} ranks but context_parallel_size is {cp_size}"
+                f"the CP group has {self.mesh.size} ranks but context_parallel_size is {cp_size}"
             )
+        if self.mesh.ulysses > 1:  # u must divide this rank's heads (no message sent yet)
+            tp = config.tensor_model_parallel_size
+            heads = config.num_attention_heads
+            check_ulysses_heads(heads // tp, (config.num_query_groups or heads) // tp, self.mesh.ulysses, cp_size)
 
     @staticmethod
     def _fallback(config, layer_number, attn_mask_type, attention_type, attention_dropout, softmax_scale,
@@ -181,6 +193,6 @@ class MeshCoreAttention(MegatronModule):
             deterministic=SETTINGS.deterministic,
             check_finite=SETTINGS.check_finite,
         )
-        SETTINGS.count_call(query, key, self.mesh.shape.n, training=torch.is_grad_enabled())
+        SETTINGS.count_call(query, key, self.mesh.size, training=torch.is_grad_enabled())
         s, b = out.shape[0], out.shape[1]
         return out.reshape(s, b, -1)

@@ -299,7 +299,7 @@ def _print_resolved(args, gpu_gib: Optional[float]) -> None:
     algo = getattr(args, "context_parallel_algo", None) or (args.cp_comm_type[0] if args.cp_comm_type else "p2p")
     log.info(f"world {args.world_size}: TP {args.tensor_model_parallel_size} x PP "
              f"{args.pipeline_model_parallel_size} x CP {args.context_parallel_size} x DP {args.data_parallel_size}; "
-             f"CP algorithm {algo}" + (f", mesh shape {args.mesh_shape}" if algo == "mesh" else "")
+             f"CP algorithm {algo}" + (f", mesh shape {args.mesh_shape}" if algo in ("mesh", "a2a+mesh") else "")
              + f"; seq {args.seq_length}, {args.num_layers} layers, heads {args.num_attention_heads}"
              f"/{args.num_query_groups if args.group_query_attention else args.num_attention_heads} kv")
     if gpu_gib is None:
