@@ -196,11 +196,9 @@ def choose_shape(
 
 
 def ulysses_degrees(n: int, cluster: Cluster, heads: int, kv_heads: int, stride: int = 1) -> List[int]:
-    """Ulysses degrees u a2a+mesh may use: u | n, u | heads, u | kv heads (or kv heads | u, replicated),
-    and a Ulysses group of u ranks (u * TP GPUs) inside one node."""
-    return [u for u in range(1, n + 1)
-            if n % u == 0 and heads % u == 0 and (kv_heads % u == 0 or u % kv_heads == 0)
-            and u * stride <= cluster.gpus_per_node]
+    """Ulysses degrees u a2a+mesh may use: u | n and u | heads (K/V heads are replicated until u divides
+    them, as the runtime does), and a Ulysses group of u ranks (u * TP GPUs) inside one node."""
+    return [u for u in range(1, n + 1) if n % u == 0 and heads % u == 0 and u * stride <= cluster.gpus_per_node]
 
 
 @lru_cache(maxsize=64)

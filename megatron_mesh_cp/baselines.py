@@ -172,23 +172,27 @@ def _allgather(n: int, cluster: Cluster, w: Workload, stride: int) -> SimResult:
 
 
 def _ulysses_a2a(u: int, cluster: Cluster, w: Workload, stride: int):
-    """The all-to-all steps of a Ulysses group of u ranks (K/V heads replicated up to u)."""
-    e = w.bytes_per_element
-    s = w.batch * w.seq_local * w.head_dim
-    kv_heads = max(w.kv_heads, u)
-    frac = (u - 1) / u
-    q = s * w.heads * e * frac
-    kv = 2 * s * kv_heads * e * frac
+    """The all-to-all steps of a Ulysses group of u ranks; bytes from the runtime's own byte model
+    (:func:`megatron_mesh_cp.ulysses.ulysses_traffic`, K/V heads replicated as the runtime does)."""
+    from .plan import BACKWARD, FORWARD
+    from .simulate import workload_dims
+    from .ulysses import kv_repeats, ulysses_traffic
+
+    dims = workload_dims(w)
+    f, b = ulysses_traffic(u, dims, FORWARD), ulysses_traffic(u, dims, BACKWARD)
+    kv_heads = w.kv_heads * kv_repeats(w.heads, w.kv_heads, u)
     per_node = max(1, cluster.gpus_per_node // stride)
     off = 0.0 if u <= per_node else (u - per_node) / (u - 1)
 
     def step(phase: str, nbytes: float):
         return (phase, "all-to-all", _collective(cluster, u, stride, nbytes, all_to_all=True), nbytes, nbytes * off)
 
-    before = [step("forward", q + kv)]
-    after_fwd = [step("forward", q)]  # O back
-    before_bwd = [step("backward", q)]  # dO in
-    after_bwd = [step("backward", q + kv)]  # dQ, dK, dV back
+    if u == 1:
+        return [], [], [], [], kv_heads
+    before = [step(FORWARD, f[(FORWARD, "a2a-Q")] + f[(FORWARD, "a2a-KV")])]
+    after_fwd = [step(FORWARD, f[(FORWARD, "a2a-O")])]
+    before_bwd = [step(BACKWARD, b[(BACKWARD, "a2a-dO")])]
+    after_bwd = [step(BACKWARD, b[(BACKWARD, "a2a-dQ")] + b[(BACKWARD, "a2a-dKV")])]
     return before, after_fwd, before_bwd, after_bwd, kv_heads
 
 
@@ -210,8 +214,11 @@ def _ulysses(n: int, cluster: Cluster, w: Workload, stride: int) -> SimResult:
 
 def ulysses_inner(u: int, w: Workload) -> Workload:
     """What each rank of a Ulysses group of u ranks holds after the all-to-all: u times the tokens,
-    1/u of the heads (K/V heads replicated up to u first when there are fewer)."""
-    return replace(w, seq_local=w.seq_local * u, heads=w.heads // u, kv_heads=max(w.kv_heads, u) // u)
+    1/u of the heads (K/V heads replicated first until u divides them, as the runtime does)."""
+    from .ulysses import kv_repeats
+
+    kv = w.kv_heads * kv_repeats(w.heads, w.kv_heads, u)
+    return replace(w, seq_local=w.seq_local * u, heads=w.heads // u, kv_heads=kv // u)
 
 
 def _ulysses_around(u: int, inner: Optional[SimResult], cluster: Cluster, w: Workload, stride: int,

@@ -21,8 +21,9 @@ def _w(seq, n, kv=8, **kw):
 def test_ulysses_degrees_follow_heads_and_node():
     assert ulysses_degrees(64, H100, 32, 8) == [1, 2, 4, 8]
     assert ulysses_degrees(64, H100, 32, 8, stride=4) == [1, 2]  # u * TP GPUs must fit a node
-    assert ulysses_degrees(16, H100, 32, 2) == [1, 2, 4, 8]  # kv 2 < u replicated (u % kv == 0)
-    assert ulysses_degrees(12, H100, 24, 6) == [1, 2, 3, 6]
+    assert ulysses_degrees(16, H100, 32, 2) == [1, 2, 4, 8]  # kv 2 < u: replicated
+    assert ulysses_degrees(12, H100, 24, 6) == [1, 2, 3, 4, 6]  # 6 kv heads at u = 4: replicated to 12
+    assert ulysses_degrees(12, H100, 20, 5) == [1, 2, 4]  # u must divide the query heads
 
 
 def test_u1_is_the_pure_mesh():
@@ -106,3 +107,48 @@ def test_auto_honours_the_memory_budget(caplog):
     assert "skips" in caplog.text
     hyb = choose_hybrid_shape(16, H100, w)
     assert hyb.peak_bytes <= hyb.budget == default_budget(w)
+
+
+@pytest.mark.parametrize("shape,h,hk", [((2, 2, 2), 8, 2), ((4, 2, 1), 8, 2), ((2, 1, 4), 8, 8), ((4, 2, 2), 8, 4)])
+def test_simulator_bytes_equal_executor_bytes_for_a2a_mesh(shape, h, hk):
+    """Virtual ranks run a2a+mesh for real (KV replication included); each rank's byte counters
+    equal the simulator's bytes per phase: all-to-all plus the inner mesh plan."""
+    import torch
+
+    from megatron_mesh_cp.attention import plans_for
+    from megatron_mesh_cp.virtual import virtual_mesh_attention
+
+    u, a, b = shape
+    n, s, d = u * a * b, 4, 8
+    g = torch.Generator().manual_seed(1)
+    q, k, v, do = (torch.randn(2, s * n, x, d, generator=g) for x in (h, hk, hk, h))
+    res = virtual_mesh_attention(q, k, v, shape, dout=do)
+    w = Workload(seq_local=s, heads=h, kv_heads=hk, head_dim=d, batch=2, bytes_per_element=4, partial_bytes=4)
+
+    class _Mesh:  # what plans_for reads: the same plans the virtual run used
+        ulysses, stride = u, 1
+        shape = __import__("megatron_mesh_cp.topology", fromlist=["MeshShape"]).MeshShape(a, b)
+        cluster = None
+
+    inner_q = torch.empty(2, s * u, h // u, d)
+    inner_k = torch.empty(2, s * u, ulysses_inner(u, w).kv_heads, d)
+    fwd, bwd = plans_for(inner_q, inner_k, _Mesh, True, "bshd", None, "greedy")
+    from megatron_mesh_cp.schedule import default_cluster
+
+    sim = a2a_mesh(u, a, b, default_cluster(), w, 1)
+    if a * b > 1:
+        from megatron_mesh_cp.simulate import replay
+
+        inner = ulysses_inner(u, w)
+        mesh_bytes = {ph: float(sum(v[0] for v in replay(p, default_cluster(), inner, stride=u).sent.values()))
+                      for ph, p in (("forward", fwd), ("backward", bwd))}
+    else:
+        mesh_bytes = {"forward": 0.0, "backward": 0.0}
+    for r in range(n):
+        # the virtual run returns the lse, so it also moves it back (a2a-LSE); Megatron's call does not
+        sent = {key: v for key, v in res["traffic"][r].sent.items() if key[1] != "a2a-LSE"}
+        for ph in ("forward", "backward"):
+            measured = sum(v for (p_, _), v in sent.items() if p_ == ph)
+            assert measured == sim.bytes_by_phase[ph], (r, ph, measured, sim.bytes_by_phase[ph])
+            a2a = sum(v for (p_, c), v in sent.items() if p_ == ph and c.startswith("a2a-"))
+            assert measured - a2a == mesh_bytes[ph]
