@@ -176,6 +176,10 @@ def choose_shape(
     rows, peaks = _search(cands)
     timed = sorted((t, s) for s, t, _ in rows if t is not None)
     if not timed:
+        if memory_budget is None:  # the default budget is ours, not the user's: say so and go without
+            log.warning("mesh_shape=auto: no mesh shape for CP=%d fits the default budget of %.0f MiB per rank "
+                        "(%gx TE Ring's); choosing without a budget", n, budget / 2**20, BUDGET_X_RING)
+            return choose_shape(n, cluster, workload, stride=stride, max_live=max_live, memory_budget=float("inf"))
         raise ValueError(f"no mesh shape for CP={n} fits the memory budget ({budget / 2**20:.0f} MiB per rank, "
                          f"max_live={max_live}); raise memory_budget")
     best_t, best = timed[0]
@@ -228,6 +232,11 @@ def choose_hybrid_shape(
     rows, peaks = _search(cands)
     timed = sorted((t, s) for s, t, _ in rows if t is not None)
     if not timed:
+        if memory_budget is None:
+            log.warning("mesh_shape=auto (a2a+mesh): no shape for CP=%d fits the default budget of %.0f MiB per "
+                        "rank (%gx TE Ring's); choosing without a budget", n, budget / 2**20, BUDGET_X_RING)
+            return choose_hybrid_shape(n, cluster, workload, stride=stride, max_live=max_live,
+                                       memory_budget=float("inf"))
         raise ValueError(f"no a2a+mesh shape for CP={n} fits the memory budget ({budget / 2**20:.0f} MiB per rank, "
                          f"max_live={max_live}); raise memory_budget")
     best_t, (u, a, b) = timed[0]

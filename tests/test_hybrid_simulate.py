@@ -102,7 +102,7 @@ def test_auto_honours_the_memory_budget(caplog):
     tight = choose_shape(16, H100, w, memory_budget=free.peak_bytes * 0.5)
     assert tight.peak_bytes <= free.peak_bytes * 0.5
     assert "peak attention memory" in tight.explanation and "budget" in tight.explanation
-    with pytest.raises(ValueError, match="raise memory_budget"):
+    with pytest.raises(ValueError, match="raise memory_budget"):  # a budget the user set: an error
         choose_shape(16, H100, w, memory_budget=1.0)
     assert "skips" in caplog.text
     hyb = choose_hybrid_shape(16, H100, w)
