@@ -80,8 +80,9 @@ def test_issue_rows_at_256_mesh_family_vs_usp_and_ring():
     for seq in (128 * 1024, 1 << 20):
         for kv in (32, 8):
             w = _w(seq, 256, kv)
-            ring, usp, mesh, hyb = (simulate_algorithm(a, 256, H100, w) for a in ("ring", "usp", "mesh", "a2a+mesh"))
-            best = min(mesh.time, hyb.time)
+            # a2a+mesh alone must hold these (pure mesh's auto at n = 256 is slow to plan and never better)
+            ring, usp, hyb = (simulate_algorithm(a, 256, H100, w) for a in ("ring", "usp", "a2a+mesh"))
+            best = hyb.time
             assert best <= ring.time  # never slower than Ring
             assert best <= usp.time * 1.0001  # >= 1.00x USP on every row
             out[(seq, kv)] = (usp.time / best, hyb.bytes_sent / ring.bytes_sent)
