@@ -149,9 +149,11 @@ def test_traffic_and_exposed_targets_at_256():
     ring = simulate_algorithm("ring", 256, H100, w)
     mesh = simulate_algorithm("mesh:16x16", 256, H100, w)
     assert mesh.bytes_sent <= 0.11 * ring.bytes_sent
-    naive = simulate_algorithm("mesh-naive", 256, H100, w)
-    greedy = simulate_algorithm("mesh", 256, H100, w)
-    assert greedy.shape == naive.shape
+    # the square tile itself (auto's default memory budget now picks narrower tiles at n = 256)
+    from megatron_mesh_cp.baselines import _plan_algo
+
+    naive = _plan_algo("mesh-naive", 16, 16, H100, w, 1, planner="in-order")
+    greedy = mesh
     assert greedy.exposed <= 0.5 * naive.exposed
     # calibrated model (docs/calibration.md): ~2.6x; the uncalibrated one claimed 3.7x by hiding
     # communication for free. The paper reports up to 3.4x, 2.9x on average.
