@@ -32,7 +32,9 @@ export OMP_NUM_THREADS=1 PYTHONWARNINGS="${PYTHONWARNINGS:-ignore}"
 "$venv/bin/python" - "$root" <<'PY'
 import sys, megatron_mesh_cp
 where = megatron_mesh_cp.__file__
-assert "site-packages" in where and not where.startswith(sys.argv[1] + "/"), f"imported from {where}, not the installed copy"
+# the venv may live inside the checkout (CI's .venv311): what must not be imported is the source tree
+assert "site-packages" in where and not where.startswith(sys.argv[1] + "/megatron_mesh_cp/"), \
+    f"imported from {where}, not the installed copy"
 print(f"import megatron_mesh_cp: {where}")
 PY
 "$venv/bin/mesh-cp-simulate" --cp 16 --seq 128K --heads 32 --kv-heads 8 --algos ring,mesh
