@@ -259,9 +259,9 @@ def a2a_mesh(u: int, a: int, b: int, cluster: Cluster, w: Workload, stride: int 
 
 def _usp(n: int, cluster: Cluster, w: Workload, stride: int) -> SimResult:
     best: Optional[SimResult] = None
-    for u in range(1, cluster.gpus_per_node // max(1, stride) + 1):
-        if n % u or w.heads % u or u > n:
-            continue
+    from .autoshape import ulysses_degrees
+
+    for u in ulysses_degrees(n, cluster, w.heads, w.kv_heads, max(1, stride)):
         res = _usp_with(u, n, cluster, w, stride)
         if best is None or res.time < best.time:
             best = res
