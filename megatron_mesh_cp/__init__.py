@@ -3,7 +3,8 @@
 Public API:
 
 * :func:`mesh_attention` -- exact CP attention over an a x b mesh of ranks (autograd-aware).
-* :class:`MeshGroups` -- the CP group with its row (Q) and column (KV) rings.
+* :func:`virtual_mesh_attention` -- the same algorithm on one process (every rank emulated).
+* :class:`MeshGroups` -- the CP group with its row (Q) and column (KV) rings (and Ulysses group).
 * :class:`MeshShape`, :func:`valid_shapes` -- tile shapes and mesh coordinates.
 * :func:`zigzag_shard`, :func:`zigzag_gather` -- Megatron's CP token layout.
 * :func:`build_plans`, :func:`plan_traffic`, :class:`ChunkDims` -- the schedule as data and the
@@ -11,16 +12,18 @@ Public API:
 """
 
 from .attention import mesh_attention
-from .groups import MeshGroups
-from .layout import zigzag_gather, zigzag_shard
-from .plan import ChunkDims, Plan, plan_traffic, validate
-from .schedule import build_plans
-from .topology import MeshShape, valid_shapes
+from .planning.schedule import build_plans
+from .runtime.groups import MeshGroups
+from .runtime.layout import zigzag_gather, zigzag_shard
+from .runtime.plan import ChunkDims, Plan, plan_traffic, validate
+from .runtime.topology import MeshShape, valid_shapes
+from .virtual import virtual_mesh_attention
 
 __version__ = "0.1.0"
 
 __all__ = [
     "mesh_attention",
+    "virtual_mesh_attention",
     "MeshGroups",
     "MeshShape",
     "valid_shapes",

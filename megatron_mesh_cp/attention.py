@@ -19,13 +19,15 @@ from typing import Optional, Tuple, Union
 
 import torch
 
-from .agree import agree, any_rank, plan_digest
-from .kernels import BlockKernel, lse_dtype, select_kernel
-from .layout import LAYOUTS, seq_dim
-from .hybrid import UlyssesIn, UlyssesOut
-from .plan import Plan
-from .schedule import build_plans
-from .ulysses import kv_repeats
+from .planning.cluster import Workload
+from .planning.schedule import build_plans, default_cluster
+from .runtime.agree import agree, any_rank, plan_digest
+from .runtime.execute import Executor
+from .runtime.hybrid import UlyssesIn, UlyssesOut
+from .runtime.kernels import BlockKernel, lse_dtype, select_kernel
+from .runtime.layout import LAYOUTS, seq_dim
+from .runtime.plan import Plan
+from .runtime.ulysses import check_ulysses_heads, kv_repeats
 
 __all__ = ["mesh_attention", "check_inputs", "resolve_scale"]
 
@@ -101,8 +103,6 @@ def check_inputs(q, k, v, mesh, layout: str, softmax_scale) -> None:
     u = getattr(mesh, "ulysses", 1)
     n = u * mesh.shape.n
     if u > 1:
-        from .ulysses import check_ulysses_heads
-
         check_ulysses_heads(h, hk, u, n)
     s_local = q.shape[s_dim]
     if s_local % 2:
@@ -115,9 +115,6 @@ def check_inputs(q, k, v, mesh, layout: str, softmax_scale) -> None:
 
 def plans_for(q, k, mesh, causal: bool, layout: str, partial_dtype, planner: str) -> Tuple[Plan, Plan]:
     """The cached (forward, backward) plans for these inputs on ``mesh`` (greedy: tuned for its cluster)."""
-    from .cluster import Workload
-    from .schedule import default_cluster
-
     s_dim = seq_dim(layout)
     b_dim = 1 - s_dim
     acc = lse_dtype(q.dtype)
@@ -137,8 +134,6 @@ class _MeshAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, mesh, causal, scale, kernel, plans, partial_dtype, check_finite):
-        from .execute import Executor
-
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         ex = Executor(plans[0], mesh.comm(), kernel, causal=causal, scale=scale,
                       tensors={"q": q, "k": k, "v": v}, partial_dtype=partial_dtype,
@@ -153,8 +148,6 @@ class _MeshAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        from .execute import Executor
-
         q, k, v, out, lse = ctx.saved_tensors
         dout = dout.contiguous()
         if ctx.check_finite:

@@ -15,10 +15,10 @@ import time
 import torch
 
 from .logs import configure as configure_logging
-from .plan import CATEGORIES, ChunkDims, plan_traffic
-from .schedule import build_plans
+from .runtime.plan import CATEGORIES, ChunkDims, plan_traffic
+from .planning.schedule import build_plans
 from .spawn import RankPool
-from .topology import MeshShape, parse_shape
+from .runtime.topology import MeshShape, parse_shape
 
 
 def _rank_main(ctx, shapes, batch, seq, heads, kv_heads, dim, causal, seed):

@@ -1,216 +1,19 @@
-"""Cluster simulator: replay a plan for all n ranks and predict its timeline (the plan's 2nd interpreter).
+"""``python -m megatron_mesh_cp.simulate`` (``mesh-cp-simulate``): compare CP attention algorithms
+on a simulated cluster (time, traffic, exposed communication); every figure it prints is simulated.
 
-Semantics (GPU-like, what the executor does on NCCL): every rank issues the plan's ops in order.
-Block computes and partial folds run in order on one compute stream, each starting once its
-chunks have arrived. A transfer runs on its ring's channel, one at a time per ring in plan order
-(both directions of a ring are batches on the ring group's one NCCL communicator and stream, so
-they serialize: DESIGN.md 6b; the row and column rings overlap); it starts when the payload is ready on the sender
-(chunk arrived / partial folded) and the receiver has posted it (its own copy of the same op
-started, as with grouped NCCL send/recv). A message occupies the sender's egress and the receiver's
-ingress of its link type (NVLink inside a node, the NIC across nodes) for bytes / bandwidth, then
-arrives after the link latency; two rings crossing the same NIC queue on it in plan order.
-
-Hiding communication is not free (docs/calibration.md): a block kernel runs slower by the cluster's
-``overlap_slowdown_*`` for every transfer in flight beside it, in proportion to their overlap, so
-more concurrent channels cost more; every block pays a call overhead and an fp32 correction pass
-(in :meth:`Workload.block_time`). A ring hop uses its own link (on a PCIe node it crosses each switch
-uplink once per direction, so rings do not contend on the host bridge; all-to-alls do, see
-``baselines``).
-
-All ranks advance together op by op (vectorised over ranks), so n = 256 replays in milliseconds.
-Bytes come from :func:`megatron_mesh_cp.plan.payload`, the same function the executor allocates
-its buffers from, so the simulator's bytes equal the executor's byte counters.
+The engine lives in :mod:`megatron_mesh_cp.planning` (``replay`` for plans, ``baselines`` for the
+algorithms we compare with); this module is only the command line.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
 
-import numpy as np
-import torch
+from .planning.baselines import ALGORITHMS, compare, format_table, plot_timelines
+from .planning.cluster import Workload, load_cluster
 
-from .cluster import Cluster, Workload, load_cluster
-from .layout import BlockCase
-from .plan import BACKWARD, FORWARD, ChunkDims, Compute, Plan, Transfer, payload, RING_OF
-
-__all__ = ["PhaseResult", "replay", "workload_dims", "main"]
-
-_DTYPE_OF_BYTES = {2: torch.bfloat16, 4: torch.float32, 8: torch.float64}
-
-
-def workload_dims(w: Workload) -> ChunkDims:
-    """The ChunkDims (dtypes included) whose payloads a workload's transfers carry."""
-    return ChunkDims(
-        w.batch, w.seq_local, w.heads, w.kv_heads, w.head_dim, _DTYPE_OF_BYTES[w.bytes_per_element],
-        torch.float32, _DTYPE_OF_BYTES[w.partial_bytes],
-    )
-
-
-@dataclass
-class PhaseResult:
-    """One phase of one plan on every rank."""
-
-    finish: np.ndarray  # per rank, seconds
-    busy: np.ndarray  # per rank: compute-stream busy time (blocks + folds)
-    sent: Dict[str, np.ndarray]  # link type -> bytes sent per rank
-    sent_by_category: Dict[Tuple[str, str], int]  # (phase, category) -> bytes per rank (SPMD: equal)
-    timeline: List[Tuple[str, float, float, str]] = field(default_factory=list)  # recorded rank
-    arrivals: Dict[Tuple[str, int], float] = field(default_factory=dict)  # recorded rank: chunk -> time
-
-    @property
-    def time(self) -> float:
-        return float(self.finish.max())
-
-    @property
-    def critical(self) -> int:
-        return int(self.finish.argmax())
-
-    @property
-    def exposed(self) -> float:
-        """Time the slowest rank's compute stream was idle (communication not hidden)."""
-        return self.time - float(self.busy[self.critical])
-
-
-def _block_durations(plan: Plan, w: Workload, cluster: Cluster, backward: bool) -> Dict[Tuple[int, int], np.ndarray]:
-    a, b = plan.a, plan.b
-    pos = np.arange(a * b)
-    r, c = pos // a, pos % a
-    t = {case: w.block_time(cluster, case, backward) for case in BlockCase}
-    out = {}
-    for op in plan.computes:
-        i = r * a + (c - op.q) % a
-        j = ((r - op.kv) % b) * a + c
-        if w.causal:
-            dur = np.where(i == j, t[BlockCase.DIAG], np.where(j < i, t[BlockCase.LOWER], t[BlockCase.UPPER]))
-        else:
-            dur = np.full(a * b, t[BlockCase.FULL])
-        out[(op.q, op.kv)] = dur
-    return out
-
-
-def replay(
-    plan: Plan,
-    cluster: Cluster,
-    w: Workload,
-    *,
-    stride: int = 1,
-    record: Optional[int] = 0,
-) -> PhaseResult:
-    """Replay ``plan`` on all ranks of its mesh; CP position p sits on GPU ``p * stride``."""
-    a, b = plan.a, plan.b
-    n = a * b
-    pos = np.arange(n)
-    r, c = pos // a, pos % a
-    nxt = {
-        ("row", 1): r * a + (c + 1) % a, ("row", -1): r * a + (c - 1) % a,
-        ("col", 1): ((r + 1) % b) * a + c, ("col", -1): ((r - 1) % b) * a + c,
-    }
-    node = (pos * stride) // cluster.gpus_per_node
-    inter = {k: node != node[v] for k, v in nxt.items()}
-    bw = {k: np.where(v, cluster.inter_bw, cluster.intra_bw) for k, v in inter.items()}
-    lat = {k: np.where(v, cluster.inter_lat, cluster.intra_lat) for k, v in inter.items()}
-    slow = {k: np.where(v, cluster.overlap_slowdown_inter, cluster.overlap_slowdown_intra) for k, v in inter.items()}
-    dims = workload_dims(w)
-    backward = plan.phase == BACKWARD
-    blocks = _block_durations(plan, w, cluster, backward)
-
-    compute_free = np.zeros(n)
-    busy = np.zeros(n)
-    chan_free = {"row": np.zeros(n), "col": np.zeros(n)}
-    egress = {False: np.zeros(n), True: np.zeros(n)}
-    ingress = {False: np.zeros(n), True: np.zeros(n)}
-    arrival: Dict[Tuple[str, int], np.ndarray] = {("q", 0): np.zeros(n), ("kv", 0): np.zeros(n)}
-    incoming: Dict[Tuple[str, int], List[np.ndarray]] = {}
-    sent = {"intra": np.zeros(n), "inter": np.zeros(n)}
-    by_cat: Dict[Tuple[str, str], int] = {}
-    timeline: List[Tuple[str, float, float, str]] = []
-    arrivals: Dict[Tuple[str, int], float] = {("q", 0): 0.0, ("kv", 0): 0.0}
-    rec = record is not None and 0 <= record < n
-    in_flight: Dict[Tuple[str, int], List[Tuple[np.ndarray, np.ndarray]]] = {k: [] for k in nxt}
-    last_compute = (np.zeros(n), np.zeros(n))
-
-    def fold(kind: str, off: int) -> None:
-        nonlocal compute_free
-        specs = payload(plan.phase, kind, dims)
-        nbytes = sum(s.nbytes for s in specs)
-        for arr in incoming.pop((kind, off), []):
-            start = np.maximum(compute_free, arr)
-            dur = cluster.elementwise_time(3 * nbytes)
-            compute_free = start + dur
-            busy[:] += dur
-            if rec:
-                timeline.append(("compute", float(start[record]), float(compute_free[record]), f"fold {kind}[{off}]"))
-
-    for op in plan.ops:
-        if isinstance(op, Compute):
-            start = np.maximum(compute_free, np.maximum(arrival[("q", op.q)], arrival[("kv", op.kv)]))
-            end = start + blocks[(op.q, op.kv)]
-            stretch = np.zeros(n)
-            for key, spans in in_flight.items():
-                for t0, t1 in spans:
-                    stretch += slow[key] * np.clip(np.minimum(t1, end) - np.maximum(t0, start), 0.0, None)
-                in_flight[key] = [(t0, t1) for t0, t1 in spans if (t1 > end).any()]
-            compute_free = end + stretch
-            busy += compute_free - start
-            last_compute = (start, compute_free)
-            if rec:
-                timeline.append(("compute", float(start[record]), float(compute_free[record]), f"blk {op.q},{op.kv}"))
-        elif isinstance(op, Transfer):
-            key = (op.ring, op.direction)
-            dst = plan.dst(op)
-            if op.kind in ("q", "kv"):
-                ready = arrival[(op.kind, op.src)]
-            else:
-                fold(op.kind, op.src)
-                ready = compute_free.copy()
-            specs = payload(plan.phase, op.kind, dims)
-            nbytes = sum(s.nbytes for s in specs)
-            for s in specs:
-                by_cat[(plan.phase, s.category)] = by_cat.get((plan.phase, s.category), 0) + s.nbytes
-            to = nxt[key]
-            x = inter[key]
-            ustart = np.maximum(chan_free[op.ring], ready)
-            eg = np.where(x, egress[True], egress[False])
-            ing = np.where(x, ingress[True][to], ingress[False][to])
-            start = np.maximum(np.maximum(ustart, ustart[to]), np.maximum(eg, ing))
-            fin = start + nbytes / bw[key]
-            for flag in (True, False):
-                sel = x == flag
-                egress[flag][sel] = fin[sel]
-                ingress[flag][to[sel]] = fin[sel]
-            # the kernel already running beside this transfer slows down for the overlap
-            lag = slow[key] * np.clip(np.minimum(fin, last_compute[1]) - np.maximum(start, last_compute[0]), 0.0, None)
-            if lag.any():
-                busy += lag
-                compute_free = compute_free + lag
-                last_compute = (last_compute[0], last_compute[1] + lag)
-            in_flight[key].append((start, fin))
-            arr = np.empty(n)
-            arr[to] = fin + lat[key]
-            chan_free[op.ring] = np.maximum(fin, arr)
-            sent["inter"] += np.where(x, nbytes, 0)
-            sent["intra"] += np.where(x, 0, nbytes)
-            if op.kind in ("q", "kv"):
-                arrival[(op.kind, dst)] = arr
-                if rec:
-                    arrivals[(op.kind, dst)] = float(arr[record])
-            else:
-                incoming.setdefault((op.kind, dst), []).append(arr)
-            if rec:
-                lane = f"{op.ring}{'+' if op.direction > 0 else '-'}"
-                timeline.append((lane, float(start[record]), float(fin[record]), f"{op.kind}[{op.src}]"))
-    for kind in ("o",) if not backward else ("dq", "dkv"):
-        fold(kind, 0)
-    finish = compute_free.copy()
-    for v in chan_free.values():
-        finish = np.maximum(finish, v)
-    return PhaseResult(finish, busy, sent, by_cat, timeline, arrivals)
-
-
-# --- CLI ---------------------------------------------------------------------------------------
+__all__ = ["main"]
 
 
 def _parse_size(text: str) -> int:
@@ -224,8 +27,6 @@ def _parse_size(text: str) -> int:
 
 
 def main(argv=None) -> int:
-    from .baselines import ALGORITHMS, compare, format_table, plot_timelines
-
     p = argparse.ArgumentParser(
         prog="python -m megatron_mesh_cp.simulate",
         description="Simulate CP attention algorithms on a cluster: time, traffic, exposed communication.",

@@ -5,7 +5,7 @@ forward and backward plans the real executor runs for every rank in lockstep thr
 communicator, and gathers the results back. It exercises the executor, the plans and the block
 kernels (with real GPU kernels on one GPU) without a process group. A shape ``(u, a, b)`` runs
 ``a2a+mesh``: the Ulysses all-to-all in memory (the same packing and reorder as on process groups,
-:mod:`megatron_mesh_cp.ulysses`) around one a x b mesh per Ulysses slot.
+:mod:`megatron_mesh_cp.runtime.ulysses`) around one a x b mesh per Ulysses slot.
 """
 
 from __future__ import annotations
@@ -15,13 +15,14 @@ from typing import Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 
-from .comm import Traffic, VirtualHub
-from .execute import run_virtual
-from .kernels import BlockKernel, lse_dtype, select_kernel
-from .layout import seq_dim, zigzag_gather, zigzag_shard
-from .plan import BACKWARD, FORWARD, Plan
-from .topology import MeshShape
-from .ulysses import (
+from .attention import plans_for
+from .runtime.comm import Traffic, VirtualHub
+from .runtime.execute import run_virtual
+from .runtime.kernels import BlockKernel, lse_dtype, select_kernel
+from .runtime.layout import seq_dim, zigzag_gather, zigzag_shard
+from .runtime.plan import BACKWARD, FORWARD, Plan
+from .runtime.topology import MeshShape
+from .runtime.ulysses import (
     a2a_bytes, check_ulysses_heads, fold_replicas, heads_to_members, kv_repeats, members_to_heads,
     members_to_super, replicate_kv, super_to_members,
 )

@@ -31,9 +31,9 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from megatron_mesh_cp import MeshGroups, mesh_attention  # noqa: E402
-from megatron_mesh_cp.cluster import Workload, load_cluster  # noqa: E402
+from megatron_mesh_cp.planning.cluster import Workload, load_cluster  # noqa: E402
 from megatron_mesh_cp.logs import configure as configure_logging  # noqa: E402
-from megatron_mesh_cp.topology import MeshShape  # noqa: E402
+from megatron_mesh_cp.runtime.topology import MeshShape  # noqa: E402
 
 TE_ALGOS = ("p2p", "all_gather", "a2a", "a2a+p2p")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -171,7 +171,7 @@ def main():
     if "mesh" in algos:
         for text in [s.strip() for s in args.shapes.split(",") if s.strip()]:
             if text == "auto":
-                from megatron_mesh_cp.autoshape import choose_shape
+                from megatron_mesh_cp.planning.autoshape import choose_shape
 
                 w = Workload(seq_local=args.seq // n, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
                              batch=args.batch, bytes_per_element=torch.empty((), dtype=dtype).element_size())

@@ -56,7 +56,7 @@ def _sync(device):
 
 def backend_status(device):
     """Per backend: 'available' or why not ('not installed', an import or constructor error)."""
-    from megatron_mesh_cp import kernels as K
+    from megatron_mesh_cp.runtime import kernels as K
 
     status = {}
     for name in ("te", "flash", "torch"):
@@ -88,8 +88,8 @@ def _virtual(q, k, v, do, shape):
 
 def section_a(device, quick):
     """Per backend, dtype and block case: relative errors of out/lse/dq/dk/dv."""
-    from megatron_mesh_cp.kernels import get_kernel
-    from megatron_mesh_cp.layout import BlockCase, BlockSlices
+    from megatron_mesh_cp.runtime.kernels import get_kernel
+    from megatron_mesh_cp.runtime.layout import BlockCase, BlockSlices
     from megatron_mesh_cp.reference import reference_attention
 
     s, b, h, hk, d = (64, 1, 4, 2, 64) if quick else (512, 2, 8, 2, 128)
@@ -126,7 +126,7 @@ def section_a(device, quick):
 
 def section_b(device, quick):
     """Virtual ranks vs one monolithic call of the same kernel on the whole sequence."""
-    from megatron_mesh_cp.kernels import select_kernel
+    from megatron_mesh_cp.runtime.kernels import select_kernel
     from megatron_mesh_cp.reference import reference_attention
 
     dtypes = (torch.bfloat16, torch.float32) if device == "cuda" else (torch.float32,)
@@ -173,7 +173,7 @@ def _timer(device):
 
 def section_d(device, quick):
     """Block times of the torch kernel alone and while a side stream copies 256 MiB back to back."""
-    from megatron_mesh_cp.kernels import get_kernel
+    from megatron_mesh_cp.runtime.kernels import get_kernel
 
     timer = _timer(device)
     kern = get_kernel("torch", device)
@@ -234,10 +234,10 @@ def section_d(device, quick):
 
 def section_c(device, quick):
     """One rank's forward+backward block work (kernels + merges) vs one monolithic call."""
-    from megatron_mesh_cp.kernels import select_kernel
-    from megatron_mesh_cp.layout import BlockSlices, block_case
-    from megatron_mesh_cp.merge import empty_partial, merge_into
-    from megatron_mesh_cp.topology import MeshShape
+    from megatron_mesh_cp.runtime.kernels import select_kernel
+    from megatron_mesh_cp.runtime.layout import BlockSlices, block_case
+    from megatron_mesh_cp.runtime.merge import empty_partial, merge_into
+    from megatron_mesh_cp.runtime.topology import MeshShape
 
     timer = _timer(device)
     h, hk, d = (4, 2, 32) if quick else (32, 8, 128)

@@ -95,7 +95,7 @@ def exactness(ctx, shape, cases, seed=0):
 
 def single_device_errors(q, k, v, do, causal, refs):
     """Relative errors of one-device bf16 attention (the torch kernel on the whole sequence)."""
-    from megatron_mesh_cp.kernels import TorchKernel
+    from megatron_mesh_cp.runtime.kernels import TorchKernel
 
     kern = TorchKernel()
     qb, kb, vb, dob = (x.to(torch.bfloat16).transpose(0, 1).contiguous() for x in (q, k, v, do))  # seq-major

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_mesh_cp import MeshGroups, mesh_attention
-from megatron_mesh_cp.kernels import TorchKernel
+from megatron_mesh_cp.runtime.kernels import TorchKernel
 
 
 def _mesh(ctx, shape=(2, 2)):
@@ -129,7 +129,7 @@ def timeouts(ctx, explicit_s=None):
     """(mesh.timeout, row ring timeout, column ring timeout) in seconds, for create(timeout=...)."""
     from datetime import timedelta
 
-    from megatron_mesh_cp.groups import group_timeout
+    from megatron_mesh_cp.runtime.groups import group_timeout
 
     kw = {} if explicit_s is None else {"timeout": timedelta(seconds=explicit_s)}
     mesh = MeshGroups.create((2, 2), **kw)
@@ -140,7 +140,7 @@ def megatron_timeout(ctx, minutes=3):
     """The rings Megatron builds for mesh CP keep --distributed-timeout-minutes."""
     from megatron.core import parallel_state
 
-    from megatron_mesh_cp.groups import group_timeout
+    from megatron_mesh_cp.runtime.groups import group_timeout
     from megatron_mesh_cp.megatron import cpu_compat
     from megatron_mesh_cp.megatron.attention import _MESHES, mesh_groups_for
 
@@ -160,7 +160,7 @@ def megatron_timeout(ctx, minutes=3):
 
 def varlen(ctx, lengths, max_bytes=None):
     """Forward + backward at every local length in ``lengths``; the pool's bytes after each call."""
-    from megatron_mesh_cp.execute import BufferPool
+    from megatron_mesh_cp.runtime.buffers import BufferPool
 
     mesh = _mesh(ctx)
     mesh.buffers = BufferPool(max_bytes=max_bytes) if max_bytes is not None else BufferPool()

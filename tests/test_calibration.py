@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from megatron_mesh_cp import calibration as cal
-from megatron_mesh_cp.baselines import simulate_algorithm
-from megatron_mesh_cp.cluster import CALIBRATED, Cluster, Workload, cluster_presets, load_cluster
+from megatron_mesh_cp.planning import calibration as cal
+from megatron_mesh_cp.planning.baselines import simulate_algorithm
+from megatron_mesh_cp.planning.cluster import CALIBRATED, Cluster, Workload, cluster_presets, load_cluster
 
 ROOT = Path(__file__).resolve().parent.parent
 

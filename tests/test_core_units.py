@@ -10,14 +10,14 @@ import pytest
 import torch
 
 from megatron_mesh_cp import ChunkDims, MeshShape, build_plans, plan_traffic, valid_shapes, validate
-from megatron_mesh_cp.execute import delta_stand_in
+from megatron_mesh_cp.runtime.execute import delta_stand_in
 from megatron_mesh_cp.virtual import virtual_mesh_attention
-from megatron_mesh_cp.kernels import TorchKernel, get_kernel
-from megatron_mesh_cp.layout import BlockCase, BlockSlices, block_case, zigzag_gather, zigzag_positions, zigzag_shard
-from megatron_mesh_cp.merge import empty_partial, merge_into
-from megatron_mesh_cp.plan import Compute, Free, Plan, PlanError, Transfer
+from megatron_mesh_cp.runtime.kernels import TorchKernel, get_kernel
+from megatron_mesh_cp.runtime.layout import BlockCase, BlockSlices, block_case, zigzag_gather, zigzag_positions, zigzag_shard
+from megatron_mesh_cp.runtime.merge import empty_partial, merge_into
+from megatron_mesh_cp.runtime.plan import Compute, Free, Plan, PlanError, Transfer
 from megatron_mesh_cp.reference import reference_attention
-from megatron_mesh_cp.topology import parse_shape
+from megatron_mesh_cp.runtime.topology import parse_shape
 
 # --- topology ----------------------------------------------------------------------------------
 

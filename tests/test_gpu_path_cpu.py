@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from megatron_mesh_cp import MeshShape
-from megatron_mesh_cp.comm import VirtualHub
+from megatron_mesh_cp.runtime.comm import VirtualHub
 from megatron_mesh_cp.virtual import virtual_mesh_attention
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -20,9 +20,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def test_buffers_are_allocated_once_per_layer_shape_and_never_alias_results():
     from megatron_mesh_cp.attention import plans_for
-    from megatron_mesh_cp.execute import run_virtual
-    from megatron_mesh_cp.kernels import TorchKernel
-    from megatron_mesh_cp.layout import zigzag_shard
+    from megatron_mesh_cp.runtime.execute import run_virtual
+    from megatron_mesh_cp.runtime.kernels import TorchKernel
+    from megatron_mesh_cp.runtime.layout import zigzag_shard
 
     shape = MeshShape(2, 2)
     hub = VirtualHub(shape)
@@ -87,7 +87,7 @@ def test_attention_benchmark_generates_only_this_ranks_share():
     import importlib.util
     from types import SimpleNamespace
 
-    from megatron_mesh_cp.layout import zigzag_shard
+    from megatron_mesh_cp.runtime.layout import zigzag_shard
 
     spec = importlib.util.spec_from_file_location("bench_attention", ROOT / "scripts" / "bench_attention.py")
     bench = importlib.util.module_from_spec(spec)

@@ -16,7 +16,7 @@ import torch
 
 from megatron_mesh_cp import ChunkDims, MeshShape, plan_traffic
 from megatron_mesh_cp.attention import plans_for
-from megatron_mesh_cp.ulysses import kv_repeats, ulysses_traffic
+from megatron_mesh_cp.runtime.ulysses import kv_repeats, ulysses_traffic
 
 SHAPES = {8: [(2, 2, 2), (2, 1, 4), (4, 2, 1), (8, 1, 1)], 12: [(2, 2, 3), (3, 2, 2)], 16: [(2, 2, 4), (4, 2, 2)]}
 DIM, S_LOCAL, BATCH = 16, 4, 2

@@ -6,10 +6,10 @@ import subprocess
 import sys
 import pytest
 
-from megatron_mesh_cp.autoshape import _mesh_time, choose_hybrid_shape, choose_shape, shape_bound, ulysses_degrees
-from megatron_mesh_cp.baselines import _ulysses_a2a, a2a_mesh, simulate_algorithm, ulysses_inner
-from megatron_mesh_cp.cluster import Workload, load_cluster
-from megatron_mesh_cp.topology import valid_shapes
+from megatron_mesh_cp.planning.autoshape import _mesh_time, choose_hybrid_shape, choose_shape, shape_bound, ulysses_degrees
+from megatron_mesh_cp.planning.baselines import ulysses_a2a_steps, a2a_mesh, simulate_algorithm, ulysses_inner
+from megatron_mesh_cp.planning.cluster import Workload, load_cluster
+from megatron_mesh_cp.runtime.topology import valid_shapes
 
 H100 = load_cluster("h100-ib400")
 
@@ -46,7 +46,7 @@ def test_pruned_auto_equals_exhaustive(n, kv):
     choose_hybrid_shape.cache_clear()
     ch = choose_hybrid_shape(n, H100, w)
     best = min((_mesh_time(a, b, H100, ulysses_inner(u, w), u, None)
-                + sum(s[2] for part in _ulysses_a2a(u, H100, w, 1)[:4] for s in part), (u, a, b))
+                + sum(s[2] for part in ulysses_a2a_steps(u, H100, w, 1)[:4] for s in part), (u, a, b))
                for u in ulysses_degrees(n, H100, 32, kv) for a, b in valid_shapes(n // u))
     assert (ch.u, ch.shape.a, ch.shape.b) == best[1]
     assert ch.seconds == pytest.approx(best[0])
@@ -93,8 +93,8 @@ def test_issue_rows_at_256_mesh_family_vs_usp_and_ring():
 def test_auto_honours_the_memory_budget(caplog):
     """Default budget: 4x TE Ring's peak; shapes over it are replanned within fewer live chunks or
     skipped with a line saying so; the choice's log line gives its peak."""
-    from megatron_mesh_cp.autoshape import BUDGET_X_RING, default_budget
-    from megatron_mesh_cp.baselines import te_ring_peak_bytes
+    from megatron_mesh_cp.planning.autoshape import BUDGET_X_RING, default_budget
+    from megatron_mesh_cp.planning.baselines import te_ring_peak_bytes
 
     caplog.set_level("INFO", logger="megatron_mesh_cp")
     w = _w(256 * 1024, 16, 32)
@@ -128,17 +128,17 @@ def test_simulator_bytes_equal_executor_bytes_for_a2a_mesh(shape, h, hk):
 
     class _Mesh:  # what plans_for reads: the same plans the virtual run used
         ulysses, stride = u, 1
-        shape = __import__("megatron_mesh_cp.topology", fromlist=["MeshShape"]).MeshShape(a, b)
+        shape = __import__("megatron_mesh_cp.runtime.topology", fromlist=["MeshShape"]).MeshShape(a, b)
         cluster = None
 
     inner_q = torch.empty(2, s * u, h // u, d)
     inner_k = torch.empty(2, s * u, ulysses_inner(u, w).kv_heads, d)
     fwd, bwd = plans_for(inner_q, inner_k, _Mesh, True, "bshd", None, "greedy")
-    from megatron_mesh_cp.schedule import default_cluster
+    from megatron_mesh_cp.planning.schedule import default_cluster
 
     sim = a2a_mesh(u, a, b, default_cluster(), w, 1)
     if a * b > 1:
-        from megatron_mesh_cp.simulate import replay
+        from megatron_mesh_cp.planning.replay import replay
 
         inner = ulysses_inner(u, w)
         mesh_bytes = {ph: float(sum(v[0] for v in replay(p, default_cluster(), inner, stride=u).sent.values()))

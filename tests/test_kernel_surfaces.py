@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import fake_kernels
-from megatron_mesh_cp import kernels as K
+from megatron_mesh_cp.runtime import kernels as K
 from megatron_mesh_cp.virtual import virtual_mesh_attention
 
 CASES = [((2, 2), True, (8, 2)), ((1, 3), False, (4, 4)), ((4, 1), True, (4, 1))]

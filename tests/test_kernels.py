@@ -12,8 +12,8 @@ import torch
 
 import fake_aten
 import fake_kernels
-from megatron_mesh_cp import kernels as K
-from megatron_mesh_cp.kernels import torch_sdpa
+from megatron_mesh_cp.runtime import kernels as K
+from megatron_mesh_cp.runtime.kernels import torch_sdpa
 
 
 @pytest.fixture(autouse=True)

@@ -34,7 +34,7 @@ def test_configure_is_idempotent_prefixed_and_exported(clean_logger, monkeypatch
     logs.configure()
     ours = [h for h in clean_logger.handlers if getattr(h, "_mesh_cp", False)]
     assert len(ours) == 1 and not clean_logger.propagate
-    logging.getLogger("megatron_mesh_cp.kernels").info("chosen")
+    logging.getLogger("megatron_mesh_cp.runtime.kernels").info("chosen")
     logging.getLogger("megatron_mesh_cp").debug("hidden at INFO")
     assert buf.getvalue() == "[mesh-cp] chosen\n"
     import os

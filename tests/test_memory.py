@@ -8,12 +8,13 @@ import torch
 
 from megatron_mesh_cp import MeshShape
 from megatron_mesh_cp.attention import plans_for
-from megatron_mesh_cp.comm import VirtualHub
-from megatron_mesh_cp.execute import BufferPool, run_virtual
-from megatron_mesh_cp.kernels import TorchKernel
-from megatron_mesh_cp.layout import zigzag_shard
-from megatron_mesh_cp.memory import buffer_lives, layout
-from megatron_mesh_cp.plan import ChunkDims, peak_live_bytes
+from megatron_mesh_cp.runtime.comm import VirtualHub
+from megatron_mesh_cp.runtime.buffers import BufferPool
+from megatron_mesh_cp.runtime.execute import run_virtual
+from megatron_mesh_cp.runtime.kernels import TorchKernel
+from megatron_mesh_cp.runtime.layout import zigzag_shard
+from megatron_mesh_cp.runtime.memory import buffer_lives, layout, peak_live_bytes
+from megatron_mesh_cp.runtime.plan import ChunkDims
 
 
 def _case(a, b, causal, h, hk, s_local=8, d=8, batch=1, seed=0):

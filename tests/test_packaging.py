@@ -26,7 +26,7 @@ def test_entry_points_resolve_to_callables():
 
 
 def test_presets_are_package_data_found_without_the_checkout():
-    from megatron_mesh_cp.cluster import cluster_presets
+    from megatron_mesh_cp.planning.cluster import cluster_presets
 
     cfg = _project()
     patterns = cfg["tool"]["setuptools"]["package-data"]["megatron_mesh_cp"]

@@ -12,12 +12,13 @@ import pytest
 import torch
 
 from megatron_mesh_cp import ChunkDims, MeshShape, build_plans, plan_traffic, valid_shapes, validate
-from megatron_mesh_cp.autoshape import choose_shape
-from megatron_mesh_cp.baselines import compare, simulate_algorithm
-from megatron_mesh_cp.cluster import Cluster, Workload, load_cluster
+from megatron_mesh_cp.planning.autoshape import choose_shape
+from megatron_mesh_cp.planning.baselines import compare, simulate_algorithm
+from megatron_mesh_cp.planning.cluster import Cluster, Workload, load_cluster
 from megatron_mesh_cp.virtual import virtual_mesh_attention
-from megatron_mesh_cp.plan import Compute, PlanError, Transfer
-from megatron_mesh_cp.simulate import replay, workload_dims
+from megatron_mesh_cp.runtime.plan import Compute, PlanError, Transfer
+from megatron_mesh_cp.planning.cluster import workload_dims
+from megatron_mesh_cp.planning.replay import replay
 
 H100 = load_cluster("h100-ib400")
 GQA = Workload(seq_local=4096, heads=32, kv_heads=8, head_dim=128)
@@ -49,7 +50,7 @@ def test_greedy_is_deterministic_and_cached():
     p1 = build_plans(4, 8, cluster=H100, workload=GQA)
     p2 = build_plans(4, 8, cluster=H100, workload=GQA)
     assert p1 is p2
-    from megatron_mesh_cp.schedule import _greedy_plans
+    from megatron_mesh_cp.planning.schedule import _greedy_plans
 
     _greedy_plans.cache_clear()
     p3 = build_plans(4, 8, cluster=H100, workload=GQA)
@@ -134,7 +135,7 @@ def test_link_types_follow_megatron_placement():
     fwd, _ = build_plans(8, 32, cluster=H100, workload=GQA)
     r = replay(fwd, H100, GQA)
     dims = workload_dims(GQA)
-    kv_bytes = 31 * sum(s.nbytes for s in __import__("megatron_mesh_cp.plan", fromlist=["payload"]).payload("forward", "kv", dims))
+    kv_bytes = 31 * sum(s.nbytes for s in __import__("megatron_mesh_cp.runtime.plan", fromlist=["payload"]).payload("forward", "kv", dims))
     assert float(r.sent["inter"][0]) == kv_bytes
     # with TP = 8 every CP hop is a node hop
     r8 = replay(fwd, H100, GQA, stride=8)
@@ -150,7 +151,7 @@ def test_traffic_and_exposed_targets_at_256():
     mesh = simulate_algorithm("mesh:16x16", 256, H100, w)
     assert mesh.bytes_sent <= 0.11 * ring.bytes_sent
     # the square tile itself (auto's default memory budget now picks narrower tiles at n = 256)
-    from megatron_mesh_cp.baselines import _plan_algo
+    from megatron_mesh_cp.planning.baselines import _plan_algo
 
     naive = _plan_algo("mesh-naive", 16, 16, H100, w, 1, planner="in-order")
     greedy = mesh

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from megatron_mesh_cp import ChunkDims, zigzag_shard
-from megatron_mesh_cp.layout import zigzag_positions
+from megatron_mesh_cp.runtime.layout import zigzag_positions
 from megatron_mesh_cp.reference import reference_attention
-from megatron_mesh_cp.ulysses import (
+from megatron_mesh_cp.runtime.ulysses import (
     check_ulysses_heads, fold_replicas, heads_to_members, kv_repeats, members_to_heads, members_to_super,
     replicate_kv, super_to_members, ulysses_traffic,
 )

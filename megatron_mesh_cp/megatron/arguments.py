@@ -21,7 +21,7 @@ from typing import List, Optional, Sequence
 
 import torch
 
-from ..topology import MeshShape, parse_shape
+from ..runtime.topology import MeshShape, parse_shape
 from .settings import SETTINGS
 
 __all__ = ["ALGORITHMS", "MESH_ALGORITHMS", "add_mesh_args", "apply_mesh_args", "apply_mesh_args_or_exit", "MeshArgumentError",
@@ -209,8 +209,8 @@ def _refuse_incompatible_features(args) -> None:
 
 
 def _cluster(args):
-    from ..cluster import load_cluster
-    from ..schedule import default_cluster
+    from ..planning.cluster import load_cluster
+    from ..planning.schedule import default_cluster
 
     name = _get(args, "mesh_cluster")
     try:
@@ -239,7 +239,7 @@ def _check_kernel(args, cp: int) -> None:
     group: a forced backend that cannot run them (or TE without a fused backend for them on this GPU
     and cuDNN, e.g. head dim > 128 off sm90, or --deterministic-mode where TE has no deterministic
     backward) fails here, naming the alternative. On CUDA the check runs on this rank's own GPU."""
-    from ..kernels import get_kernel, input_spec, select_kernel
+    from ..runtime.kernels import get_kernel, input_spec, select_kernel
 
     try:
         if not torch.cuda.is_available():
@@ -268,7 +268,7 @@ def _resolve_shape(args, text: str, cp: int) -> MeshShape:
             return MeshShape.for_size(parse_shape(text), cp)
         except ValueError as exc:
             raise MeshArgumentError(f"--mesh-shape: {exc}") from None
-    from ..autoshape import choose_shape
+    from ..planning.autoshape import choose_shape
 
     choice = choose_shape(cp, cluster, _workload(args, cp), stride=_tp(args))
     SETTINGS.shape_explanation = choice.explanation  # choose_shape has logged it
@@ -276,7 +276,7 @@ def _resolve_shape(args, text: str, cp: int) -> MeshShape:
 
 
 def _workload(args, cp: int):
-    from ..cluster import Workload
+    from ..planning.cluster import Workload
 
     seq_local, batch, heads, kv_heads, head_dim = _layer(args, cp)
     half = _get(args, "bf16", False) or _get(args, "fp16", False)
@@ -298,14 +298,14 @@ def _parse_hybrid(text: str) -> List[int]:
 
 def _resolve_hybrid_shape(args, text: str, cp: int) -> List[int]:
     """[u, a, b] for a2a+mesh, validated against the CP size, the heads and (if known) the node size."""
-    from ..ulysses import valid_ulysses
+    from ..runtime.ulysses import valid_ulysses
 
     cluster = _cluster(args)
     SETTINGS.cluster = cluster
     _, _, heads, _, _ = _layer(args, cp)
     tp = _tp(args)
     if str(text).lower() == "auto":
-        from ..autoshape import choose_hybrid_shape
+        from ..planning.autoshape import choose_hybrid_shape
 
         choice = choose_hybrid_shape(cp, cluster, _workload(args, cp), stride=tp)
         SETTINGS.shape_explanation = choice.explanation  # choose_hybrid_shape has logged it

@@ -26,8 +26,8 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 
 from ..attention import mesh_attention
-from ..groups import MeshGroups
-from ..ulysses import check_ulysses_heads
+from ..runtime.groups import MeshGroups
+from ..runtime.ulysses import check_ulysses_heads
 from .settings import SETTINGS
 
 __all__ = ["MeshCoreAttention", "mesh_groups_for", "attention_traffic"]

@@ -33,8 +33,8 @@ def _params_on_most_loaded_shard(args, vocab: int) -> float:
 
 def _attention_transient(args, s_local: int, bytes_el: int) -> Tuple[float, int]:
     """Bytes of the mesh executor's receive buffers and accumulators at its peak, and that peak in chunks."""
-    from ..plan import ChunkDims, payload, validate
-    from ..schedule import build_plans
+    from ..runtime.plan import ChunkDims, payload, validate
+    from ..planning.schedule import build_plans
     from .settings import SETTINGS
 
     shape = getattr(args, "mesh_shape", None)

@@ -18,15 +18,15 @@ class MeshSettings:
     partial_dtype: Optional[torch.dtype] = None  # None: fp32 partials (exact)
     planner: str = "greedy"
     check_finite: bool = False  # --mesh-check-finite: NaN/Inf in attention inputs raise on every CP rank
-    cluster: object = None  # a megatron_mesh_cp.cluster.Cluster, or None for the default
+    cluster: object = None  # a megatron_mesh_cp.planning.cluster.Cluster, or None for the default
     shape_explanation: str = ""
     # what Ring would have sent for the calls made so far (like-for-like partial dtype)
     ring_bytes: int = 0
     calls: int = 0
 
     def count_call(self, query: torch.Tensor, key: torch.Tensor, n: int, training: bool) -> None:
-        from ..kernels import lse_dtype
-        from ..plan import ChunkDims
+        from ..runtime.kernels import lse_dtype
+        from ..runtime.plan import ChunkDims
 
         s, b, h, d = query.shape
         dims = ChunkDims(b, s, h, key.shape[2], d, query.dtype, lse_dtype(query.dtype), self.partial_dtype)
@@ -37,8 +37,8 @@ class MeshSettings:
 @lru_cache(maxsize=64)
 def _ring_bytes(dims, n: int, training: bool) -> int:
     """Bytes a 1 x n Ring sends for one call with these dims (computed once per layer shape)."""
-    from ..plan import plan_traffic
-    from ..schedule import in_order_plan
+    from ..runtime.plan import plan_traffic
+    from ..planning.schedule import in_order_plan
 
     phases = ("forward", "backward") if training else ("forward",)
     return sum(sum(plan_traffic(in_order_plan(1, n, ph), dims).values()) for ph in phases)

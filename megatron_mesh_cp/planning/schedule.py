@@ -1,6 +1,6 @@
-"""Planners: functions that build a :class:`~megatron_mesh_cp.plan.Plan` for a tile shape.
+"""Planners: functions that build a :class:`~megatron_mesh_cp.runtime.plan.Plan` for a tile shape.
 
-``build_plans`` is the entry point: ``greedy`` (default, :mod:`megatron_mesh_cp.greedy`, scored on a
+``build_plans`` is the entry point: ``greedy`` (default, :mod:`megatron_mesh_cp.planning.greedy`, scored on a
 cluster by the simulator) or ``in-order``. Plans are pure functions of their inputs and cached.
 
 ``in_order_plan`` is the straightforward overlapped schedule: gather Q and KV hop by hop around
@@ -17,8 +17,10 @@ from dataclasses import replace
 from functools import lru_cache
 from typing import List, Optional, Tuple
 
+from ..runtime.plan import BACKWARD, FORWARD, Compute, Op, Plan, PlanError, Transfer, validate
 from .cluster import Cluster, Workload, load_cluster
-from .plan import BACKWARD, FORWARD, Compute, Op, Plan, Transfer, validate
+from .greedy import CONFIGS, PlanCost, greedy_plan
+from .replay import replay
 
 __all__ = ["in_order_plan", "build_plans", "PLANNERS", "default_cluster", "DEFAULT_WORKLOAD"]
 
@@ -108,10 +110,6 @@ def build_plans(
 
 @lru_cache(maxsize=256)
 def _greedy_plans(a, b, cluster, workload, stride, max_live, max_inflight, chains) -> Tuple[Plan, Plan]:
-    from .greedy import CONFIGS, PlanCost, greedy_plan
-    from .plan import PlanError
-    from .simulate import replay
-
     t0 = time.perf_counter()
     best = []
     for phase in (FORWARD, BACKWARD):
@@ -145,8 +143,6 @@ def _greedy_plans(a, b, cluster, workload, stride, max_live, max_inflight, chain
 
 def _minimum_budget(a, b, phase, cost, max_inflight) -> int:
     """Smallest live-chunk budget the greedy planner can honour (binary search; feasibility is monotone)."""
-    from .greedy import CONFIGS, greedy_plan
-    from .plan import PlanError
 
     def feasible(budget: int) -> bool:
         for cfg in CONFIGS:

@@ -2,11 +2,11 @@
 
 Forward: Q, K, V go through an all-to-all over the Ulysses group (u ranks; each member keeps h/u
 query heads and its share of the KV heads for the whole group's tokens), are reordered into the
-super-rank's zigzag share (:mod:`megatron_mesh_cp.ulysses`), the mesh runs over the N = a*b
+super-rank's zigzag share (:mod:`megatron_mesh_cp.runtime.ulysses`), the mesh runs over the N = a*b
 super-ranks, and O (and lse) go back the same way. Backward is the mirror image: dO in; dQ, dK, dV
 out. Each direction is one autograd node, so every rank issues the collectives in the same order.
-The all-to-all bytes land in the mesh's :class:`~megatron_mesh_cp.comm.Traffic` under
-:data:`~megatron_mesh_cp.ulysses.A2A_CATEGORIES` and equal :func:`~megatron_mesh_cp.ulysses.ulysses_traffic`.
+The all-to-all bytes land in the mesh's :class:`~megatron_mesh_cp.runtime.comm.Traffic` under
+:data:`~megatron_mesh_cp.runtime.ulysses.A2A_CATEGORIES` and equal :func:`~megatron_mesh_cp.runtime.ulysses.ulysses_traffic`.
 """
 
 from __future__ import annotations

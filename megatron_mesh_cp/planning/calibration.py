@@ -13,7 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from .baselines import simulate_algorithm
 from .cluster import CALIBRATED, Cluster, Workload, cluster_presets
+from .costs import monolithic_time
 
 __all__ = ["Case", "CASES", "SOURCES", "HARDWARE", "Row", "compare", "summary", "format_table", "TOLERANCE"]
 
@@ -144,12 +146,11 @@ def cluster_for(name: str, overlap: Optional[Dict[str, float]] = None, **bridge)
 
 
 def _phase_time(algo: str, case: Case, cluster: Cluster) -> float:
-    from .baselines import _attention_time, simulate_algorithm
 
     w = Workload(seq_local=case.seq // case.n, heads=case.heads, kv_heads=case.kv_heads, head_dim=case.head_dim,
                  batch=case.batch, causal=True, bytes_per_element=2, partial_bytes=2)
     if algo == "ideal":  # n calls of one GPU's flash-attn on the per-GPU token count
-        return sum(case.n * _attention_time(cluster, w, w.seq_local, w.seq_local, w.heads, ph == "backward")
+        return sum(case.n * monolithic_time(cluster, w, w.seq_local, w.seq_local, w.heads, ph == "backward")
                    for ph in case.phases)
     res = simulate_algorithm(algo, case.n, cluster, w)
     return sum(res.time_by_phase[ph] for ph in case.phases)

@@ -20,9 +20,12 @@ from importlib import resources
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from .layout import BlockCase
+import torch
 
-__all__ = ["Cluster", "Workload", "CALIBRATED", "load_cluster", "cluster_presets", "CLUSTER_DIRS"]
+from ..runtime.layout import BlockCase
+from ..runtime.plan import ChunkDims
+
+__all__ = ["Cluster", "Workload", "CALIBRATED", "load_cluster", "cluster_presets", "CLUSTER_DIRS", "workload_dims"]
 
 #: Where preset names are looked up (``MESH_CP_CLUSTER_DIR`` adds one, first).
 CLUSTER_DIRS: List[Path] = [Path(str(resources.files("megatron_mesh_cp") / "configs" / "clusters"))]
@@ -219,3 +222,14 @@ def load_cluster(name_or_path) -> Cluster:
         )
     with open(path) as f:
         return Cluster.from_dict(yaml.safe_load(f))
+
+
+_DTYPE_OF_BYTES = {2: torch.bfloat16, 4: torch.float32, 8: torch.float64}
+
+
+def workload_dims(w: Workload) -> ChunkDims:
+    """The ChunkDims (dtypes included) whose payloads a workload's transfers carry."""
+    return ChunkDims(
+        w.batch, w.seq_local, w.heads, w.kv_heads, w.head_dim, _DTYPE_OF_BYTES[w.bytes_per_element],
+        torch.float32, _DTYPE_OF_BYTES[w.partial_bytes],
+    )

@@ -6,7 +6,7 @@ the first block that feeds it to the transfer that sends it; a received partial 
 (the transfer that forwards its offset, or the end of the run). :func:`buffer_lives` lists them;
 :func:`layout` places each tensor at a byte offset of one arena, reusing the bytes of tensors that
 died before it is born, as a register allocator reuses registers. The arena's size is the pool's
-footprint; ``Layout.peak`` (``plan.peak_live_bytes``) is the largest sum of live bytes at any op,
+footprint; ``Layout.peak`` (:func:`peak_live_bytes`) is the largest sum of live bytes at any op,
 the floor any placement needs (first fit reaches it on every plan tried). Offsets are aligned to
 :data:`ALIGN` bytes (sizes are rounded up to it in both).
 """
@@ -21,7 +21,7 @@ import numpy as np
 from .plan import BACKWARD, FORWARD, GATHER_KINDS, REDUCE_KINDS, ChunkDims, Compute, Free, Plan, TensorSpec, Transfer
 from .plan import partial_offset, payload
 
-__all__ = ["ALIGN", "Life", "Layout", "buffer_lives", "layout"]
+__all__ = ["ALIGN", "Life", "Layout", "buffer_lives", "layout", "peak_live_bytes"]
 
 #: Every pool tensor starts at a multiple of this many bytes (what CUDA kernels' vector loads want).
 ALIGN = 256
@@ -166,3 +166,14 @@ def layout(plan: Plan, dims: ChunkDims) -> Layout:
         if top == peak:
             break
     return Layout(best[0], {x.role: x.spec for x in lives}, best[1], peak)
+
+
+def peak_live_bytes(plan: Plan, dims: ChunkDims) -> int:
+    """The most bytes one rank's buffer pool holds at once while it runs ``plan`` on chunks of
+    ``dims``: received chunks, backward output stand-ins, partial accumulators, received partials
+    and merge scratch, each live from the op that creates it to the op that frees, sends or folds
+    it (this module). A pure function of the plan; the executor's pool holds exactly this for one
+    layer shape and phase (the larger of the two phases once both ran). Not counted: the rank's
+    own q, k, v (and out, dout in backward), the results, and kernel workspaces.
+    """
+    return layout(plan, dims).nbytes  # the arena: equal to the live-bytes floor on every plan tried

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from .comm import ProcessGroupComm, Traffic
-from .execute import BufferPool
+from .buffers import BufferPool
 from .topology import MeshShape
 
 __all__ = ["MeshGroups"]

@@ -26,10 +26,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
-from .cluster import Cluster, Workload
-from .layout import BlockCase
-from .plan import (BACKWARD, FORWARD, REDUCE_KINDS, RING_OF, Compute, Free, Op, Plan, PlanError, Transfer,
-                   feeding_blocks, partial_offset, payload, validate)
+from ..runtime.layout import BlockCase
+from ..runtime.plan import (BACKWARD, FORWARD, REDUCE_KINDS, RING_OF, Compute, Free, Op, Plan, PlanError, Transfer,
+                            feeding_blocks, partial_offset, payload, validate)
+from .cluster import Cluster, Workload, workload_dims
 
 __all__ = ["ChainConfig", "PlanCost", "greedy_plan", "CONFIGS"]
 
@@ -66,7 +66,6 @@ class PlanCost:
 
     @classmethod
     def of(cls, a: int, b: int, phase: str, cluster: Cluster, w: Workload, stride: int = 1) -> "PlanCost":
-        from .simulate import workload_dims
 
         backward = phase == BACKWARD
         case = BlockCase.LOWER if w.causal else BlockCase.FULL

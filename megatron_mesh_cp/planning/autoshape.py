@@ -15,9 +15,13 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Callable, List, Optional, Tuple
 
-from .cluster import Cluster, Workload
-from .layout import BlockCase
-from .topology import MeshShape, valid_shapes
+from ..runtime.layout import BlockCase
+from ..runtime.plan import BACKWARD, FORWARD, REDUCE_KINDS, RING_OF, payload, validate
+from ..runtime.topology import MeshShape, valid_shapes
+from .cluster import Cluster, Workload, workload_dims
+from .costs import plan_peak_bytes, te_ring_peak_bytes, ulysses_a2a_steps, ulysses_buffer_bytes, ulysses_inner
+from .replay import replay
+from .schedule import build_plans
 
 __all__ = ["ShapeChoice", "HybridChoice", "choose_shape", "choose_hybrid_shape", "ulysses_degrees", "shape_bound",
            "default_budget", "BUDGET_X_RING"]
@@ -60,8 +64,6 @@ def shape_bound(a: int, b: int, cluster: Cluster, w: Workload, stride: int = 1) 
     Rings whose hops are all of one link type share that type's egress; a ring with both kinds of
     hop can at best use both links at once.
     """
-    from .plan import BACKWARD, FORWARD, REDUCE_KINDS, RING_OF, payload
-    from .simulate import workload_dims
 
     dims = workload_dims(w)
     cases = (BlockCase.DIAG, BlockCase.LOWER, BlockCase.UPPER) if w.causal else (BlockCase.FULL,)
@@ -95,7 +97,6 @@ PROBES = 5
 
 def default_budget(w: Workload) -> float:
     """``BUDGET_X_RING`` times TE Ring's peak attention memory per rank for this layer."""
-    from .baselines import te_ring_peak_bytes
 
     return BUDGET_X_RING * te_ring_peak_bytes(w)
 
@@ -120,8 +121,6 @@ def _search(cands: List[Tuple[tuple, float, Callable[[], Tuple[float, int]]]]):
 
 
 def _mesh_time(a, b, cluster, w, stride, max_live, chains="auto") -> float:
-    from .schedule import build_plans
-    from .simulate import replay
 
     fwd, bwd = build_plans(a, b, cluster=cluster, workload=w, stride=stride, max_live=max_live, chains=chains)
     return (replay(fwd, cluster, w, stride=stride, record=None).time
@@ -131,13 +130,10 @@ def _mesh_time(a, b, cluster, w, stride, max_live, chains="auto") -> float:
 def _within_budget(a, b, cluster, w, stride, max_live, budget, extra=0) -> Tuple[float, int]:
     """(simulated seconds, peak bytes) of the a x b mesh planned to fit ``budget`` bytes per rank
     (``extra``: bytes held beside the pool, e.g. the all-to-all's); ValueError when it cannot."""
-    from .baselines import plan_peak_bytes
-    from .schedule import build_plans
 
     fwd, bwd = build_plans(a, b, cluster=cluster, workload=w, stride=stride, max_live=max_live)
     peak = plan_peak_bytes(fwd, bwd, w) + extra
     if peak > budget:  # the largest live-chunk budget whose plans fit (bisection, a few probes)
-        from .plan import validate
 
         lo, hi, fit = 2, max(validate(fwd), validate(bwd)) - 1, None
         for _ in range(PROBES):
@@ -212,13 +208,12 @@ def choose_hybrid_shape(
 ) -> HybridChoice:
     """The fastest (u, a, b) with u * a * b = n for a2a+mesh (u = 1 is pure mesh) within the memory
     budget (as :func:`choose_shape`); logged like choose_shape."""
-    from .baselines import _ulysses_a2a, ulysses_buffer_bytes, ulysses_inner
 
     budget = default_budget(workload) if memory_budget is None else memory_budget
     cands = []
     for u in ulysses_degrees(n, cluster, workload.heads, workload.kv_heads, stride):
         inner = ulysses_inner(u, workload)
-        a2a = sum(step[2] for part in _ulysses_a2a(u, cluster, workload, stride)[:4] for step in part)
+        a2a = sum(step[2] for part in ulysses_a2a_steps(u, cluster, workload, stride)[:4] for step in part)
         for a, b in valid_shapes(n // u):
             def run(a=a, b=b, inner=inner, u=u, a2a=a2a):
                 t, peak = _within_budget(a, b, cluster, inner, stride * u, max_live, budget,

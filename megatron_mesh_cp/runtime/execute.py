@@ -1,4 +1,4 @@
-"""The executor: runs one rank's share of a :class:`~megatron_mesh_cp.plan.Plan`.
+"""The executor: runs one rank's share of a :class:`~megatron_mesh_cp.runtime.plan.Plan`.
 
 It knows nothing about scheduling: it walks the plan's ops in order, starts each transfer
 asynchronously, waits for a chunk only when an op reads it, computes blocks with a block kernel
@@ -8,7 +8,7 @@ accumulated in fp32 (fp64 for fp64 inputs).
 Tensors are sequence-major (``[s, b, h, d]``, Megatron's layout), so every block's row or column
 range is a contiguous view and no block copies its inputs. Receive buffers, accumulators and merge
 scratch come from a :class:`BufferPool` that lives with the communicator and is reused by every
-layer of the same shape; inside it, bytes are reused as the plan's liveness allows (memory.py),
+layer of the same shape; inside it, bytes are reused as the plan's liveness allows (memory.py, buffers.py),
 and a tensor placed where a dead one was first waits for that one's send to finish (and, on GPU,
 for the compute that read it). Nothing the executor hands back aliases the pool.
 
@@ -19,20 +19,19 @@ never a gathered chunk (DESIGN.md section 4).
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from .buffers import BufferPool
 from .comm import RingComm, VirtualHub
 from .kernels import BlockKernel, lse_dtype
 from .layout import BlockSlices, block_case
-from .memory import Layout, layout
 from .merge import merge_into
 from .plan import FORWARD, ChunkDims, Compute, Free, Plan, Transfer, payload
 from .topology import MeshShape
 
-__all__ = ["Executor", "BufferPool", "delta_stand_in", "run_virtual"]
+__all__ = ["Executor", "delta_stand_in", "run_virtual"]
 
 
 def delta_stand_in(dout: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
@@ -50,102 +49,6 @@ def delta_stand_in(dout: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
     u = g / safe
     x = u * ((delta.to(acc).unsqueeze(-1) / safe) / (u * u).sum(dim=-1, keepdim=True).clamp_min(1.0))
     return torch.where(scale > 0, x, torch.zeros_like(x)).to(dout.dtype)
-
-
-class BufferPool:
-    """Receive buffers, accumulators and scratch kept across calls: one arena per layer shape.
-
-    Inside an arena, tensors sit where :func:`~megatron_mesh_cp.memory.layout` puts them, so the
-    bytes a layer shape holds are its plans' peak live bytes (the larger of forward and backward:
-    the phases share the arena, as runs never overlap on one rank). The pool is bounded: it keeps
-    the arenas of the ``max_shapes`` most recently used layer shapes (default 4) and, with
-    ``max_bytes``, evicts least recently used ones until it fits (never the one in use). A new
-    sequence length every step therefore never grows memory beyond the cap.
-    """
-
-    def __init__(self, max_shapes: int = 4, max_bytes: Optional[int] = None) -> None:
-        if not isinstance(max_shapes, int) or max_shapes < 1:
-            raise ValueError(f"max_shapes must be a positive int, got {max_shapes!r}")
-        if max_bytes is not None and (not isinstance(max_bytes, int) or max_bytes < 0):
-            raise ValueError(f"max_bytes must be a non-negative int or None, got {max_bytes!r}")
-        self.max_shapes, self.max_bytes = max_shapes, max_bytes
-        self._arenas: "OrderedDict[tuple, _Arena]" = OrderedDict()
-        self._layouts: Dict[tuple, tuple] = {}
-
-    def arena(self, plan: Plan, dims: ChunkDims, device: torch.device) -> "_Bound":
-        """The views of ``plan``'s pool tensors on chunks of ``dims`` (arena grown to fit if needed)."""
-        key = (dims, str(device))
-        arena = self._arenas.get(key)
-        if arena is None:
-            arena = self._arenas[key] = _Arena(device)
-        self._arenas.move_to_end(key)
-        bound = arena.bind(self._layout(plan, dims))
-        while len(self._arenas) > 1 and (len(self._arenas) > self.max_shapes or
-                                         (self.max_bytes is not None and self.nbytes() > self.max_bytes)):
-            self._arenas.popitem(last=False)
-        return bound
-
-    def _layout(self, plan: Plan, dims: ChunkDims) -> Layout:
-        """``layout(plan, dims)``, looked up by the plan's identity (hashing a plan walks its ops)."""
-        key = (id(plan), dims)
-        hit = self._layouts.get(key)
-        if hit is None or hit[0] is not plan:
-            if len(self._layouts) >= 64:
-                self._layouts.clear()
-            hit = self._layouts[key] = (plan, layout(plan, dims))
-        return hit[1]
-
-    def nbytes(self) -> int:
-        """Bytes the pool holds now (all layer shapes)."""
-        return sum(a.nbytes for a in self._arenas.values())
-
-    def __len__(self) -> int:
-        """Number of layer shapes held."""
-        return len(self._arenas)
-
-
-class _Arena:
-    """One layer shape's bytes, and the views every plan run on it binds to them."""
-
-    def __init__(self, device) -> None:
-        self.device = device
-        self.buf = torch.empty(0, dtype=torch.uint8, device=device)
-        self._bound: Dict[int, "_Bound"] = {}
-
-    @property
-    def nbytes(self) -> int:
-        return self.buf.numel()
-
-    def bind(self, lay: Layout) -> "_Bound":
-        if lay.nbytes > self.buf.numel():  # a phase needing more: grow once (old views die with it)
-            self.buf = torch.empty(lay.nbytes, dtype=torch.uint8, device=self.device)
-            self._bound.clear()
-        bound = self._bound.get(id(lay))
-        if bound is None or bound.layout is not lay:
-            bound = self._bound[id(lay)] = _Bound(self.buf, lay)
-        return bound
-
-
-class _Bound:
-    """A layout's tensors as views of one arena: ``tensor(role)`` and its byte ``span(role)``."""
-
-    def __init__(self, buf: torch.Tensor, lay: Layout) -> None:
-        self.layout, self.buf = lay, buf
-        self._views: Dict[tuple, torch.Tensor] = {}
-
-    def span(self, role: tuple) -> Tuple[int, int]:
-        off = self.layout.offsets[role]
-        return off, off + self.layout.specs[role].nbytes
-
-    def tensor(self, role: tuple) -> torch.Tensor:
-        t = self._views.get(role)
-        if t is None:
-            if role not in self.layout.offsets:
-                raise KeyError(f"the executor asked for {role}, which the plan's buffer layout does not have")
-            lo, hi = self.span(role)
-            spec = self.layout.specs[role]
-            t = self._views[role] = self.buf[lo:hi].view(spec.dtype).view(spec.shape)
-        return t
 
 
 def _recorded_event():

@@ -134,7 +134,7 @@ def ulysses_traffic(u: int, dims: ChunkDims, phase: str, return_lse: bool = Fals
     ``kv_heads`` = heads per rank after TP, ``dtype`` = input dtype). Forward: Q, K, V in and O out
     (plus the fp32 lse when the caller asks for it); backward: dO in and dQ, dK, dV out. KV heads
     count after replication (:func:`kv_repeats`). Keys are ``(phase, category)`` like
-    :func:`~megatron_mesh_cp.plan.plan_traffic`; u = 1 moves nothing.
+    :func:`~megatron_mesh_cp.runtime.plan.plan_traffic`; u = 1 moves nothing.
     """
     if phase not in (FORWARD, BACKWARD):
         raise ValueError(f"phase must be {FORWARD!r} or {BACKWARD!r}, got {phase!r}")

@@ -18,6 +18,8 @@ from typing import Dict, List, Sequence, Tuple
 
 import torch
 
+from .buffers import BufferPool
+
 __all__ = ["Traffic", "RingComm", "ProcessGroupComm", "VirtualHub", "VirtualComm"]
 
 
@@ -208,8 +210,6 @@ class VirtualComm(RingComm):
         self.position = position
         self.traffic = Traffic()
         self._seq = 0
-        from .execute import BufferPool
-
         self.buffers = BufferPool()
 
     def exchange(self, ring, direction, send, recv, categories, after=()):

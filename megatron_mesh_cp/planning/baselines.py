@@ -12,10 +12,9 @@
 * ``usp`` -- Ulysses inside a node x Ring across nodes (yunchang USP / TE ``a2a+p2p``); the best
   Ulysses degree (a divisor of the GPUs per node) is chosen; ``usp:U`` a fixed degree.
 * ``a2a+mesh`` -- Ulysses inside a node x the greedy mesh across the Ulysses groups (HYBRID.md), the
-  fastest (u, a, b) by :func:`~megatron_mesh_cp.autoshape.choose_hybrid_shape`; ``a2a+mesh:UxAxB`` fixed.
+  fastest (u, a, b) by :func:`~megatron_mesh_cp.planning.autoshape.choose_hybrid_shape`; ``a2a+mesh:UxAxB`` fixed.
 
-Collectives are modelled with the usual bus-bandwidth rule: bytes each rank receives divided by the
-slowest link the collective crosses (the NIC once the group spans nodes).
+The shared costs (one kernel call, a collective, the all-to-all, peak memory) are in ``costs``.
 """
 
 from __future__ import annotations
@@ -23,11 +22,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Dict, List, Optional, Tuple
 
-from .autoshape import choose_shape
+from .autoshape import choose_hybrid_shape, choose_shape, ulysses_degrees
 from .cluster import Cluster, Workload
-from .layout import BlockCase
+from .costs import (collective_time, monolithic_time, plan_peak_bytes, te_ring_peak_bytes, ulysses_a2a_steps,
+                    ulysses_buffer_bytes, ulysses_inner)
+from ..runtime.layout import BlockCase
+from ..runtime.topology import MeshShape
 from .schedule import build_plans
-from .simulate import PhaseResult, replay
+from .replay import PhaseResult, replay
 
 __all__ = ["ALGORITHMS", "SimResult", "simulate_algorithm", "compare", "format_table", "plot_timelines"]
 
@@ -70,66 +72,12 @@ def _from_phases(algo: str, fwd: PhaseResult, bwd: PhaseResult, shape: str, note
     )
 
 
-def plan_peak_bytes(fwd, bwd, w: Workload) -> int:
-    """Bytes the executor's pool holds for these plans: the larger phase's arena (memory.layout)."""
-    from .memory import layout
-    from .simulate import workload_dims
-
-    dims = workload_dims(w)
-    return max(layout(fwd, dims).nbytes, layout(bwd, dims).nbytes)
-
-
-def te_ring_peak_bytes(w: Workload) -> int:
-    """What TE's p2p Ring holds beyond q, k, v, out per rank (an estimate from its buffers): forward,
-    double-buffered K/V and the fp32 output and lse accumulators; backward, double-buffered K/V and
-    dK/dV, the fp32 dQ accumulator and one block's dQ, dK, dV."""
-    e, p = w.bytes_per_element, w.partial_bytes
-    tok = w.batch * w.seq_local * w.head_dim
-    kv = 2 * tok * w.kv_heads
-    fwd = 2 * kv * e + tok * w.heads * 4 + w.batch * w.seq_local * w.heads * 4
-    bwd = 2 * kv * e + 2 * kv * p + tok * w.heads * 4 + (tok * w.heads + kv) * e
-    return max(fwd, bwd)
-
-
-def ulysses_buffer_bytes(u: int, w: Workload) -> int:
-    """The all-to-all's own tensors held across the inner attention: q, k, v (replicas included), out."""
-    if u <= 1:
-        return 0
-    iw = ulysses_inner(u, w)
-    return w.bytes_per_element * iw.batch * iw.seq_local * iw.head_dim * (2 * iw.heads + 2 * iw.kv_heads)
-
-
 def _plan_algo(algo, a, b, cluster, w, stride, planner="greedy", chains="auto", max_live=None, note=""):
     fwd, bwd = build_plans(a, b, planner, cluster=cluster, workload=w, stride=stride, max_live=max_live, chains=chains)
     res = _from_phases(algo, replay(fwd, cluster, w, stride=stride), replay(bwd, cluster, w, stride=stride),
                        f"{a}x{b}", note)
     res.peak_bytes = te_ring_peak_bytes(w) if algo == "ring" else plan_peak_bytes(fwd, bwd, w)
     return res
-
-
-def _attention_time(cluster: Cluster, w: Workload, rows: int, keys: int, heads: int, backward: bool) -> float:
-    """One monolithic kernel call (no running correction: nothing to merge it with)."""
-    pairs = rows * keys * (0.5 if w.causal else 1.0)
-    flops = 4.0 * w.batch * heads * w.head_dim * pairs * (2.5 if backward else 1.0)
-    return cluster.attention_time(flops, rows, backward) + cluster.block_overhead
-
-
-def _collective(cluster: Cluster, group: int, stride: int, recv_bytes: float, all_to_all: bool = False) -> float:
-    """Time to move ``recv_bytes`` into each rank of a group of ``group`` ranks ``stride`` GPUs apart."""
-    if group <= 1 or recv_bytes <= 0:
-        return 0.0
-    per_node = max(1, cluster.gpus_per_node // stride)
-    if group <= per_node:
-        t = recv_bytes / cluster.intra_bw
-        if cluster.intra_shared_bw:  # PCIe: bytes from peers under other switches cross the host bridge
-            switch = max(1, (cluster.p2p_group or cluster.gpus_per_node) // stride)
-            off = max(0, group - switch) / (group - 1)
-            t = max(t, group * recv_bytes * off / cluster.intra_shared_bw)
-        return cluster.intra_lat * (group - 1 if all_to_all else 1) + t
-    if all_to_all:
-        off = (group - per_node) / (group - 1)  # share of peers on other nodes
-        return cluster.inter_lat + max(recv_bytes * off / cluster.inter_bw, recv_bytes * (1 - off) / cluster.intra_bw)
-    return cluster.inter_lat * 2 + recv_bytes / cluster.inter_bw
 
 
 def _phased(algo, steps: List[Tuple[str, str, float, float, float]], shape="", note="") -> SimResult:
@@ -156,54 +104,29 @@ def _allgather(n: int, cluster: Cluster, w: Workload, stride: int) -> SimResult:
     gather = (n - 1) * kv * e
     rs = (n - 1) * kv * p
     # each rank's zigzag rows attend over the whole sequence (causal halves the pairs)
-    f_comp = _attention_time(cluster, w, w.seq_local, w.seq_local * n, w.heads, False)
-    b_comp = _attention_time(cluster, w, w.seq_local, w.seq_local * n, w.heads, True)
+    f_comp = monolithic_time(cluster, w, w.seq_local, w.seq_local * n, w.heads, False)
+    b_comp = monolithic_time(cluster, w, w.seq_local, w.seq_local * n, w.heads, True)
     x = 1.0 if spans else 0.0
     steps = [
-        ("forward", "all-gather", _collective(cluster, n, stride, gather), gather, gather * x),
+        ("forward", "all-gather", collective_time(cluster, n, stride, gather), gather, gather * x),
         ("forward", "compute", f_comp, 0, 0),
-        ("backward", "all-gather", _collective(cluster, n, stride, gather), gather, gather * x),
+        ("backward", "all-gather", collective_time(cluster, n, stride, gather), gather, gather * x),
         ("backward", "compute", b_comp, 0, 0),
-        ("backward", "reduce-scatter", _collective(cluster, n, stride, rs), rs, rs * x),
+        ("backward", "reduce-scatter", collective_time(cluster, n, stride, rs), rs, rs * x),
     ]
     res = _phased("allgather", steps, f"1x{n}")
     res.peak_bytes = gather + (n - 1) * kv * p  # the gathered K/V and their gradients
     return res
 
 
-def _ulysses_a2a(u: int, cluster: Cluster, w: Workload, stride: int):
-    """The all-to-all steps of a Ulysses group of u ranks; bytes from the runtime's own byte model
-    (:func:`megatron_mesh_cp.ulysses.ulysses_traffic`, K/V heads replicated as the runtime does)."""
-    from .plan import BACKWARD, FORWARD
-    from .simulate import workload_dims
-    from .ulysses import kv_repeats, ulysses_traffic
-
-    dims = workload_dims(w)
-    f, b = ulysses_traffic(u, dims, FORWARD), ulysses_traffic(u, dims, BACKWARD)
-    kv_heads = w.kv_heads * kv_repeats(w.heads, w.kv_heads, u)
-    per_node = max(1, cluster.gpus_per_node // stride)
-    off = 0.0 if u <= per_node else (u - per_node) / (u - 1)
-
-    def step(phase: str, nbytes: float):
-        return (phase, "all-to-all", _collective(cluster, u, stride, nbytes, all_to_all=True), nbytes, nbytes * off)
-
-    if u == 1:
-        return [], [], [], [], kv_heads
-    before = [step(FORWARD, f[(FORWARD, "a2a-Q")] + f[(FORWARD, "a2a-KV")])]
-    after_fwd = [step(FORWARD, f[(FORWARD, "a2a-O")])]
-    before_bwd = [step(BACKWARD, b[(BACKWARD, "a2a-dO")])]
-    after_bwd = [step(BACKWARD, b[(BACKWARD, "a2a-dQ")] + b[(BACKWARD, "a2a-dKV")])]
-    return before, after_fwd, before_bwd, after_bwd, kv_heads
-
-
 def _ulysses(n: int, cluster: Cluster, w: Workload, stride: int) -> SimResult:
     if w.heads < n:
         raise ValueError(f"Ulysses needs at least as many heads as CP ranks ({w.heads} < {n}); use usp or mesh")
-    before, after_fwd, before_bwd, after_bwd, kv_heads = _ulysses_a2a(n, cluster, w, stride)
+    before, after_fwd, before_bwd, after_bwd, kv_heads = ulysses_a2a_steps(n, cluster, w, stride)
     seq = w.seq_local * n
     h = w.heads // n
-    f_comp = _attention_time(cluster, w, seq, seq, h, False)
-    b_comp = _attention_time(cluster, w, seq, seq, h, True)
+    f_comp = monolithic_time(cluster, w, seq, seq, h, False)
+    b_comp = monolithic_time(cluster, w, seq, seq, h, True)
     steps = (before + [("forward", "compute", f_comp, 0, 0)] + after_fwd
              + before_bwd + [("backward", "compute", b_comp, 0, 0)] + after_bwd)
     note = f"kv heads replicated to {kv_heads}" if kv_heads != w.kv_heads else ""
@@ -212,23 +135,14 @@ def _ulysses(n: int, cluster: Cluster, w: Workload, stride: int) -> SimResult:
     return res
 
 
-def ulysses_inner(u: int, w: Workload) -> Workload:
-    """What each rank of a Ulysses group of u ranks holds after the all-to-all: u times the tokens,
-    1/u of the heads (K/V heads replicated first until u divides them, as the runtime does)."""
-    from .ulysses import kv_repeats
-
-    kv = w.kv_heads * kv_repeats(w.heads, w.kv_heads, u)
-    return replace(w, seq_local=w.seq_local * u, heads=w.heads // u, kv_heads=kv // u)
-
-
 def _ulysses_around(u: int, inner: Optional[SimResult], cluster: Cluster, w: Workload, stride: int,
                     algo: str, shape: str) -> SimResult:
     """All-to-all in, the inner CP algorithm over the n/u Ulysses groups (or one call), all-to-all out."""
-    before, after_fwd, before_bwd, after_bwd, kv_heads = _ulysses_a2a(u, cluster, w, stride)
+    before, after_fwd, before_bwd, after_bwd, kv_heads = ulysses_a2a_steps(u, cluster, w, stride)
     if inner is None:  # one Ulysses group: a single kernel call per phase
         iw = ulysses_inner(u, w)
-        fwd = _attention_time(cluster, iw, iw.seq_local, iw.seq_local, iw.heads, False)
-        bwd = _attention_time(cluster, iw, iw.seq_local, iw.seq_local, iw.heads, True)
+        fwd = monolithic_time(cluster, iw, iw.seq_local, iw.seq_local, iw.heads, False)
+        bwd = monolithic_time(cluster, iw, iw.seq_local, iw.seq_local, iw.heads, True)
         inner = SimResult("one call", fwd + bwd, fwd + bwd, 0.0, 0.0, time_by_phase={"forward": fwd, "backward": bwd},
                           bytes_by_phase={"forward": 0.0, "backward": 0.0})
     lane = inner.algo
@@ -259,7 +173,6 @@ def a2a_mesh(u: int, a: int, b: int, cluster: Cluster, w: Workload, stride: int 
 
 def _usp(n: int, cluster: Cluster, w: Workload, stride: int) -> SimResult:
     best: Optional[SimResult] = None
-    from .autoshape import ulysses_degrees
 
     for u in ulysses_degrees(n, cluster, w.heads, w.kv_heads, max(1, stride)):
         res = _usp_with(u, n, cluster, w, stride)
@@ -285,7 +198,6 @@ def simulate_algorithm(
             return _plan_algo("mesh", a, b, cluster, w, tp, max_live=max_live, note="auto")
         return _plan_algo("mesh-naive", a, b, cluster, w, tp, planner="in-order")
     if algo.startswith("mesh:"):
-        from .topology import MeshShape
 
         shape = MeshShape.for_size(algo.split(":", 1)[1], n)
         return _plan_algo(algo, shape.a, shape.b, cluster, w, tp, max_live=max_live)
@@ -296,13 +208,11 @@ def simulate_algorithm(
     if algo == "usp":
         return _usp(n, cluster, w, tp)
     if algo == "a2a+mesh":
-        from .autoshape import choose_hybrid_shape
 
         ch = choose_hybrid_shape(n, cluster, w, stride=tp, max_live=max_live)
         return a2a_mesh(ch.u, ch.shape.a, ch.shape.b, cluster, w, tp, max_live)
     if algo.startswith("a2a+mesh:"):
-        from .autoshape import ulysses_degrees
-
+    
         parts = algo.split(":", 1)[1].lower().split("x")
         if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
             raise ValueError(f"{algo}: the shape must look like UxAxB, e.g. a2a+mesh:2x4x32")

@@ -34,7 +34,6 @@ __all__ = [
     "TensorSpec",
     "payload",
     "plan_traffic",
-    "peak_live_bytes",
     "validate",
     "GATHER_KINDS",
     "REDUCE_KINDS",
@@ -187,19 +186,6 @@ def plan_traffic(plan: Plan, dims: ChunkDims) -> Dict[Tuple[str, str], int]:
             key = (plan.phase, spec.category)
             out[key] = out.get(key, 0) + spec.nbytes
     return out
-
-
-def peak_live_bytes(plan: Plan, dims: ChunkDims) -> int:
-    """The most bytes one rank's buffer pool holds at once while it runs ``plan`` on chunks of
-    ``dims``: received chunks, backward output stand-ins, partial accumulators, received partials
-    and merge scratch, each live from the op that creates it to the op that frees, sends or folds
-    it (memory.py). A pure function of the plan; the executor's pool holds exactly this for one
-    layer shape and phase (the larger of the two phases once both ran). Not counted: the rank's
-    own q, k, v (and out, dout in backward), the results, and kernel workspaces.
-    """
-    from .memory import layout
-
-    return layout(plan, dims).nbytes  # the arena: equal to the live-bytes floor on every plan tried
 
 
 # --- validation ------------------------------------------------------------------------------
