@@ -61,13 +61,14 @@ def main(argv=None) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    print(
+    caption = (
         f"CP={args.cp}  S={args.seq}  heads={args.heads}/{kv} kv  d={args.head_dim}  "
         f"{'causal' if w.causal else 'full'}  cluster={cluster.name}  tp={args.tp}  partials={args.partial_dtype}"
     )
+    print(caption)
     print(format_table(results))
     if args.plot:
-        plot_timelines(results, args.plot)
+        plot_timelines(results, args.plot, caption=f"simulated: {caption}")
         print(f"timeline written to {args.plot}")
     return 0
 

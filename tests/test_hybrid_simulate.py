@@ -7,7 +7,8 @@ import sys
 import pytest
 
 from megatron_mesh_cp.planning.autoshape import _mesh_time, choose_hybrid_shape, choose_shape, shape_bound, ulysses_degrees
-from megatron_mesh_cp.planning.baselines import ulysses_a2a_steps, a2a_mesh, simulate_algorithm, ulysses_inner
+from megatron_mesh_cp.planning.baselines import a2a_mesh, plot_timelines, simulate_algorithm, timeline_lanes
+from megatron_mesh_cp.planning.costs import ulysses_a2a_steps, ulysses_inner
 from megatron_mesh_cp.planning.cluster import Workload, load_cluster
 from megatron_mesh_cp.runtime.topology import valid_shapes
 
@@ -153,3 +154,21 @@ def test_simulator_bytes_equal_executor_bytes_for_a2a_mesh(shape, h, hk):
             assert measured == sim.bytes_by_phase[ph], (r, ph, measured, sim.bytes_by_phase[ph])
             a2a = sum(v for (p_, c), v in sent.items() if p_ == ph and c.startswith("a2a-"))
             assert measured - a2a == mesh_bytes[ph]
+
+
+def test_timeline_shows_the_inner_mesh_lanes_and_no_empty_lane(tmp_path):
+    cluster = load_cluster("h100-ib400")
+    w = Workload(seq_local=4096, heads=32, kv_heads=8, head_dim=128)
+    hybrid = a2a_mesh(2, 2, 2, cluster, w)
+    lanes = timeline_lanes(hybrid)
+    assert lanes[0] == "compute" and "all-to-all" in lanes and {"row+", "col+"} <= set(lanes), lanes
+    assert "mesh" not in lanes  # the inner mesh is drawn lane by lane, not as one bar
+    assert all(0 <= s <= e <= hybrid.time + 1e-12 for _, s, e, _ in hybrid.timeline)
+    fwd = hybrid.time_by_phase["forward"]
+    a2a = sorted((s, e) for ln, s, e, _ in hybrid.timeline if ln == "all-to-all")
+    assert len(a2a) == 4 and a2a[1][1] <= fwd * (1 + 1e-9) and fwd * (1 - 1e-9) <= a2a[2][0]  # two per phase
+    pure = a2a_mesh(1, 2, 2, cluster, w)  # u = 1 moves nothing all-to-all: no such lane
+    assert "all-to-all" not in timeline_lanes(pure)
+    png = tmp_path / "t.png"
+    plot_timelines([hybrid, pure], str(png), caption="simulated: test")
+    assert png.stat().st_size > 10_000

@@ -143,17 +143,31 @@ def _ulysses_around(u: int, inner: Optional[SimResult], cluster: Cluster, w: Wor
         iw = ulysses_inner(u, w)
         fwd = monolithic_time(cluster, iw, iw.seq_local, iw.seq_local, iw.heads, False)
         bwd = monolithic_time(cluster, iw, iw.seq_local, iw.seq_local, iw.heads, True)
-        inner = SimResult("one call", fwd + bwd, fwd + bwd, 0.0, 0.0, time_by_phase={"forward": fwd, "backward": bwd},
+        inner = SimResult("compute", fwd + bwd, fwd + bwd, 0.0, 0.0, time_by_phase={"forward": fwd, "backward": bwd},
                           bytes_by_phase={"forward": 0.0, "backward": 0.0})
     lane = inner.algo
     steps = (before + [("forward", lane, inner.time_by_phase["forward"], inner.bytes_by_phase["forward"], 0)]
              + after_fwd + before_bwd
              + [("backward", lane, inner.time_by_phase["backward"], inner.bytes_by_phase["backward"], 0)] + after_bwd)
     res = _phased(algo, steps, shape, f"kv heads replicated to {kv_heads}" if kv_heads != w.kv_heads else "")
+    res.timeline = _splice(res.timeline, lane, inner)
     res.bytes_inter += inner.bytes_inter
     res.compute = inner.compute
     res.peak_bytes = inner.peak_bytes + ulysses_buffer_bytes(u, w)
     return res
+
+
+def _splice(timeline, lane: str, inner: SimResult):
+    """The inner algorithm's own lanes (compute, row/col rings) in place of its one bar per phase."""
+    bars = sorted((x for x in timeline if x[0] == lane), key=lambda x: x[1])
+    if not inner.timeline or len(bars) != 2:
+        return timeline
+    f_end = inner.time_by_phase["forward"]
+    out = [x for x in timeline if x[0] != lane]
+    for ln, s, e, lab in inner.timeline:
+        off = bars[0][1] if s < f_end else bars[1][1] - f_end
+        out.append((ln, s + off, e + off, lab))
+    return sorted(out, key=lambda x: x[1])
 
 
 def _usp_with(u: int, n: int, cluster: Cluster, w: Workload, stride: int, algo: str = "usp") -> SimResult:
@@ -256,26 +270,56 @@ def format_table(results: List[SimResult]) -> str:
     return "\n".join(lines)
 
 
-def plot_timelines(results: List[SimResult], path: str) -> None:
-    """One rank's timeline per algorithm: compute vs each communication lane (matplotlib)."""
+LANE_LEGEND = {
+    "compute": "the compute stream (block kernels, partial folds)",
+    "row+": "row ring, +1 direction (Q, O; backward Q, dO, dQ)",
+    "row-": "row ring, -1 direction",
+    "col+": "column ring, +1 direction (KV; backward KV, dKV)",
+    "col-": "column ring, -1 direction",
+    "all-to-all": "Ulysses all-to-all (heads <-> sequence)",
+    "all-gather": "all-gather of K/V",
+    "reduce-scatter": "reduce-scatter of dK/dV",
+}
+
+
+def timeline_lanes(r: SimResult) -> List[str]:
+    """The lanes with any busy time in ``r``'s timeline, compute first (empty lanes are not drawn)."""
+    busy = {lane for lane, s, e, _ in r.timeline if e > s}
+    return sorted(busy, key=lambda l: (l != "compute", l))
+
+
+def plot_timelines(results: List[SimResult], path: str, caption: str = "") -> None:
+    """One rank's simulated timeline per algorithm: the compute stream and every communication lane
+    that carries bytes, the forward/backward boundary, a legend of the lanes and the workload caption."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
 
-    fig, axes = plt.subplots(len(results), 1, figsize=(12, 1.6 + 1.2 * len(results)), squeeze=False)
-    colors = {"compute": "#4c72b0"}
-    palette = ["#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860", "#da8bc3"]
+    fig, axes = plt.subplots(len(results), 1, figsize=(12, 2.4 + 1.2 * len(results)), squeeze=False)
+    palette = ["#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860", "#da8bc3", "#8c8c8c"]
+    all_lanes = sorted({ln for r in results for ln in timeline_lanes(r)}, key=lambda l: (l != "compute", l))
+    colors = {ln: "#4c72b0" if ln == "compute" else palette[i % len(palette)] for i, ln in enumerate(all_lanes)}
     for ax, r in zip(axes[:, 0], results):
-        lanes = sorted({lane for lane, *_ in r.timeline}, key=lambda l: (l != "compute", l))
+        lanes = timeline_lanes(r)
         for y, lane in enumerate(lanes):
-            color = colors.setdefault(lane, palette[(len(colors) - 1) % len(palette)])
-            spans = [(s * 1e3, (e - s) * 1e3) for ln, s, e, _ in r.timeline if ln == lane]
-            ax.broken_barh(spans, (y - 0.4, 0.8), color=color)
+            spans = [(s * 1e3, (e - s) * 1e3) for ln, s, e, _ in r.timeline if ln == lane and e > s]
+            ax.broken_barh(spans, (y - 0.4, 0.8), color=colors[lane])
         ax.set_yticks(range(len(lanes)), lanes)
         ax.set_xlim(0, max(x.time for x in results) * 1e3)
+        f = r.time_by_phase.get("forward")
+        if f:
+            ax.axvline(f * 1e3, color="k", linestyle="--", linewidth=0.8)
+            ax.text(f * 1e3, len(lanes) - 0.45, " backward \u2192", fontsize=7, va="bottom")
+            ax.text(f * 1e3, len(lanes) - 0.45, "\u2190 forward ", fontsize=7, va="bottom", ha="right")
+        ax.set_ylim(-0.6, len(lanes) + 0.2)
         ax.set_title(f"{r.algo} {r.shape}: {r.time * 1e3:.1f} ms, exposed comm {r.exposed / r.time:.0%}", fontsize=9)
-    axes[-1, 0].set_xlabel("ms (forward then backward, rank 0)")
-    fig.tight_layout()
+    axes[-1, 0].set_xlabel("ms on rank 0, forward then backward (simulated)")
+    fig.legend(handles=[Patch(color=colors[ln], label=f"{ln}: {LANE_LEGEND.get(ln, ln)}") for ln in all_lanes],
+               loc="lower center", ncol=2, fontsize=7, frameon=False)
+    if caption:
+        fig.suptitle(caption, fontsize=9)
+    fig.tight_layout(rect=(0, 0.04 + 0.025 * ((len(all_lanes) + 1) // 2), 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
