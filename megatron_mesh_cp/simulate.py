@@ -9,21 +9,17 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 
-from .planning.baselines import ALGORITHMS, compare, format_table, plot_timelines
+from .planning.baselines import ALGORITHMS, compare, format_packed_table, format_table, plot_timelines
 from .planning.cluster import Workload, load_cluster
+from .planning.packing import DISTRIBUTIONS, parse_doc_range, parse_tokens, read_packing, sample_packing
 
 __all__ = ["main"]
 
 
 def _parse_size(text: str) -> int:
-    t = text.strip().upper()
-    mult = 1
-    if t.endswith("K"):
-        mult, t = 1024, t[:-1]
-    elif t.endswith("M"):
-        mult, t = 1024 * 1024, t[:-1]
-    return int(float(t) * mult)
+    return parse_tokens(text)
 
 
 def main(argv=None) -> int:
@@ -45,6 +41,19 @@ def main(argv=None) -> int:
     p.add_argument("--algos", default="ring,usp,mesh", help=f"comma list of {','.join(ALGORITHMS)} or mesh:AxB")
     p.add_argument("--plot", default=None, metavar="FILE.png", help="draw one rank's timeline per algorithm")
     p.add_argument("--max-live", type=int, default=None, help="memory budget (live chunks) for mesh plans")
+    pk = p.add_argument_group("packed sequences (THD): documents masked from each other, each padded to a "
+                              "multiple of 2*cp and split per document (Megatron/TE); same bytes, less work per block")
+    src = pk.add_mutually_exclusive_group()
+    src.add_argument("--docs", default=None, metavar="LO-HI",
+                     help="draw document lengths in LO..HI tokens (e.g. 4K-64K) and pack them into --seq")
+    src.add_argument("--doc-lengths", default=None, metavar="FILE",
+                     help="document lengths from a text file (token counts), packed in order into --seq")
+    pk.add_argument("--doc-dist", choices=DISTRIBUTIONS, default="loguniform", help="distribution for --docs")
+    pk.add_argument("--doc-seed", type=int, default=0, help="random seed for --docs")
+    pk.add_argument("--kernel-tile", type=int, default=0, metavar="T",
+                    help="price packed blocks in whole TxT kernel tiles per document (flash-style); "
+                         "0 (default): exact unmasked pairs")
+    pk.add_argument("--no-unpacked", action="store_true", help="with --docs/--doc-lengths: skip the unpacked comparison")
     args = p.parse_args(argv)
     try:
         cluster = load_cluster(args.cluster)
@@ -56,8 +65,23 @@ def main(argv=None) -> int:
             head_dim=args.head_dim, batch=args.batch, causal=not args.no_causal,
             bytes_per_element=cluster.bytes_per_element, partial_bytes=4 if args.partial_dtype == "fp32" else 2,
         )
-        results = compare([a.strip() for a in args.algos.split(",") if a.strip()], args.cp, cluster, w,
-                          tp=args.tp, max_live=args.max_live)
+        if args.kernel_tile and not (args.docs or args.doc_lengths):
+            raise ValueError("--kernel-tile prices packed blocks; give --docs LO-HI or --doc-lengths FILE with it")
+        if args.docs:
+            lo, hi = parse_doc_range(args.docs)
+            packing = sample_packing(args.seq, lo, hi, args.cp, dist=args.doc_dist, seed=args.doc_seed,
+                                     tile=args.kernel_tile)
+        elif args.doc_lengths:
+            packing = read_packing(args.doc_lengths, args.seq, args.cp, tile=args.kernel_tile)
+        else:
+            packing = None
+        algos = [a.strip() for a in args.algos.split(",") if a.strip()]
+        unpacked = None
+        if packing is None or not args.no_unpacked:
+            unpacked = compare(algos, args.cp, cluster, w, tp=args.tp, max_live=args.max_live)
+        results = unpacked
+        if packing is not None:
+            results = compare(algos, args.cp, cluster, replace(w, packing=packing), tp=args.tp, max_live=args.max_live)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -65,8 +89,15 @@ def main(argv=None) -> int:
         f"CP={args.cp}  S={args.seq}  heads={args.heads}/{kv} kv  d={args.head_dim}  "
         f"{'causal' if w.causal else 'full'}  cluster={cluster.name}  tp={args.tp}  partials={args.partial_dtype}"
     )
+    if packing is not None:
+        caption += f"  packed: {len(packing.lengths)} documents ({packing.label})"
     print(caption)
+    if packing is not None:
+        print(f"packed: {packing.describe()}")
     print(format_table(results))
+    if packing is not None and unpacked is not None:
+        print("\npacked vs unpacked (same chunks and bytes; blocks priced by their work inside documents):")
+        print(format_packed_table(unpacked, results))
     if args.plot:
         plot_timelines(results, args.plot, caption=f"simulated: {caption}")
         print(f"timeline written to {args.plot}")

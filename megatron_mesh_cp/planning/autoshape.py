@@ -74,7 +74,10 @@ def shape_bound(a: int, b: int, cluster: Cluster, w: Workload, stride: int = 1) 
     bw = {"intra": cluster.intra_bw, "inter": cluster.inter_bw, "mixed": cluster.intra_bw + cluster.inter_bw}
     total = 0.0
     for phase in (FORWARD, BACKWARD):
-        compute = a * b * min(w.block_time(cluster, c, phase == BACKWARD) for c in cases)
+        if w.packing is None:
+            compute = a * b * min(w.block_time(cluster, c, phase == BACKWARD) for c in cases)
+        else:  # every rank computes a * b blocks, none cheaper than the cheapest packed block
+            compute = a * b * float(w.block_times(cluster, phase == BACKWARD, a * b).min())
         wire = {"intra": 0.0, "inter": 0.0}
         comm = 0.0
         for kind in ("q", "kv") + REDUCE_KINDS[phase]:

@@ -15,6 +15,14 @@
   fastest (u, a, b) by :func:`~megatron_mesh_cp.planning.autoshape.choose_hybrid_shape`; ``a2a+mesh:UxAxB`` fixed.
 
 The shared costs (one kernel call, a collective, the all-to-all, peak memory) are in ``costs``.
+
+Packed sequences (a :class:`~megatron_mesh_cp.planning.packing.Packing` on the workload) change no
+byte: the all-to-alls and ring or mesh transfers move the same chunks. They change the compute: every
+ring or mesh step is priced by its block's real work, as the replay does; a Ulysses group of u ranks
+holds the union of its ranks' pieces, which is pieces G and 2(n/u)-1-G of every document in the
+coarser 2(n/u)-piece split (the runtime keeps each document's tokens together after the all-to-all),
+so the inner ring or mesh over the n/u groups is the same per-document zigzag and is priced the same
+way; Ulysses alone and all-gather run one call over whole documents.
 """
 
 from __future__ import annotations
@@ -25,13 +33,14 @@ from typing import Dict, List, Optional, Tuple
 from .autoshape import choose_hybrid_shape, choose_shape, ulysses_degrees
 from .cluster import Cluster, Workload
 from .costs import (collective_time, monolithic_time, plan_peak_bytes, te_ring_peak_bytes, ulysses_a2a_steps,
-                    ulysses_buffer_bytes, ulysses_inner)
+                    ulysses_buffer_bytes, ulysses_inner, whole_sequence_pairs)
 from ..runtime.layout import BlockCase
 from ..runtime.topology import MeshShape
 from .schedule import build_plans
 from .replay import PhaseResult, replay
 
-__all__ = ["ALGORITHMS", "SimResult", "simulate_algorithm", "compare", "format_table", "plot_timelines"]
+__all__ = ["ALGORITHMS", "SimResult", "simulate_algorithm", "compare", "format_table", "format_packed_table",
+           "plot_timelines"]
 
 ALGORITHMS = ("ring", "passq", "mesh", "mesh-naive", "allgather", "ulysses", "usp", "a2a+mesh")
 
@@ -103,9 +112,13 @@ def _allgather(n: int, cluster: Cluster, w: Workload, stride: int) -> SimResult:
     spans = n * stride > cluster.gpus_per_node
     gather = (n - 1) * kv * e
     rs = (n - 1) * kv * p
-    # each rank's zigzag rows attend over the whole sequence (causal halves the pairs)
-    f_comp = monolithic_time(cluster, w, w.seq_local, w.seq_local * n, w.heads, False)
-    b_comp = monolithic_time(cluster, w, w.seq_local, w.seq_local * n, w.heads, True)
+    # each rank's zigzag rows attend over the whole sequence (causal halves the pairs); packed, the
+    # slowest rank's row of blocks (its rows' pairs inside their documents)
+    pairs = None if w.packing is None else float(w.packing.block_work(n, w.causal).sum(axis=1).max())
+    if pairs is not None:
+        w.check_packing(n)
+    f_comp = monolithic_time(cluster, w, w.seq_local, w.seq_local * n, w.heads, False, pairs)
+    b_comp = monolithic_time(cluster, w, w.seq_local, w.seq_local * n, w.heads, True, pairs)
     x = 1.0 if spans else 0.0
     steps = [
         ("forward", "all-gather", collective_time(cluster, n, stride, gather), gather, gather * x),
@@ -125,8 +138,8 @@ def _ulysses(n: int, cluster: Cluster, w: Workload, stride: int) -> SimResult:
     before, after_fwd, before_bwd, after_bwd, kv_heads = ulysses_a2a_steps(n, cluster, w, stride)
     seq = w.seq_local * n
     h = w.heads // n
-    f_comp = monolithic_time(cluster, w, seq, seq, h, False)
-    b_comp = monolithic_time(cluster, w, seq, seq, h, True)
+    f_comp = monolithic_time(cluster, w, seq, seq, h, False, whole_sequence_pairs(w, n))
+    b_comp = monolithic_time(cluster, w, seq, seq, h, True, whole_sequence_pairs(w, n))
     steps = (before + [("forward", "compute", f_comp, 0, 0)] + after_fwd
              + before_bwd + [("backward", "compute", b_comp, 0, 0)] + after_bwd)
     note = f"kv heads replicated to {kv_heads}" if kv_heads != w.kv_heads else ""
@@ -141,8 +154,9 @@ def _ulysses_around(u: int, inner: Optional[SimResult], cluster: Cluster, w: Wor
     before, after_fwd, before_bwd, after_bwd, kv_heads = ulysses_a2a_steps(u, cluster, w, stride)
     if inner is None:  # one Ulysses group: a single kernel call per phase
         iw = ulysses_inner(u, w)
-        fwd = monolithic_time(cluster, iw, iw.seq_local, iw.seq_local, iw.heads, False)
-        bwd = monolithic_time(cluster, iw, iw.seq_local, iw.seq_local, iw.heads, True)
+        pairs = whole_sequence_pairs(iw, 1)
+        fwd = monolithic_time(cluster, iw, iw.seq_local, iw.seq_local, iw.heads, False, pairs)
+        bwd = monolithic_time(cluster, iw, iw.seq_local, iw.seq_local, iw.heads, True, pairs)
         inner = SimResult("compute", fwd + bwd, fwd + bwd, 0.0, 0.0, time_by_phase={"forward": fwd, "backward": bwd},
                           bytes_by_phase={"forward": 0.0, "backward": 0.0})
     lane = inner.algo
@@ -266,6 +280,22 @@ def format_table(results: List[SimResult]) -> str:
             f"{r.algo:<17} {r.shape:<17} {r.time * 1e3:>10.2f}{ring.time / r.time:>8.2f}x"
             f"{r.bytes_sent / 2**20:>11.1f}{cut:>12.1%}{r.exposed / r.time:>9.1%}"
             + (f"  ({r.note})" if r.note and r.note != "auto" else "")
+        )
+    return "\n".join(lines)
+
+
+def format_packed_table(unpacked: List[SimResult], packed: List[SimResult]) -> str:
+    """Each algorithm unpacked vs packed: shape, step time, compute and exposed communication, bytes."""
+    head = (f"{'algorithm':<12}{'shape unpacked -> packed':<34}{'time ms':>22}{'compute ms':>22}"
+            f"{'exposed ms (share)':>32}{'MiB/rank':>10}")
+    lines = [head, "-" * len(head)]
+    for u, p in zip(unpacked, packed):
+        shape = f"{u.shape} -> {p.shape}" if u.shape != p.shape else u.shape
+        lines.append(
+            f"{p.algo:<11} {shape:<33}{u.time * 1e3:>10.2f} ->{p.time * 1e3:>9.2f}"
+            f"{u.compute * 1e3:>10.2f} ->{p.compute * 1e3:>9.2f}"
+            f"{u.exposed * 1e3:>9.2f} ({u.exposed / u.time:>4.0%}) ->{p.exposed * 1e3:>8.2f} ({p.exposed / p.time:>4.0%})"
+            f"{p.bytes_sent / 2**20:>10.1f}"
         )
     return "\n".join(lines)
 

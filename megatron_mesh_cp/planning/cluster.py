@@ -16,14 +16,17 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, replace
+from functools import lru_cache
 from importlib import resources
 from pathlib import Path
 from typing import Dict, List, Optional
 
+import numpy as np
 import torch
 
 from ..runtime.layout import BlockCase
 from ..runtime.plan import ChunkDims
+from .packing import Packing
 
 __all__ = ["Cluster", "Workload", "CALIBRATED", "load_cluster", "cluster_presets", "CLUSTER_DIRS", "workload_dims"]
 
@@ -150,7 +153,13 @@ class Cluster:
 
 @dataclass(frozen=True)
 class Workload:
-    """One attention layer's shape per CP rank: what the cost of a block and a chunk depends on."""
+    """One attention layer's shape per CP rank: what the cost of a block and a chunk depends on.
+
+    ``packing`` (optional) says the sequence is packed documents (THD): chunk sizes, and so every
+    payload, stay the same, but each block only computes the pairs inside each document
+    (:mod:`megatron_mesh_cp.planning.packing`); :meth:`block_times` prices every block by that work. Each
+    of the ``batch`` sequences is packed the same way.
+    """
 
     seq_local: int  # tokens per rank (2m)
     heads: int
@@ -160,8 +169,15 @@ class Workload:
     causal: bool = True
     bytes_per_element: int = 2
     partial_bytes: int = 4  # bytes per element of partial O / dQ / dKV on the wire
+    packing: Optional[Packing] = None
+
+    def pair_flops(self, pairs, backward: bool):
+        """Attention FLOPs of ``pairs`` (q, k) pairs over all heads and the batch (works on arrays)."""
+        f = 4.0 * self.batch * self.heads * self.head_dim * pairs
+        return f * 2.5 if backward else f
 
     def block_flops(self, case: BlockCase, backward: bool) -> float:
+        """FLOPs of one block of this case without packing (every block of a case is the same work)."""
         s, m = self.seq_local, self.seq_local // 2
         if case is BlockCase.FULL:
             pairs = s * s
@@ -169,8 +185,7 @@ class Workload:
             pairs = s * (s + 1) / 2
         else:
             pairs = s * m
-        f = 4.0 * self.batch * self.heads * self.head_dim * pairs
-        return f * 2.5 if backward else f
+        return self.pair_flops(pairs, backward)
 
     def block_rows(self, case: BlockCase) -> int:
         return self.seq_local // 2 if case is BlockCase.UPPER else self.seq_local
@@ -186,10 +201,62 @@ class Workload:
         return rows * self.heads * (self.head_dim + 1)
 
     def block_time(self, cluster: Cluster, case: BlockCase, backward: bool) -> float:
-        """One block-kernel call: the kernel, its fixed call overhead and the fp32 correction pass."""
+        """One unpacked block-kernel call: the kernel, its fixed call overhead and the fp32 correction pass."""
         kernel = cluster.attention_time(self.block_flops(case, backward), self.block_rows(case), backward)
         correction = cluster.elementwise_time(4 * cluster.correction_passes * self.accumulator_elements(case, backward))
         return kernel + cluster.block_overhead + correction
+
+    def block_times(self, cluster: Cluster, backward: bool, ranks: int) -> np.ndarray:
+        """Seconds of every block (Q chunk of rank i, KV chunk of rank j) on ``ranks`` CP ranks: [ranks, ranks].
+
+        Unpacked, each entry is :meth:`block_time` of its case. Packed, the kernel is charged the
+        block's real work (:meth:`Packing.block_work`) at the throughput of its case's row count
+        (a varlen call spreads all documents' rows over the GPU at once); the call overhead and the
+        correction pass over the block's output rows are the same as unpacked: one varlen call per
+        block, whatever the number of documents. Read-only, cached.
+        """
+        return _block_times(self, cluster, backward, ranks)
+
+    def mean_block_time(self, cluster: Cluster, backward: bool, ranks: int) -> float:
+        """What the greedy planner charges per block: unpacked, the time of a below-diagonal block
+        (zigzag blocks are all nearly equal work); packed, the same case's mean over the packed blocks
+        (their work varies only by padding), so one unpadded document plans exactly as unpacked."""
+        if self.packing is None:
+            return self.block_time(cluster, BlockCase.LOWER if self.causal else BlockCase.FULL, backward)
+        t = self.block_times(cluster, backward, ranks)
+        if ranks == 1:
+            return float(t[0, 0])
+        return float(t[np.tril_indices(ranks, -1)].mean() if self.causal else t.mean())
+
+    def check_packing(self, ranks: int) -> None:
+        """ValueError unless the packing fills exactly the ``ranks`` chunks of ``seq_local`` tokens."""
+        if self.packing is not None and self.packing.total != self.seq_local * ranks:
+            raise ValueError(
+                f"the packed documents span {self.packing.total} tokens but {ranks} CP ranks of {self.seq_local} "
+                f"tokens hold {self.seq_local * ranks}; pack the documents into the global sequence length"
+            )
+
+
+@lru_cache(maxsize=256)
+def _block_times(w: Workload, cluster: Cluster, backward: bool, ranks: int) -> np.ndarray:
+    i, j = np.indices((ranks, ranks))
+    if not w.causal:
+        cases = np.full((ranks, ranks), BlockCase.FULL, dtype=object)
+    else:
+        cases = np.where(i == j, BlockCase.DIAG, np.where(j < i, BlockCase.LOWER, BlockCase.UPPER))
+    if w.packing is None:
+        per_case = {case: w.block_time(cluster, case, backward) for case in BlockCase}
+        out = np.vectorize(per_case.__getitem__, otypes=[float])(cases)
+    else:
+        w.check_packing(ranks)
+        work = w.packing.block_work(ranks, w.causal)
+        rows = np.vectorize(w.block_rows, otypes=[float])(cases)
+        fixed = np.vectorize(
+            lambda c: cluster.block_overhead + cluster.elementwise_time(
+                4 * cluster.correction_passes * w.accumulator_elements(c, backward)), otypes=[float])(cases)
+        out = cluster.attention_time(w.pair_flops(work, backward), rows, backward) + fixed
+    out.setflags(write=False)
+    return out
 
 
 def cluster_presets() -> Dict[str, Path]:

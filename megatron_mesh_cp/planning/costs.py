@@ -9,13 +9,15 @@ the collective crosses (the NIC once the group spans nodes).
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Optional
 
 from ..runtime.memory import layout
 from ..runtime.plan import BACKWARD, FORWARD
 from ..runtime.ulysses import kv_repeats, ulysses_traffic
 from .cluster import Cluster, Workload, workload_dims
 
-__all__ = ["plan_peak_bytes", "te_ring_peak_bytes", "ulysses_buffer_bytes", "monolithic_time", "collective_time",
+__all__ = ["plan_peak_bytes", "te_ring_peak_bytes", "ulysses_buffer_bytes", "monolithic_time", "whole_sequence_pairs",
+           "collective_time",
            "ulysses_a2a_steps", "ulysses_inner"]
 
 
@@ -45,11 +47,23 @@ def ulysses_buffer_bytes(u: int, w: Workload) -> int:
     return w.bytes_per_element * iw.batch * iw.seq_local * iw.head_dim * (2 * iw.heads + 2 * iw.kv_heads)
 
 
-def monolithic_time(cluster: Cluster, w: Workload, rows: int, keys: int, heads: int, backward: bool) -> float:
-    """One monolithic kernel call (no running correction: nothing to merge it with)."""
-    pairs = rows * keys * (0.5 if w.causal else 1.0)
+def monolithic_time(cluster: Cluster, w: Workload, rows: int, keys: int, heads: int, backward: bool,
+                    pairs: Optional[float] = None) -> float:
+    """One monolithic kernel call (no running correction: nothing to merge it with); ``pairs``: the
+    (q, k) pairs it computes when not rows x keys (halved if causal), e.g. a packed sequence's."""
+    if pairs is None:
+        pairs = rows * keys * (0.5 if w.causal else 1.0)
     flops = 4.0 * w.batch * heads * w.head_dim * pairs * (2.5 if backward else 1.0)
     return cluster.attention_time(flops, rows, backward) + cluster.block_overhead
+
+
+def whole_sequence_pairs(w: Workload, ranks: int) -> Optional[float]:
+    """Pairs of attention over the whole packed sequence of ``ranks`` chunks in one call (each document's
+    own triangle); None when the workload is not packed."""
+    if w.packing is None:
+        return None
+    w.check_packing(ranks)
+    return float(w.packing.sequence_work(w.causal))
 
 
 def collective_time(cluster: Cluster, group: int, stride: int, recv_bytes: float, all_to_all: bool = False) -> float:

@@ -26,7 +26,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
-from ..runtime.layout import BlockCase
 from ..runtime.plan import (BACKWARD, FORWARD, REDUCE_KINDS, RING_OF, Compute, Free, Op, Plan, PlanError, Transfer,
                             feeding_blocks, partial_offset, payload, validate)
 from .cluster import Cluster, Workload, workload_dims
@@ -58,7 +57,7 @@ CONFIGS = tuple(ChainConfig(g, r) for g in (False, True) for r in (False, True))
 class PlanCost:
     """What the planner needs to know about time, for one phase on one shape."""
 
-    block: float  # seconds per block (zigzag blocks are all the same work)
+    block: float  # seconds per block (zigzag blocks are all the same work; packed: their mean, see Workload)
     fold: Dict[str, float]  # elementwise fold of an arriving partial, per reduce kind
     transfer: Dict[str, float]  # bytes / bandwidth, per payload kind
     latency: Dict[str, float]  # per ring
@@ -66,9 +65,7 @@ class PlanCost:
 
     @classmethod
     def of(cls, a: int, b: int, phase: str, cluster: Cluster, w: Workload, stride: int = 1) -> "PlanCost":
-
         backward = phase == BACKWARD
-        case = BlockCase.LOWER if w.causal else BlockCase.FULL
         dims = workload_dims(w)
         n = a * b
         link = {
@@ -83,7 +80,7 @@ class PlanCost:
             if kind not in ("q", "kv"):
                 fold[kind] = cluster.elementwise_time(3 * nbytes)
         latency = {ring: cluster.latency(lt) for ring, lt in link.items()}
-        return cls(w.block_time(cluster, case, backward), fold, transfer, latency, link)
+        return cls(w.mean_block_time(cluster, backward, n), fold, transfer, latency, link)
 
 
 def _ring_link(cluster: Cluster, rings: List[List[int]], stride: int) -> str:

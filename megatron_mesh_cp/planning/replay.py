@@ -13,7 +13,8 @@ arrives after the link latency; two rings crossing the same NIC queue on it in p
 Hiding communication is not free (docs/calibration.md): a block kernel runs slower by the cluster's
 ``overlap_slowdown_*`` for every transfer in flight beside it, in proportion to their overlap, so
 more concurrent channels cost more; every block pays a call overhead and an fp32 correction pass
-(in :meth:`Workload.block_time`). A ring hop uses its own link (on a PCIe node it crosses each switch
+(in :meth:`Workload.block_times`, which prices a packed sequence's blocks by their work inside documents:
+``packing``). A ring hop uses its own link (on a PCIe node it crosses each switch
 uplink once per direction, so rings do not contend on the host bridge; all-to-alls do, see
 ``baselines``).
 
@@ -31,7 +32,6 @@ import numpy as np
 import torch
 
 from .cluster import Cluster, Workload, workload_dims
-from ..runtime.layout import BlockCase
 from ..runtime.plan import BACKWARD, FORWARD, ChunkDims, Compute, Plan, Transfer, payload, RING_OF
 
 __all__ = ["PhaseResult", "replay"]
@@ -62,19 +62,17 @@ class PhaseResult:
 
 
 def _block_durations(plan: Plan, w: Workload, cluster: Cluster, backward: bool) -> Dict[Tuple[int, int], np.ndarray]:
+    """Per compute op, the seconds of the block each rank computes there (its Q rank i, KV rank j):
+    equal per causal case unpacked, the block's real work when the workload is packed."""
     a, b = plan.a, plan.b
     pos = np.arange(a * b)
     r, c = pos // a, pos % a
-    t = {case: w.block_time(cluster, case, backward) for case in BlockCase}
+    t = w.block_times(cluster, backward, a * b)
     out = {}
     for op in plan.computes:
         i = r * a + (c - op.q) % a
         j = ((r - op.kv) % b) * a + c
-        if w.causal:
-            dur = np.where(i == j, t[BlockCase.DIAG], np.where(j < i, t[BlockCase.LOWER], t[BlockCase.UPPER]))
-        else:
-            dur = np.full(a * b, t[BlockCase.FULL])
-        out[(op.q, op.kv)] = dur
+        out[(op.q, op.kv)] = t[i, j]
     return out
 
 
