@@ -286,8 +286,8 @@ def format_table(results: List[SimResult]) -> str:
 
 def format_packed_table(unpacked: List[SimResult], packed: List[SimResult]) -> str:
     """Each algorithm unpacked vs packed: shape, step time, compute and exposed communication, bytes."""
-    head = (f"{'algorithm':<12}{'shape unpacked -> packed':<34}{'time ms':>22}{'compute ms':>22}"
-            f"{'exposed ms (share)':>32}{'MiB/rank':>10}")
+    head = (f"{'algorithm':<12}{'shape unpacked -> packed':<33}{'time ms':>22}{'compute ms':>22}"
+            f"{'exposed ms (share)':>33}{'MiB sent/rank':>15}")
     lines = [head, "-" * len(head)]
     for u, p in zip(unpacked, packed):
         shape = f"{u.shape} -> {p.shape}" if u.shape != p.shape else u.shape
@@ -295,7 +295,7 @@ def format_packed_table(unpacked: List[SimResult], packed: List[SimResult]) -> s
             f"{p.algo:<11} {shape:<33}{u.time * 1e3:>10.2f} ->{p.time * 1e3:>9.2f}"
             f"{u.compute * 1e3:>10.2f} ->{p.compute * 1e3:>9.2f}"
             f"{u.exposed * 1e3:>9.2f} ({u.exposed / u.time:>4.0%}) ->{p.exposed * 1e3:>8.2f} ({p.exposed / p.time:>4.0%})"
-            f"{p.bytes_sent / 2**20:>10.1f}"
+            f"{p.bytes_sent / 2**20:>15.1f}"
         )
     return "\n".join(lines)
 
