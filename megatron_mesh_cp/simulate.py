@@ -89,11 +89,10 @@ def main(argv=None) -> int:
         f"CP={args.cp}  S={args.seq}  heads={args.heads}/{kv} kv  d={args.head_dim}  "
         f"{'causal' if w.causal else 'full'}  cluster={cluster.name}  tp={args.tp}  partials={args.partial_dtype}"
     )
-    if packing is not None:
-        caption += f"  packed: {len(packing.lengths)} documents ({packing.label})"
     print(caption)
     if packing is not None:
         print(f"packed: {packing.describe()}")
+        caption += f"  packed: {len(packing.lengths)} documents ({packing.label})"
     print(format_table(results))
     if packing is not None and unpacked is not None:
         print("\npacked vs unpacked (same chunks and bytes; blocks priced by their work inside documents):")
