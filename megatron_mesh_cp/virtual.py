@@ -5,7 +5,9 @@ forward and backward plans the real executor runs for every rank in lockstep thr
 communicator, and gathers the results back. It exercises the executor, the plans and the block
 kernels (with real GPU kernels on one GPU) without a process group. A shape ``(u, a, b)`` runs
 ``a2a+mesh``: the Ulysses all-to-all in memory (the same packing and reorder as on process groups,
-:mod:`megatron_mesh_cp.runtime.ulysses`) around one a x b mesh per Ulysses slot.
+:mod:`megatron_mesh_cp.runtime.ulysses`) around one a x b mesh per Ulysses slot. Packed sequences
+(``layout="thd"`` with ``cu_seqlens``/``cu_seqlens_padded``) are split per document
+(:mod:`megatron_mesh_cp.runtime.packed`) and reordered into the mesh's half-major order.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from .runtime.comm import Traffic, VirtualHub
 from .runtime.execute import run_virtual
 from .runtime.kernels import BlockKernel, lse_dtype, select_kernel
 from .runtime.layout import seq_dim, zigzag_gather, zigzag_shard
+from .runtime.packed import PackedLayout, packed_spec, thd_gather, thd_shard
 from .runtime.plan import BACKWARD, FORWARD, Plan
 from .runtime.topology import MeshShape
 from .runtime.ulysses import (
@@ -55,6 +58,17 @@ def _a2a(xs: List[torch.Tensor], u: int, pack: Callable, unpack: Callable, traff
     return out
 
 
+def _padding(spec, total: int, device) -> Optional[torch.Tensor]:
+    """Bool ``[total]``: which tokens of the packed sequence are padding (None: none are)."""
+    if spec.cu_real is None:
+        return None
+    pos = torch.arange(total, device=device)
+    start = torch.tensor(spec.cu_padded, device=device)
+    doc = torch.searchsorted(start[1:], pos, right=True)
+    real = torch.tensor(spec.cu_real, device=device)
+    return (pos - start[doc]) >= (real[1:] - real[:-1])[doc]
+
+
 def virtual_mesh_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -69,17 +83,32 @@ def virtual_mesh_attention(
     plans: Optional[Tuple[Plan, Plan]] = None,
     partial_dtype: Optional[torch.dtype] = None,
     deterministic: bool = False,
+    cu_seqlens: Optional[torch.Tensor] = None,
+    cu_seqlens_padded: Optional[torch.Tensor] = None,
 ) -> Dict[str, object]:
     """Full-sequence ``q, k, v`` (and ``dout`` for a backward) -> gathered results.
 
     ``shape``: ``(a, b)`` for a mesh, ``(u, a, b)`` for ``a2a+mesh`` (Ulysses degree u).
     Returns ``{"out", "lse" ([b, h, s]), "dq", "dk", "dv" (with dout), "traffic" (per CP rank)}``.
+    Packed: ``layout="thd"`` (q ``[t, h, d]``), causal, the documents' offsets as in
+    :func:`~megatron_mesh_cp.attention.mesh_attention`; lse is ``[h, t]``, padding rows give 0 and -inf.
     """
     from .attention import plans_for
 
     u, mesh_shape = _split_shape(shape)
     n_mesh = mesh_shape.n
     n = u * n_mesh
+    spec = packed_spec(cu_seqlens, cu_seqlens_padded)
+    thd = layout == "thd"
+    if thd != (spec is not None):
+        raise ValueError("packed sequences take layout='thd' together with cu_seqlens / cu_seqlens_padded")
+    if thd:
+        spec.check(q.shape[0], n)
+        if not causal:
+            raise ValueError("packed sequences (THD) need causal=True")
+        q, k, v = (x.unsqueeze(1) for x in (q, k, v))
+        dout = dout.unsqueeze(1) if dout is not None else None
+        layout = "sbhd"
     sd = seq_dim(layout)
     if q.shape[sd] % (2 * n):
         raise ValueError(f"sequence length {q.shape[sd]} is not divisible by 2*CP = {2 * n}")
@@ -89,17 +118,31 @@ def virtual_mesh_attention(
         r = kv_repeats(q.shape[2], k.shape[2], u)
     seq_major = lambda x: x if layout == "sbhd" else x.transpose(0, 1)  # noqa: E731
     qs, ks, vs = (seq_major(x) for x in (q, k, v))
-    blk = select_kernel(kernel, qs, ks, deterministic=deterministic)
+    blk = select_kernel(kernel, qs, ks, deterministic=deterministic, packed=thd)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     traffic = [Traffic() for _ in range(n)]
 
+    lay = PackedLayout(spec, n, u, q.device) if thd else None
+    into = members_to_super if lay is None else (lambda recv, _u: lay.into_mesh(recv.reshape(-1, *recv.shape[2:])))
+    out_of = super_to_members if lay is None else (lambda y, _u: lay.out_of_mesh(y).reshape(_u, -1, *y.shape[1:]))
+
     def a2a_in(xs, phase, category):
-        return _a2a(xs, u, heads_to_members, members_to_super, traffic, phase, category)
+        if u == 1 and lay is not None:
+            return [lay.into_mesh(x) for x in xs]
+        return _a2a(xs, u, heads_to_members, into, traffic, phase, category)
 
     def a2a_out(xs, phase, category):
-        return _a2a(xs, u, super_to_members, members_to_heads, traffic, phase, category)
+        if u == 1 and lay is not None:
+            return [lay.out_of_mesh(x) for x in xs]
+        return _a2a(xs, u, out_of, members_to_heads, traffic, phase, category)
 
-    shard = lambda x: [zigzag_shard(x, n, g, dim=0) for g in range(n)]  # noqa: E731
+    if thd:
+        shard = lambda x: [thd_shard(x, spec.cu_padded, n, g, dim=0) for g in range(n)]  # noqa: E731
+        gather = lambda xs: thd_gather(xs, spec.cu_padded, dim=0)  # noqa: E731
+    else:
+        shard = lambda x: [zigzag_shard(x, n, g, dim=0) for g in range(n)]  # noqa: E731
+        gather = lambda xs: zigzag_gather(xs, dim=0)  # noqa: E731
+    pad = _padding(spec, q.shape[0], q.device) if thd else None
     lq = a2a_in(shard(qs), FORWARD, "a2a-Q")
     lk = a2a_in([replicate_kv(x, r) for x in shard(ks)], FORWARD, "a2a-KV")
     lv = a2a_in([replicate_kv(x, r) for x in shard(vs)], FORWARD, "a2a-KV")
@@ -114,7 +157,8 @@ def virtual_mesh_attention(
         for ranks in slots:
             hub = VirtualHub(mesh_shape)
             res, counts = run_virtual(plan, mesh_shape, [per_rank[g] for g in ranks], blk, causal=causal,
-                                      scale=scale, hub=hub, partial_dtype=partial_dtype)
+                                      scale=scale, hub=hub, partial_dtype=partial_dtype,
+                                      varlen=lay.varlen if lay is not None else None)
             for g, x, t in zip(ranks, res, counts):
                 results[g] = x
                 for (p, c), nbytes in t.sent.items():
@@ -123,12 +167,18 @@ def virtual_mesh_attention(
 
     res = run(plans[0], [dict(q=lq[g], k=lk[g], v=lv[g]) for g in range(n)])
     result: Dict[str, object] = {}
-    out = zigzag_gather(a2a_out([x[0] for x in res], FORWARD, "a2a-O"), dim=0)
-    lse = zigzag_gather(a2a_out([x[1] for x in res], FORWARD, "a2a-LSE"), dim=0)  # [s, b, h]
-    result["out"] = out if layout == "sbhd" else out.transpose(0, 1)
-    result["lse"] = lse.permute(1, 2, 0)
+    out = gather(a2a_out([x[0] for x in res], FORWARD, "a2a-O"))
+    lse = gather(a2a_out([x[1] for x in res], FORWARD, "a2a-LSE"))  # [s, b, h]
+    if pad is not None:  # padding rows: no output, lse = -inf (packed.py)
+        out = out.masked_fill(pad.view(-1, 1, 1, 1), 0)
+        lse = lse.masked_fill(pad.view(-1, 1, 1), float("-inf"))
+    result["out"] = out[:, 0] if thd else out if layout == "sbhd" else out.transpose(0, 1)
+    result["lse"] = lse[:, 0].T if thd else lse.permute(1, 2, 0)
     if dout is not None:
-        ldo = a2a_in(shard(seq_major(dout).contiguous()), BACKWARD, "a2a-dO")
+        dout = seq_major(dout)
+        if pad is not None:
+            dout = dout.masked_fill(pad.view(-1, 1, 1, 1), 0)
+        ldo = a2a_in(shard(dout.contiguous()), BACKWARD, "a2a-dO")
         acc = lse_dtype(q.dtype)
         per = []
         for g in range(n):
@@ -140,7 +190,7 @@ def virtual_mesh_attention(
             local = a2a_out([x[i] for x in grads], BACKWARD, cat)
             if name != "dq":
                 local = [fold_replicas(x, r) for x in local]
-            g = zigzag_gather(local, dim=0)
-            result[name] = g if layout == "sbhd" else g.transpose(0, 1)
+            g = gather(local)
+            result[name] = g[:, 0] if thd else g if layout == "sbhd" else g.transpose(0, 1)
     result["traffic"] = traffic
     return result

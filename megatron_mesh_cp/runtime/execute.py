@@ -12,6 +12,10 @@ layer of the same shape; inside it, bytes are reused as the plan's liveness allo
 and a tensor placed where a dead one was first waits for that one's send to finish (and, on GPU,
 for the compute that read it). Nothing the executor hands back aliases the pool.
 
+Packed sequences (THD): with ``varlen`` the chunks are in packed.py's half-major order and each
+block runs as its per-document sub-blocks (``packed_slices``), every one a varlen kernel call with
+the batch's one set of lengths; the plan, the transfers and the buffers are the same.
+
 Forward inputs per rank: local q, k, v. Backward inputs: local q, k, v, the final out, its lse
 ([s, b, h]), dout and ``delta = rowsum(dout * out)``; only those are kept between the passes,
 never a gathered chunk (DESIGN.md section 4).
@@ -25,9 +29,10 @@ import torch
 
 from .buffers import BufferPool
 from .comm import RingComm, VirtualHub
-from .kernels import BlockKernel, lse_dtype
+from .kernels import BlockKernel, Varlen, lse_dtype
 from .layout import BlockSlices, block_case
 from .merge import merge_into
+from .packed import packed_slices
 from .plan import FORWARD, ChunkDims, Compute, Free, Plan, Transfer, payload
 from .topology import MeshShape
 
@@ -81,8 +86,11 @@ class Executor:
         tensors: Dict[str, torch.Tensor],
         partial_dtype: Optional[torch.dtype] = None,
         buffers: Optional[BufferPool] = None,
+        varlen: Optional[Varlen] = None,
     ) -> None:
         self.plan, self.comm, self.kernel = plan, comm, kernel
+        self.varlen = varlen
+        self._vl = {} if varlen is None else {"varlen": varlen}  # passed to the kernel only when packed
         self.causal, self.scale = causal, scale
         self.shape = MeshShape(plan.a, plan.b)
         self.position = comm.position
@@ -262,39 +270,43 @@ class Executor:
         """A reusable scratch view shaped like ``like`` (rows are leading, so a prefix view fits)."""
         return self._take(("scratch", like.dim()))[: like.shape[0]]
 
-    def _slices(self, qo: int, ko: int) -> BlockSlices:
+    def _slices(self, qo: int, ko: int) -> Tuple[BlockSlices, ...]:
+        """The kernel calls of block (qo, ko): one, or a packed block's per-document sub-blocks."""
         i = self.shape.q_chunk(self.position, qo)
         j = self.shape.kv_chunk(self.position, ko)
-        return BlockSlices.of(block_case(i, j, self.causal), self.seq)
+        case = block_case(i, j, self.causal)
+        if self.varlen is not None:
+            return packed_slices(case, self.seq)
+        return (BlockSlices.of(case, self.seq),)
 
     def _forward_block(self, qo: int, ko: int) -> None:
-        sl = self._slices(qo, ko)
         (q,) = self._chunk("q", qo)
         k, v = self._chunk("kv", ko)
-        rows, cols = sl.q_rows, sl.kv_cols
-        out, lse = self.kernel.forward(q[rows], k[cols], v[cols], causal=sl.causal, scale=self.scale)
         acc_out, acc_lse = self._partial("o", qo)
-        merge_into(acc_out[rows], acc_lse[rows], out, lse.permute(2, 0, 1), scratch=self._scratch)
+        for sl in self._slices(qo, ko):
+            rows, cols = sl.q_rows, sl.kv_cols
+            out, lse = self.kernel.forward(q[rows], k[cols], v[cols], causal=sl.causal, scale=self.scale, **self._vl)
+            merge_into(acc_out[rows], acc_lse[rows], out, lse.permute(2, 0, 1), scratch=self._scratch)
 
     def _backward_block(self, qo: int, ko: int) -> None:
-        sl = self._slices(qo, ko)
         q, dout, delta, lse = self._chunk("q", qo)
         k, v = self._chunk("kv", ko)
         if qo not in self.stand_ins:  # a foreign chunk's stand-in lives in the pool until its Free
             self.stand_ins[qo] = self._take(("stand_in", qo)).copy_(delta_stand_in(dout, delta))
         out = self.stand_ins[qo]
-        rows, cols = sl.q_rows, sl.kv_cols
-        lkey = (qo, sl.q_start, sl.q_stop)
-        if lkey not in self.kernel_lse:  # once per chunk and row range, not per block
-            self.kernel_lse[lkey] = self.kernel.lse_for_backward(lse[rows])
-        dq, dk, dv = self.kernel.backward(
-            dout[rows], q[rows], k[cols], v[cols], out[rows], self.kernel_lse[lkey],
-            causal=sl.causal, scale=self.scale,
-        )
-        self._partial("dq", qo)[0][rows].add_(dq)
-        acc_k, acc_v = self._partial("dkv", ko)
-        acc_k[cols].add_(dk)
-        acc_v[cols].add_(dv)
+        for sl in self._slices(qo, ko):
+            rows, cols = sl.q_rows, sl.kv_cols
+            lkey = (qo, sl.q_start, sl.q_stop)
+            if lkey not in self.kernel_lse:  # once per chunk and row range, not per block
+                self.kernel_lse[lkey] = self.kernel.lse_for_backward(lse[rows], **self._vl)
+            dq, dk, dv = self.kernel.backward(
+                dout[rows], q[rows], k[cols], v[cols], out[rows], self.kernel_lse[lkey],
+                causal=sl.causal, scale=self.scale, **self._vl,
+            )
+            self._partial("dq", qo)[0][rows].add_(dq)
+            acc_k, acc_v = self._partial("dkv", ko)
+            acc_k[cols].add_(dk)
+            acc_v[cols].add_(dv)
 
 
 def run_virtual(
@@ -307,6 +319,7 @@ def run_virtual(
     scale: float,
     hub: VirtualHub = None,
     partial_dtype: Optional[torch.dtype] = None,
+    varlen: Optional[Varlen] = None,
 ):
     """Run ``plan`` for all ranks of ``shape`` in this process, op by op in lockstep.
 
@@ -315,7 +328,7 @@ def run_virtual(
     hub = hub or VirtualHub(shape)
     execs = [
         Executor(plan, hub.ranks[g], kernel, causal=causal, scale=scale, tensors=per_rank[g],
-                 partial_dtype=partial_dtype, buffers=hub.ranks[g].buffers)
+                 partial_dtype=partial_dtype, buffers=hub.ranks[g].buffers, varlen=varlen)
         for g in range(shape.n)
     ]
     for op in plan.ops:

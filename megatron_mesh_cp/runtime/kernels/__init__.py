@@ -16,12 +16,12 @@ from typing import Dict, Optional, Sequence, Tuple, Type, Union
 
 import torch
 
-from .base import BlockKernel, lse_dtype
+from .base import BlockKernel, Varlen, lse_dtype
 from .flash import FlashKernel
 from .te import TEKernel
 from .torch_sdpa import TorchKernel
 
-__all__ = ["BlockKernel", "TorchKernel", "TEKernel", "FlashKernel", "get_kernel", "select_kernel", "input_spec",
+__all__ = ["BlockKernel", "Varlen", "TorchKernel", "TEKernel", "FlashKernel", "get_kernel", "select_kernel", "input_spec",
            "available_kernels", "lse_dtype", "KERNELS"]
 
 log = logging.getLogger("megatron_mesh_cp")
@@ -84,18 +84,22 @@ def get_kernel(kernel: Union[str, BlockKernel, None] = "auto", device: Optional[
 
 
 def select_kernel(kernel: Union[str, BlockKernel, None], q: torch.Tensor, k: torch.Tensor,
-                  *, deterministic: bool = False) -> BlockKernel:
+                  *, deterministic: bool = False, packed: bool = False) -> BlockKernel:
     """The backend that will run blocks of ``q`` / ``k`` (sequence-major or batch-major alike: only
     device, dtype and head dim matter), checked against them; raises ``ValueError`` naming the fix.
 
     ``auto`` takes the first backend (te, flash, torch) that is importable and accepts the inputs,
-    and logs the choice with the reason each earlier backend was skipped.
+    and logs the choice with the reason each earlier backend was skipped. ``packed``: the inputs
+    are packed sequences (THD), so the backend must also run varlen blocks (``check_varlen``).
     """
     if kernel not in (None, "auto"):
         blk = get_kernel(kernel, q.device, deterministic=deterministic)
         blk.check(q, k)
+        if packed:
+            blk.check_varlen(q)
         return blk
-    sig = (q.device.type, getattr(q.device, "index", None), q.dtype, tuple(q.shape[1:]), k.shape[2], bool(deterministic))
+    sig = (q.device.type, getattr(q.device, "index", None), q.dtype, tuple(q.shape[1:]), k.shape[2], bool(deterministic),
+           bool(packed))
     if sig in _AUTO:
         return _AUTO[sig]
     order = list(_BACKENDS) if q.device.type == "cuda" else ["torch"]
@@ -107,6 +111,8 @@ def select_kernel(kernel: Union[str, BlockKernel, None], q: torch.Tensor, k: tor
         try:
             blk = _instance(name, **_options(name, deterministic))
             blk.check(q, k)
+            if packed:
+                blk.check_varlen(q)
         except ValueError as exc:
             skipped.append(f"{name}: {exc}")
             continue

@@ -9,11 +9,23 @@ scores.
 
 from __future__ import annotations
 
-from typing import Tuple
+from dataclasses import dataclass
+from typing import Optional, Tuple
 
 import torch
 
-__all__ = ["BlockKernel", "lse_dtype", "check_cuda_half", "check_square"]
+__all__ = ["BlockKernel", "Varlen", "lse_dtype", "check_cuda_half", "check_square"]
+
+
+@dataclass(frozen=True, eq=False)
+class Varlen:
+    """The documents of one packed (THD) block: every sub-block of a packed chunk is square per
+    document, so q and kv share these lengths (packed.py). ``cu``: int32 ``[D + 1]`` offsets on the
+    device (made once per batch); ``lens``/``max_len``: the same on the host, so no call syncs."""
+
+    cu: torch.Tensor
+    lens: Tuple[int, ...]
+    max_len: int
 
 
 def lse_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -53,9 +65,14 @@ class BlockKernel:
     name: str = "abstract"
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float,
+        varlen: Optional[Varlen] = None,
     ) -> Tuple[torch.Tensor, torch.Tensor]:
-        """Return ``out`` ``[sq, b, h, d]`` (dtype of q) and ``lse`` ``[b, h, sq]`` (fp32)."""
+        """Return ``out`` ``[sq, b, h, d]`` (dtype of q) and ``lse`` ``[b, h, sq]`` (fp32).
+
+        With ``varlen`` (packed sequences; batch 1) attention stays inside each document, causal
+        per document when ``causal``; only kernels whose :meth:`check_varlen` passes get one.
+        """
         raise NotImplementedError
 
     def backward(
@@ -69,6 +86,7 @@ class BlockKernel:
         *,
         causal: bool,
         scale: float,
+        varlen: Optional[Varlen] = None,
     ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Return ``dq, dk, dv`` for this block given the final ``out`` / ``lse`` of the Q rows.
 
@@ -78,7 +96,7 @@ class BlockKernel:
         """
         raise NotImplementedError
 
-    def lse_for_backward(self, lse_sbh: torch.Tensor):
+    def lse_for_backward(self, lse_sbh: torch.Tensor, varlen: Optional[Varlen] = None):
         """The rows' final lse (``[sq, b, h]``, fp32) in the form :meth:`backward` takes.
 
         Called once per Q chunk and row range (not per block), so a backend that needs a copy in
@@ -88,6 +106,12 @@ class BlockKernel:
 
     def check(self, q: torch.Tensor, k: torch.Tensor) -> None:
         """Raise ``ValueError`` (naming an alternative) if this backend cannot run these inputs."""
+
+    def check_varlen(self, q: torch.Tensor) -> None:
+        """Raise ``ValueError`` (naming an alternative) unless this backend runs packed (THD)
+        blocks of inputs like ``q``; backends that can override it."""
+        raise ValueError(f"the {self.name} attention kernel cannot run packed sequences (THD, varlen); "
+                         "use --mesh-kernel te or flash on GPU, torch on CPU")
 
     @classmethod
     def available(cls) -> bool:

@@ -9,6 +9,10 @@
 
 The ops take ``[b, h, s, d]`` views of our sequence-major tensors; no input is copied.
 
+Packed sequences (THD) run on CPU only: the CPU op takes an additive mask, so a packed block is
+one call with a block-diagonal (per-document, causal) mask, made once per batch and mask kind --
+exact, and dense (O(rows^2) mask memory, fine for CPU-sized blocks). On CUDA use te or flash.
+
 The CUDA flash backward decides dense vs varlen by whether ``cum_seq_q`` is *defined*
 (``attention_backward.cu``, ``_flash_attention_backward``); the dense forward returns undefined
 tensors (``None`` in Python) there, so the backward is given ``None``, never an empty tensor.
@@ -16,11 +20,12 @@ tensors (``None`` in Python) there, so the backward is given ``None``, never an 
 
 from __future__ import annotations
 
-from typing import Tuple
+from collections import OrderedDict
+from typing import Optional, Tuple
 
 import torch
 
-from .base import BlockKernel, check_square
+from .base import BlockKernel, Varlen, check_square
 
 __all__ = ["TorchKernel"]
 
@@ -53,10 +58,32 @@ class TorchKernel(BlockKernel):
     def __init__(self) -> None:
         self._gqa_native = True  # CUDA flash: falls back to expanded K/V once if the op refuses
         self._consts = {}  # per device: the (unused, dropout-free) philox seed and offset
+        self._masks: "OrderedDict[tuple, tuple]" = OrderedDict()  # packed blocks' masks, per batch
 
     def check(self, q: torch.Tensor, k: torch.Tensor) -> None:
         if q.device.type not in ("cpu", "cuda"):
             raise ValueError(f"the torch kernel runs on cpu or cuda, not {q.device.type}")
+
+    def check_varlen(self, q: torch.Tensor) -> None:
+        if q.device.type != "cpu":
+            raise ValueError("the torch attention kernel runs packed sequences (THD) on CPU only; "
+                             "use --mesh-kernel te or flash on GPU")
+
+    def _mask(self, varlen: Varlen, causal: bool, dtype: torch.dtype) -> torch.Tensor:
+        """Additive ``[s, s]`` mask: 0 inside a document (and at or below the diagonal if causal),
+        -inf elsewhere; built once per batch, mask kind and dtype."""
+        key = (id(varlen), causal, dtype)
+        hit = self._masks.get(key)
+        if hit is None or hit[0] is not varlen:
+            doc = torch.repeat_interleave(torch.arange(len(varlen.lens)), torch.tensor(varlen.lens, dtype=torch.long))
+            keep = doc[:, None] == doc[None, :]
+            if causal:
+                keep &= torch.ones_like(keep).tril()
+            mask = torch.zeros(keep.shape, dtype=dtype).masked_fill_(~keep, float("-inf"))
+            hit = self._masks[key] = (varlen, mask)
+            while len(self._masks) > 8:
+                self._masks.popitem(last=False)
+        return hit[1]
 
     @staticmethod
     def _is_cuda(t: torch.Tensor) -> bool:
@@ -65,9 +92,16 @@ class TorchKernel(BlockKernel):
     def _path(self, q: torch.Tensor) -> str:
         return cuda_path(q) if self._is_cuda(q) else "cpu"
 
-    def forward(self, q, k, v, *, causal: bool, scale: float) -> Tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, q, k, v, *, causal: bool, scale: float,
+                varlen: Optional[Varlen] = None) -> Tuple[torch.Tensor, torch.Tensor]:
         check_square(q, k, causal)
         path = self._path(q)
+        if varlen is not None:
+            self.check_varlen(q)
+            out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(
+                _bhsd(q), _bhsd(k), _bhsd(v), 0.0, False, attn_mask=self._mask(varlen, causal, q.dtype), scale=scale
+            )
+            return _sbhd(out), lse
         if path == "cpu":
             out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(
                 _bhsd(q), _bhsd(k), _bhsd(v), 0.0, causal, scale=scale
@@ -108,7 +142,7 @@ class TorchKernel(BlockKernel):
             return _bhsd(k), _bhsd(v)
         return _expand(q, k, v)
 
-    def lse_for_backward(self, lse_sbh: torch.Tensor):
+    def lse_for_backward(self, lse_sbh: torch.Tensor, varlen: Optional[Varlen] = None):
         """CPU: a ``[b, h, s]`` view. CUDA: a contiguous ``[b, h, s]`` tensor whose storage is padded
         to a multiple of 32 rows (what the efficient backward reads); the flash backward takes the
         unpadded contiguous form. Made once per chunk and row range, not per block."""
@@ -123,9 +157,16 @@ class TorchKernel(BlockKernel):
         buf[..., :sq] = lse
         return buf[..., :sq]
 
-    def backward(self, dout, q, k, v, out, lse, *, causal: bool, scale: float):
+    def backward(self, dout, q, k, v, out, lse, *, causal: bool, scale: float, varlen: Optional[Varlen] = None):
         check_square(q, k, causal)
         path = self._path(q)
+        if varlen is not None:
+            self.check_varlen(q)
+            dq, dk, dv = _aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                _bhsd(dout), _bhsd(q), _bhsd(k), _bhsd(v), _bhsd(out), lse, 0.0, False,
+                attn_mask=self._mask(varlen, causal, q.dtype), scale=scale
+            )
+            return _sbhd(dq), _sbhd(dk), _sbhd(dv)
         if path == "cpu":
             dq, dk, dv = _aten._scaled_dot_product_flash_attention_for_cpu_backward(
                 _bhsd(dout), _bhsd(q), _bhsd(k), _bhsd(v), _bhsd(out), lse, 0.0, causal, scale=scale
