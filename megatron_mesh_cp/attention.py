@@ -8,6 +8,11 @@ Between the passes only the local q, k, v, out and lse are kept, as Ring-Attenti
 The first call with a new signature (shapes, dtypes, mask, scale, layout, kernel, plans, mesh)
 checks with one tiny collective that every rank of the CP group makes the same call (agree.py);
 the agreed signature is cached on the mesh, so later calls skip both the check and the planning.
+
+Packed sequences (``layout="thd"`` with ``cu_seqlens`` / ``cu_seqlens_padded``, Megatron's
+per-document split): the documents join the signature (one agreement per new batch), the chunks
+are permuted into packed.py's half-major order around the unchanged executor and plans, and
+padding rows come back as zeros with lse = -inf.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from .runtime.execute import Executor
 from .runtime.hybrid import UlyssesIn, UlyssesOut
 from .runtime.kernels import BlockKernel, lse_dtype, select_kernel
 from .runtime.layout import LAYOUTS, seq_dim
+from .runtime.packed import PackedLayout, PackedSpec, packed_spec, padding_rows
 from .runtime.plan import Plan
 from .runtime.ulysses import check_ulysses_heads, kv_repeats
 
@@ -64,7 +70,8 @@ def check_inputs(q, k, v, mesh, layout: str, softmax_scale) -> None:
     group (one collective, on a new signature) so all of them raise, not just the one at fault.
     """
     if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+        raise ValueError(f"layout must be one of {LAYOUTS} (or 'thd' with cu_seqlens for packed sequences), "
+                         f"got {layout!r}")
     _check_mesh(mesh)
     names = ("q", "k", "v")
     for name, x in zip(names, (q, k, v)):
@@ -133,15 +140,15 @@ class _MeshAttention(torch.autograd.Function):
     """Sequence-major ([s, b, h, d]) in and out; lse out as [b, h, s] fp32."""
 
     @staticmethod
-    def forward(ctx, q, k, v, mesh, causal, scale, kernel, plans, partial_dtype, check_finite):
+    def forward(ctx, q, k, v, mesh, causal, scale, kernel, plans, partial_dtype, check_finite, varlen=None):
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         ex = Executor(plans[0], mesh.comm(), kernel, causal=causal, scale=scale,
                       tensors={"q": q, "k": k, "v": v}, partial_dtype=partial_dtype,
-                      buffers=getattr(mesh, "buffers", None))
+                      buffers=getattr(mesh, "buffers", None), varlen=varlen)
         out, lse = ex.run()
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.mesh, ctx.causal, ctx.scale, ctx.kernel, ctx.plans = mesh, causal, scale, kernel, plans
-        ctx.partial_dtype, ctx.check_finite = partial_dtype, check_finite
+        ctx.partial_dtype, ctx.check_finite, ctx.varlen = partial_dtype, check_finite, varlen
         lse_out = lse.permute(1, 2, 0).contiguous()
         ctx.mark_non_differentiable(lse_out)
         return out, lse_out
@@ -156,9 +163,10 @@ class _MeshAttention(torch.autograd.Function):
         delta = (dout.to(acc) * out.to(acc)).sum(dim=-1)
         tensors = {"q": q, "k": k, "v": v, "out": out, "lse": lse, "dout": dout, "delta": delta}
         ex = Executor(ctx.plans[1], ctx.mesh.comm(), ctx.kernel, causal=ctx.causal, scale=ctx.scale,
-                      tensors=tensors, partial_dtype=ctx.partial_dtype, buffers=getattr(ctx.mesh, "buffers", None))
+                      tensors=tensors, partial_dtype=ctx.partial_dtype, buffers=getattr(ctx.mesh, "buffers", None),
+                      varlen=ctx.varlen)
         dq, dk, dv = ex.run()
-        return dq, dk, dv, None, None, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None, None, None
 
 
 def _agreed_calls(mesh) -> "OrderedDict":
@@ -169,7 +177,7 @@ def _agreed_calls(mesh) -> "OrderedDict":
 
 
 def _call_key(q, k, v, mesh, causal, softmax_scale, layout, kernel, plans, partial_dtype, planner, check_finite,
-              deterministic):
+              deterministic, spec=None):
     """What a call's validation, planning and agreement depend on (None: not even tensors)."""
     try:
         tensors = tuple((tuple(x.shape), x.dtype, x.device) for x in (q, k, v))
@@ -179,13 +187,20 @@ def _call_key(q, k, v, mesh, causal, softmax_scale, layout, kernel, plans, parti
     plan_ids = None if plans is None else tuple(id(p) for p in plans)
     return (tensors, bool(causal), scale, layout, kernel if isinstance(kernel, str) else id(kernel), plan_ids,
             partial_dtype, planner, id(getattr(mesh, "cluster", None)), getattr(mesh, "stride", 1), bool(check_finite),
-            bool(deterministic))
+            bool(deterministic), spec)
 
 
-def _prepare(q, k, v, mesh, causal, softmax_scale, layout, kernel, plans, partial_dtype, planner, deterministic):
+def _prepare(q, k, v, mesh, causal, softmax_scale, layout, kernel, plans, partial_dtype, planner, deterministic,
+             spec: Optional[PackedSpec] = None):
     """Local validation and planning: ``(kernel, scale, plans)``; ``ValueError`` naming the fix."""
     check_inputs(q, k, v, mesh, layout, softmax_scale)
-    blk = select_kernel(kernel, q, k, deterministic=deterministic)
+    if spec is not None:
+        n = getattr(mesh, "ulysses", 1) * mesh.shape.n
+        spec.check(q.shape[seq_dim(layout)] * n, n)
+        if not causal:
+            raise ValueError("packed sequences (THD) need causal=True (Megatron's padding_causal mask); "
+                             "per-document non-causal attention is not supported")
+    blk = select_kernel(kernel, q, k, deterministic=deterministic, packed=spec is not None)
     scale = resolve_scale(softmax_scale, q.shape[-1])
     if partial_dtype is not None and (not isinstance(partial_dtype, torch.dtype) or not partial_dtype.is_floating_point):
         raise ValueError(f"partial_dtype must be a floating torch.dtype or None, got {partial_dtype!r}")
@@ -201,7 +216,8 @@ def _prepare(q, k, v, mesh, causal, softmax_scale, layout, kernel, plans, partia
     return blk, scale, plans
 
 
-def _signature(q, k, mesh, causal, layout, partial_dtype, check_finite, deterministic, prepared) -> dict:
+def _signature(q, k, mesh, causal, layout, partial_dtype, check_finite, deterministic, prepared,
+               spec: Optional[PackedSpec] = None) -> dict:
     """The fields every rank of the CP group must agree on (None where this rank could not tell)."""
     blk, scale, plans = prepared or (None, None, None)
     dims = [None] * 5
@@ -215,6 +231,8 @@ def _signature(q, k, mesh, causal, layout, partial_dtype, check_finite, determin
         "forward plan": plan_digest(plans[0]) if plans else None,
         "backward plan": plan_digest(plans[1]) if plans else None,
         "mesh shape": str(mesh.shape), "ulysses": getattr(mesh, "ulysses", 1), "check_finite": bool(check_finite), "deterministic": bool(deterministic),
+        "cu_seqlens_padded": spec.cu_padded if spec is not None else None,
+        "cu_seqlens": spec.cu_real if spec is not None else None,
     }
 
 
@@ -251,6 +269,8 @@ def mesh_attention(
     planner: str = "greedy",
     deterministic: bool = False,
     check_finite: bool = False,
+    cu_seqlens: Optional[torch.Tensor] = None,
+    cu_seqlens_padded: Optional[torch.Tensor] = None,
 ):
     """Context-parallel attention over ``mesh`` (a :class:`~megatron_mesh_cp.MeshGroups`).
 
@@ -272,44 +292,92 @@ def mesh_attention(
     every call and raises the same ``ValueError`` on every rank, naming the ranks that have them,
     before any ring transfer (one tiny collective per call, and a device sync on GPU).
 
+    Packed sequences: ``layout="thd"`` (q ``[t_local, h, d]``, k/v ``[t_local, h_kv, d]``), causal,
+    each rank holding its per-document zigzag share (``packed.thd_shard``; Megatron's
+    ``get_batch_on_this_cp_rank``); ``cu_seqlens_padded``: the global document offsets, every
+    document a multiple of 2·CP long; ``cu_seqlens``: the real ones (padding at each document's
+    end: zero output rows, lse = -inf). The offsets are read to the host once per tensor object
+    and agreed across the CP group once per new batch. lse is ``[h, t_local]``.
+
     Every rank of the CP group must make the same call: the first call with a new signature
     checks that with one small collective on ``mesh.cp_group`` and raises the same ``ValueError``
     on every rank otherwise (agree.py); input errors found on one rank are raised on all.
     """
     _check_mesh(mesh)
-    key = _call_key(q, k, v, mesh, causal, softmax_scale, layout, kernel, plans, partial_dtype, planner,
-                    check_finite, deterministic)
+    spec, packed_error = None, None
+    if layout == "thd" or cu_seqlens is not None or cu_seqlens_padded is not None:
+        try:
+            q, k, v, spec = _as_packed(q, k, v, layout, cu_seqlens, cu_seqlens_padded)
+            layout = "sbhd"
+        except ValueError as exc:
+            packed_error = exc
+    key = None if packed_error else _call_key(q, k, v, mesh, causal, softmax_scale, layout, kernel, plans,
+                                              partial_dtype, planner, check_finite, deterministic, spec)
     calls = _agreed_calls(mesh)
     prepared = calls.get(key) if key is not None else None
     if prepared is None:
-        error = None
+        error = packed_error
         try:
-            prepared = _prepare(q, k, v, mesh, causal, softmax_scale, layout, kernel, plans, partial_dtype, planner,
-                                deterministic)
+            if error is None:
+                prepared = _prepare(q, k, v, mesh, causal, softmax_scale, layout, kernel, plans, partial_dtype,
+                                    planner, deterministic, spec)
         except ValueError as exc:
             error = exc
         if getattr(mesh, "cp_group", None) is not None:
-            fields = _signature(q, k, mesh, causal, layout, partial_dtype, check_finite, deterministic, prepared)
+            fields = _signature(q, k, mesh, causal, layout, partial_dtype, check_finite, deterministic, prepared, spec)
             agree("mesh attention", fields, mesh.cp_group, _comm_device(mesh), error)
         if error is not None:  # only without a CP group: agree() raised it on every rank otherwise
             raise error
+        if spec is not None:  # the batch's reorder and padding rows, made once per new batch
+            u = getattr(mesh, "ulysses", 1)
+            n = u * mesh.shape.n
+            prepared += ((PackedLayout(spec, n, u, q.device), padding_rows(spec, n, mesh.position, q.device)),)
+        else:
+            prepared += (None,)
         if key is not None:
             calls[key] = prepared
             while len(calls) > MAX_AGREED:
                 calls.popitem(last=False)
     else:
         calls.move_to_end(key)
-    blk, scale, plans = prepared
+    blk, scale, plans, packed = prepared
     if check_finite:
         _check_finite(mesh, "q, k or v", q, k, v)
     if layout == "bshd":  # the executor is sequence-major
         q, k, v = (x.transpose(0, 1) for x in (q, k, v))
     u = getattr(mesh, "ulysses", 1)
+    lay = packed[0] if packed is not None else None
     if u > 1:  # a2a+mesh: all-to-all over heads in the Ulysses group around the unchanged mesh
-        q, k, v = UlyssesIn.apply(q, k, v, mesh, kv_repeats(q.shape[2], k.shape[2], u))
-    out, lse = _MeshAttention.apply(q, k, v, mesh, bool(causal), scale, blk, plans, partial_dtype, bool(check_finite))
+        q, k, v = UlyssesIn.apply(q, k, v, mesh, kv_repeats(q.shape[2], k.shape[2], u), lay)
+    elif lay is not None:  # packed: the batch's half-major order (packed.py)
+        q, k, v = (lay.into_mesh(x) for x in (q, k, v))
+    out, lse = _MeshAttention.apply(q, k, v, mesh, bool(causal), scale, blk, plans, partial_dtype, bool(check_finite),
+                                    lay.varlen if lay is not None else None)
     if u > 1:
-        out, lse = UlyssesOut.apply(out, lse, mesh, bool(return_lse))
+        out, lse = UlyssesOut.apply(out, lse, mesh, bool(return_lse), lay)
+    elif lay is not None:
+        out = lay.out_of_mesh(out)
+        lse = lse.index_select(2, lay.from_mesh) if return_lse else lse
+    if packed is not None:
+        pad = packed[1]
+        if pad is not None:  # padding rows: zero output (so zero gradient), lse = -inf
+            out = out.masked_fill(pad.view(-1, 1, 1, 1), 0)
+            lse = lse.masked_fill(pad.view(1, 1, -1), float("-inf")) if return_lse else lse
+        out = out[:, 0]  # back to thd: [t, h, d]; lse [h, t]
+        lse = lse[0] if return_lse else lse
     if layout == "bshd":
         out = out.transpose(0, 1).contiguous()
     return (out, lse) if return_lse else out
+
+
+def _as_packed(q, k, v, layout, cu_seqlens, cu_seqlens_padded):
+    """thd ``[t, h, d]`` tensors as sbhd with batch 1, and the batch's PackedSpec (host offsets)."""
+    if layout != "thd":
+        raise ValueError(f"packed sequences (cu_seqlens) take layout='thd' ([t, h, d] tensors), not {layout!r}")
+    if cu_seqlens is None and cu_seqlens_padded is None:
+        raise ValueError("layout='thd' needs the documents: pass cu_seqlens_padded (and cu_seqlens for padding)")
+    for name, x in zip("qkv", (q, k, v)):
+        if not isinstance(x, torch.Tensor) or x.dim() != 3:
+            raise ValueError(f"{name} must be a 3-D [t, h, d] tensor with layout='thd', got "
+                             f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+    return q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1), packed_spec(cu_seqlens, cu_seqlens_padded)

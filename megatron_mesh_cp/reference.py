@@ -7,7 +7,7 @@ from typing import Optional, Tuple
 
 import torch
 
-__all__ = ["reference_attention"]
+__all__ = ["reference_attention", "packed_reference_attention"]
 
 
 def reference_attention(
@@ -32,3 +32,31 @@ def reference_attention(
     lse = torch.logsumexp(scores, dim=-1)
     out = torch.matmul(torch.softmax(scores, dim=-1), vh)
     return out.transpose(1, 2), lse
+
+
+def packed_reference_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_padded, cu_seqlens=None, *,
+    softmax_scale: Optional[float] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Packed (thd ``[t, h, d]``) causal attention with a block-diagonal mask: a token sees the
+    real tokens of its own document up to itself; padding tokens (``cu_seqlens`` shorter than
+    ``cu_seqlens_padded``) see and are seen by nothing and give out = 0, lse = -inf.
+    Returns (out ``[t, h, d]``, lse ``[h, t]``). Dense math, differentiable."""
+    t, h, d = q.shape
+    group = h // k.shape[1]
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
+    padded = torch.as_tensor(cu_seqlens_padded, device=q.device).long().flatten()
+    real = padded if cu_seqlens is None else torch.as_tensor(cu_seqlens, device=q.device).long().flatten()
+    pos = torch.arange(t, device=q.device)
+    doc = torch.searchsorted(padded[1:], pos, right=True)
+    is_real = (pos - padded[doc]) < (real[1:] - real[:-1])[doc]
+    keep = (doc[:, None] == doc[None, :]) & torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
+    keep &= is_real[:, None] & is_real[None, :]
+    kh = k.transpose(0, 1).repeat_interleave(group, dim=0)
+    vh = v.transpose(0, 1).repeat_interleave(group, dim=0)
+    scores = torch.matmul(q.transpose(0, 1), kh.transpose(-1, -2)) * scale
+    empty = ~keep.any(dim=-1)  # padding rows: computed over everything, then zeroed (no NaN, no gradient)
+    scores = scores.masked_fill(~(keep | empty[:, None]), float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    out = torch.matmul(torch.softmax(scores, dim=-1), vh).transpose(0, 1)
+    return out.masked_fill(empty[:, None, None], 0.0), lse.masked_fill(empty, float("-inf"))

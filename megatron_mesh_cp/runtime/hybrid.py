@@ -5,6 +5,7 @@ query heads and its share of the KV heads for the whole group's tokens), are reo
 super-rank's zigzag share (:mod:`megatron_mesh_cp.runtime.ulysses`), the mesh runs over the N = a*b
 super-ranks, and O (and lse) go back the same way. Backward is the mirror image: dO in; dQ, dK, dV
 out. Each direction is one autograd node, so every rank issues the collectives in the same order.
+With packed sequences the reorder is the batch's per-document one (``packed.PackedLayout``).
 The all-to-all bytes land in the mesh's :class:`~megatron_mesh_cp.runtime.comm.Traffic` under
 :data:`~megatron_mesh_cp.runtime.ulysses.A2A_CATEGORIES` and equal :func:`~megatron_mesh_cp.runtime.ulysses.ulysses_traffic`.
 """
@@ -33,47 +34,52 @@ def exchange(mesh, send: torch.Tensor, phase: str, category: str) -> torch.Tenso
     return recv
 
 
-def to_super(mesh, x: torch.Tensor, phase: str, category: str) -> torch.Tensor:
-    """Local ``[s, b, H, ...]`` -> this member's head group over the super-rank's tokens."""
+def to_super(mesh, x: torch.Tensor, phase: str, category: str, packed=None) -> torch.Tensor:
+    """Local ``[s, b, H, ...]`` -> this member's head group over the super-rank's tokens
+    (``packed``: a PackedLayout, whose per-document reorder replaces the zigzag one)."""
     u = mesh.ulysses
-    return members_to_super(exchange(mesh, heads_to_members(x, u), phase, category), u)
+    recv = exchange(mesh, heads_to_members(x, u), phase, category)
+    if packed is not None:
+        return packed.into_mesh(recv.reshape(-1, *recv.shape[2:]))
+    return members_to_super(recv, u)
 
 
-def from_super(mesh, y: torch.Tensor, phase: str, category: str) -> torch.Tensor:
+def from_super(mesh, y: torch.Tensor, phase: str, category: str, packed=None) -> torch.Tensor:
     """Inverse of :func:`to_super`: super-rank tokens of one head group -> local tokens, all heads."""
     u = mesh.ulysses
-    return members_to_heads(exchange(mesh, super_to_members(y, u), phase, category), u)
+    send = super_to_members(y, u) if packed is None else packed.out_of_mesh(y).reshape(u, -1, *y.shape[1:])
+    return members_to_heads(exchange(mesh, send, phase, category), u)
 
 
 class UlyssesIn(torch.autograd.Function):
     """(q, k, v) local, sequence-major -> super layout on h/u heads; KV replicated ``r`` times first."""
 
     @staticmethod
-    def forward(ctx, q, k, v, mesh, r):
-        ctx.mesh, ctx.r = mesh, r
-        qs = to_super(mesh, q, FORWARD, "a2a-Q")
-        ks = to_super(mesh, replicate_kv(k, r), FORWARD, "a2a-KV")
-        vs = to_super(mesh, replicate_kv(v, r), FORWARD, "a2a-KV")
+    def forward(ctx, q, k, v, mesh, r, packed=None):
+        ctx.mesh, ctx.r, ctx.packed = mesh, r, packed
+        qs = to_super(mesh, q, FORWARD, "a2a-Q", packed)
+        ks = to_super(mesh, replicate_kv(k, r), FORWARD, "a2a-KV", packed)
+        vs = to_super(mesh, replicate_kv(v, r), FORWARD, "a2a-KV", packed)
         return qs, ks, vs
 
     @staticmethod
     def backward(ctx, dqs, dks, dvs):
-        mesh, r = ctx.mesh, ctx.r
-        dq = from_super(mesh, dqs, BACKWARD, "a2a-dQ")
-        dk = fold_replicas(from_super(mesh, dks, BACKWARD, "a2a-dKV"), r)
-        dv = fold_replicas(from_super(mesh, dvs, BACKWARD, "a2a-dKV"), r)
-        return dq, dk, dv, None, None
+        mesh, r, packed = ctx.mesh, ctx.r, ctx.packed
+        dq = from_super(mesh, dqs, BACKWARD, "a2a-dQ", packed)
+        dk = fold_replicas(from_super(mesh, dks, BACKWARD, "a2a-dKV", packed), r)
+        dv = fold_replicas(from_super(mesh, dvs, BACKWARD, "a2a-dKV", packed), r)
+        return dq, dk, dv, None, None, None
 
 
 class UlyssesOut(torch.autograd.Function):
     """(out, lse ``[b, h/u, S]``) in super layout -> local out (and lse ``[b, h, s]`` if asked)."""
 
     @staticmethod
-    def forward(ctx, out_s, lse_s, mesh, with_lse):
-        ctx.mesh = mesh
-        out = from_super(mesh, out_s, FORWARD, "a2a-O")
+    def forward(ctx, out_s, lse_s, mesh, with_lse, packed=None):
+        ctx.mesh, ctx.packed = mesh, packed
+        out = from_super(mesh, out_s, FORWARD, "a2a-O", packed)
         if with_lse:
-            lse = from_super(mesh, lse_s.permute(2, 0, 1), FORWARD, "a2a-LSE").permute(1, 2, 0).contiguous()
+            lse = from_super(mesh, lse_s.permute(2, 0, 1), FORWARD, "a2a-LSE", packed).permute(1, 2, 0).contiguous()
         else:
             lse = lse_s.new_empty(0)
         ctx.mark_non_differentiable(lse)
@@ -81,4 +87,4 @@ class UlyssesOut(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        return to_super(ctx.mesh, dout, BACKWARD, "a2a-dO"), None, None, None
+        return to_super(ctx.mesh, dout, BACKWARD, "a2a-dO", ctx.packed), None, None, None, None
