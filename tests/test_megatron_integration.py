@@ -104,6 +104,14 @@ BAD = [
       "--num-attention-heads", "6", "--num-query-groups", "2"], "use U in [1, 2]"),
     (["--context-parallel-size", "4", "--context-parallel-algo", "a2a+mesh", "--cp-comm-type", "a2a+p2p"],
      "contradicts --cp-comm-type a2a+p2p"),
+    (["--context-parallel-size", "4", "--context-parallel-algo", "mesh", "--mesh-packed-data"],
+     "needs --calculate-per-token-loss"),
+    (["--context-parallel-size", "4", "--context-parallel-algo", "mesh", "--mesh-packed-data", "--mesh-pack-multiple",
+      "4", "--calculate-per-token-loss"], "--mesh-pack-multiple 4 is not a multiple of 2 * CP = 8"),
+    (["--context-parallel-size", "4", "--context-parallel-algo", "p2p", "--mesh-packed-data"],
+     "--mesh-packed-data runs with --context-parallel-algo mesh or a2a+mesh"),
+    (["--context-parallel-size", "4", "--context-parallel-algo", "mesh", "--dataloader-inter-document-masking"],
+     "do not pad documents to a multiple of 2 * CP = 8"),
 ]
 
 

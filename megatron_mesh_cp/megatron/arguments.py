@@ -59,6 +59,13 @@ def add_mesh_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="cluster preset or YAML the greedy planner and mesh-shape=auto tune for (default h100-ib400)")
     add("--mesh-check-finite", action="store_true",
         help="check attention inputs and output gradients for NaN/Inf on every call (all CP ranks raise)")
+    add("--mesh-packed-data", action="store_true",
+        help="launcher: train on packed sequences (documents padded to --mesh-pack-multiple; THD under mesh CP, "
+             "a block-diagonal mask at CP = 1)")
+    add("--mesh-pack-multiple", type=int, default=None,
+        help="with --mesh-packed-data: pad every document to a multiple of this (default 2 x CP; a multiple of it)")
+    add("--mesh-pack-doc-tokens", type=int, default=None,
+        help="with --mesh-packed-data: cut documents into pieces of at most this many tokens (default: whole files)")
     return escape_stray_percent(parser)
 
 
@@ -109,6 +116,40 @@ def apply_mesh_args(args, argv: Optional[Sequence[str]] = None):
     Raises :class:`MeshArgumentError` naming the fix. ``argv`` (default ``sys.argv[1:]``) tells
     which flags were given explicitly, so a contradicting ``--cp-comm-type`` is caught.
     """
+    args = _apply_cp_algo(args, argv)
+    _check_packed_data(args)
+    return args
+
+
+def _check_packed_data(args) -> None:
+    """``--mesh-packed-data``: the packing multiple must split every document over the CP ranks."""
+    if not _get(args, "mesh_packed_data", False):
+        return
+    cp = int(_get(args, "context_parallel_size", 1) or 1)
+    algo = _get(args, "context_parallel_algo")
+    if cp > 1 and algo not in MESH_ALGORITHMS:
+        raise MeshArgumentError("--mesh-packed-data runs with --context-parallel-algo mesh or a2a+mesh (or CP = 1)")
+    if int(_get(args, "tensor_model_parallel_size", 1) or 1) > 1 or int(_get(args, "pipeline_model_parallel_size", 1) or 1) > 1:
+        raise MeshArgumentError("--mesh-packed-data is built for TP = PP = 1 (the launcher does not broadcast "
+                                "packed batches over TP or pipeline stages); drop it or the TP/PP sizes")
+    multiple = _get(args, "mesh_pack_multiple") or 2 * cp
+    if multiple % (2 * cp):
+        raise MeshArgumentError(f"--mesh-pack-multiple {multiple} is not a multiple of 2 * CP = {2 * cp}; "
+                                "every document must split into 2 * CP equal pieces")
+    seq = _get(args, "seq_length")
+    if seq is not None and seq % multiple:
+        raise MeshArgumentError(f"--seq-length {seq} is not a multiple of the packing multiple {multiple}")
+    if cp > 1 and not _get(args, "calculate_per_token_loss", False):
+        raise MeshArgumentError(
+            "--mesh-packed-data with CP > 1 needs --calculate-per-token-loss: padding leaves the CP ranks unequal "
+            "numbers of loss tokens, and Megatron's default per-rank mean would weight them unequally (the "
+            "gradients would not be those of CP = 1)"
+        )
+    args.mesh_pack_multiple = multiple
+
+
+def _apply_cp_algo(args, argv: Optional[Sequence[str]] = None):
+    """The CP-algorithm part of :func:`apply_mesh_args`."""
     algo = _get(args, "context_parallel_algo")
     shape_text = _get(args, "mesh_shape")
     cp = int(_get(args, "context_parallel_size", 1) or 1)
@@ -153,8 +194,9 @@ def apply_mesh_args(args, argv: Optional[Sequence[str]] = None):
         )
     if _get(args, "sft", False) or _get(args, "dataloader_inter_document_masking", False):
         raise MeshArgumentError(
-            "mesh CP does not support packed sequences (THD) yet; drop --sft / --dataloader-inter-document-masking "
-            "or use another --context-parallel-algo"
+            "Megatron's packed datasets (--sft / --dataloader-inter-document-masking) do not pad documents to a "
+            f"multiple of 2 * CP = {2 * cp}, which mesh CP's per-document split needs; use this launcher's "
+            "--mesh-packed-data, or pass PackedSeqParams with cu_seqlens_padded from your own data pipeline"
         )
     if _get(args, "window_size") is not None:
         raise MeshArgumentError("mesh CP does not support sliding-window attention yet; drop --window-size")

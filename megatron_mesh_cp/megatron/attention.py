@@ -10,8 +10,10 @@ It has Megatron's core-attention contract (constructor and forward as ``DotProdu
 * otherwise it hands off to Transformer Engine's ``TEDotProductAttention`` when TE is installed,
   else to Megatron's local ``DotProductAttention``.
 
-Combinations mesh CP does not support fail at construction (or, for per-call inputs such as packed
-sequences and attention bias, before any communication) with a message naming the fix.
+Packed sequences (``packed_seq_params`` with ``qkv_format="thd"``, documents padded to a multiple
+of 2·CP and split per document as ``get_batch_on_this_cp_rank`` does) run under both.
+Combinations mesh CP does not support fail at construction (or, for per-call inputs such as an
+attention bias, before any communication) with a message naming the fix.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from megatron.core.transformer.module import MegatronModule
 
 from ..attention import mesh_attention
 from ..runtime.groups import MeshGroups
+from ..runtime.packed import packed_spec
 from ..runtime.ulysses import check_ulysses_heads
 from .settings import SETTINGS
 
@@ -175,11 +178,7 @@ class MeshCoreAttention(MegatronModule):
                 query, key, value, attention_mask, attn_mask_type=attn_mask_type,
                 attention_bias=attention_bias, packed_seq_params=packed_seq_params, **kwargs,
             )
-        if packed_seq_params is not None:
-            raise ValueError(
-                "mesh CP does not support packed sequences (THD) yet; disable sequence packing "
-                "(--sft / --dataloader-inter-document-masking) or use another --context-parallel-algo"
-            )
+        packed = self._packed(packed_seq_params) if packed_seq_params is not None else {}
         if attention_bias is not None:
             raise ValueError("mesh CP does not support an attention bias; drop it or use another --context-parallel-algo")
         mask = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
@@ -189,10 +188,31 @@ class MeshCoreAttention(MegatronModule):
         # implied by the mask type and not read
         out = mesh_attention(
             query, key, value, self.mesh, causal=mask == AttnMaskType.causal, softmax_scale=self.softmax_scale,
-            layout="sbhd", kernel=SETTINGS.kernel, partial_dtype=SETTINGS.partial_dtype, planner=SETTINGS.planner,
-            deterministic=SETTINGS.deterministic,
-            check_finite=SETTINGS.check_finite,
+            layout="thd" if packed else "sbhd", kernel=SETTINGS.kernel, partial_dtype=SETTINGS.partial_dtype,
+            planner=SETTINGS.planner, deterministic=SETTINGS.deterministic, check_finite=SETTINGS.check_finite,
+            **packed,
         )
+        if packed:  # [t, h, d] -> [t, h*d], as TE returns for thd
+            SETTINGS.count_call(query.unsqueeze(1), key.unsqueeze(1), self.mesh.size, training=torch.is_grad_enabled(),
+                                packed=True)
+            return out.reshape(out.shape[0], -1)
         SETTINGS.count_call(query, key, self.mesh.size, training=torch.is_grad_enabled())
         s, b = out.shape[0], out.shape[1]
         return out.reshape(s, b, -1)
+
+    def _packed(self, params) -> dict:
+        """mesh_attention's packed-sequence arguments from Megatron's PackedSeqParams (self-attention:
+        q and kv must list the same documents; a per-sample CP group is hybrid CP, which mesh is not)."""
+        if getattr(params, "qkv_format", None) != "thd":
+            raise ValueError(f"mesh CP runs packed sequences in qkv_format 'thd', not {params.qkv_format!r}")
+        group = getattr(params, "cp_group", None)
+        if group is not None and torch.distributed.get_process_group_ranks(group) != self.mesh.cp_ranks:
+            raise ValueError("packed_seq_params.cp_group differs from the mesh's CP group (hybrid CP); mesh CP needs "
+                             "one fixed CP group; drop --hybrid-context-parallel")
+        q = (params.cu_seqlens_q, params.cu_seqlens_q_padded)
+        kv = (params.cu_seqlens_kv, params.cu_seqlens_kv_padded)
+        same = all(a is b for a, b in zip(q, kv)) or all(x is None for x in kv)
+        if not same and packed_spec(*kv) != packed_spec(*q):  # host copies, read once per tensor
+            raise ValueError("mesh CP packed sequences are self-attention: cu_seqlens_kv(_padded) must equal "
+                             "cu_seqlens_q(_padded)")
+        return {"cu_seqlens": q[0], "cu_seqlens_padded": q[1]}

@@ -12,6 +12,9 @@ switches (``--context-parallel-algo mesh --mesh-shape AxB|auto``...) and a few l
 * ``--dump-grads FILE`` -- save every parameter's reduced gradient of the first step (parity tests);
 * ``--dry-run`` -- resolve and validate the arguments (mesh shape included), print them, start nothing.
 
+``--mesh-packed-data`` trains on packed sequences (documents padded to a multiple of 2·CP, THD
+under mesh CP, a block-diagonal mask at CP = 1; :mod:`.packing`).
+
 Without ``--data-path`` (and without ``--mock-data``) it trains on the Python standard library's
 sources, byte-level (``megatron_mesh_cp.megatron.data``). On a machine without CUDA it runs on gloo
 through :mod:`megatron_mesh_cp.megatron.cpu_compat`; with CUDA that module is never touched.
@@ -176,7 +179,20 @@ def _capture_first_grads(path: str) -> None:
     training.train_step = train_step
 
 
-# --- the GPT step (the same contract as Megatron's pretrain_gpt.py, no packed sequences) ------
+# --- the GPT step (the same contract as Megatron's pretrain_gpt.py; packed data: .packing) ------
+
+
+def _get_packed_batch(data_iterator, args):
+    """--mesh-packed-data: documents padded to the packing multiple, split per document (TP = PP = 1)."""
+    from megatron.core import mpu
+
+    from .packing import packed_batch
+
+    raw = next(data_iterator)
+    batch = {k: raw[k].cuda(non_blocking=True) for k in ("tokens", "labels", "loss_mask", "cu_seqlens")}
+    out = packed_batch(batch, args.mesh_pack_multiple, args.mesh_pack_doc_tokens, args.context_parallel_size,
+                       mpu.get_context_parallel_rank())
+    return [out[k] for k in ("tokens", "labels", "loss_mask", "attention_mask", "position_ids", "packed_seq_params")]
 
 
 def _get_batch(data_iterator):
@@ -185,6 +201,8 @@ def _get_batch(data_iterator):
     from megatron.training import get_args
 
     args = get_args()
+    if getattr(args, "mesh_packed_data", False):
+        return _get_packed_batch(data_iterator, args)
     keys = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids")
     batch = {}
     if mpu.get_tensor_model_parallel_rank() == 0:
@@ -202,7 +220,7 @@ def _get_batch(data_iterator):
             is_pipeline_first_stage=mpu.is_pipeline_first_stage(), is_pipeline_last_stage=mpu.is_pipeline_last_stage(),
         )
     batch = get_batch_on_this_cp_rank(batch, is_hybrid_cp=False, cp_group=mpu.get_context_parallel_group())
-    return [batch.get(k) for k in keys]
+    return [batch.get(k) for k in keys] + [None]
 
 
 def _loss_func(loss_mask, output_tensor):
@@ -214,8 +232,9 @@ def _loss_func(loss_mask, output_tensor):
 
 
 def forward_step(data_iterator, model):
-    tokens, labels, loss_mask, attention_mask, position_ids = _get_batch(data_iterator)
-    output = model(tokens, position_ids, attention_mask, labels=labels, loss_mask=loss_mask)
+    tokens, labels, loss_mask, attention_mask, position_ids, packed_seq_params = _get_batch(data_iterator)
+    output = model(tokens, position_ids, attention_mask, labels=labels, loss_mask=loss_mask,
+                   packed_seq_params=packed_seq_params)
     return output, partial(_loss_func, loss_mask)
 
 
@@ -236,6 +255,7 @@ def datasets_provider(train_val_test_num_samples, vp_stage=None):
         reset_attention_mask=args.reset_attention_mask, eod_mask_loss=args.eod_mask_loss,
         create_attention_mask=args.create_attention_mask_in_dataloader,
         context_parallel_size=args.context_parallel_size, data_parallel_size=args.data_parallel_size,
+        inter_document_masking=bool(getattr(args, "mesh_packed_data", False)),
     )
     cls = MockGPTDataset if args.mock_data else GPTDataset
     built = lambda: mpu.get_tensor_model_parallel_rank() == 0  # noqa: E731
@@ -275,6 +295,12 @@ def _default_data(argv: List[str], cache_dir: str) -> List[str]:
     return argv + extra
 
 
+def _documents_per_sequence() -> Optional[float]:
+    from .packing import STATS
+
+    return STATS["documents"] / STATS["sequences"] if STATS["sequences"] else None
+
+
 def _summary(args, opts, started: float) -> Dict:
     from .attention import attention_traffic
     from .settings import SETTINGS
@@ -289,6 +315,8 @@ def _summary(args, opts, started: float) -> Dict:
         "attention_bytes_sent_per_rank": traffic["mesh_bytes"],
         "ring_bytes_per_rank": traffic["ring_bytes"],
         "attention_calls": traffic["calls"],
+        "packed_attention_calls": SETTINGS.packed_calls,
+        "packed_documents_per_sequence": _documents_per_sequence(),
         "seconds": time.time() - started,
     }
 

@@ -23,8 +23,9 @@ class MeshSettings:
     # what Ring would have sent for the calls made so far (like-for-like partial dtype)
     ring_bytes: int = 0
     calls: int = 0
+    packed_calls: int = 0  # of which on packed sequences (THD)
 
-    def count_call(self, query: torch.Tensor, key: torch.Tensor, n: int, training: bool) -> None:
+    def count_call(self, query: torch.Tensor, key: torch.Tensor, n: int, training: bool, packed: bool = False) -> None:
         from ..runtime.kernels import lse_dtype
         from ..runtime.plan import ChunkDims
 
@@ -32,6 +33,7 @@ class MeshSettings:
         dims = ChunkDims(b, s, h, key.shape[2], d, query.dtype, lse_dtype(query.dtype), self.partial_dtype)
         self.ring_bytes += _ring_bytes(dims, n, training)
         self.calls += 1
+        self.packed_calls += int(packed)
 
 
 @lru_cache(maxsize=64)
