@@ -12,6 +12,12 @@
 
 All enforce the kernels' rules: fp16/bf16, unit last stride, caller-owned dq/dk/dv of the right
 shape, the lse read as a contiguous ``[b, h, s]`` array, a causal mask aligned bottom-right.
+
+Varlen (packed sequences): FA2's ``_flash_attn_varlen_forward/backward`` (2.6: plain functions,
+``window_size`` tuple, 8-tuple result; 2.7/2.8: custom ops), and FA3's one entry point taking
+``cu_seqlens_q/k`` (2025-03, 2025-08). Rules: ``[total, h, d]`` tensors, int32 ``cu_seqlens`` that
+end at the totals, ``max_seqlen`` covering every sequence, lse ``[h, total]`` read contiguously,
+causal bottom-right per sequence. The 2024-07 FA3 stand-in has no varlen entry point.
 """
 
 from __future__ import annotations
@@ -55,6 +61,45 @@ def _bwd(dout, q, k, v, out, lse, dq, dk, dv, scale, causal):
     return torch.zeros(b, h, s)
 
 
+def _varlen_rules(q, k, cu_q, cu_k, max_q, max_k):
+    assert q.dim() == 3 and k.dim() == 3, "varlen takes [total, h, d] tensors"
+    for cu, x, m in ((cu_q, q, max_q), (cu_k, k, max_k)):
+        assert cu.dtype == torch.int32 and cu.dim() == 1 and cu.device == x.device, "cu_seqlens: int32 on the device"
+        assert int(cu[0]) == 0 and int(cu[-1]) == x.shape[0], "cu_seqlens must end at the total"
+        assert int((cu[1:] - cu[:-1]).max()) <= m, "max_seqlen below a sequence's length"
+    assert cu_q.numel() == cu_k.numel()
+
+
+def _varlen_fwd(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal):
+    """[t, h, d] in -> out [t, h, d] (q dtype), lse [h, t] fp32 contiguous; per sequence."""
+    _rules(q, k, v)
+    _varlen_rules(q, k, cu_q, cu_k, max_q, max_k)
+    out = torch.zeros(q.shape, dtype=torch.float32)
+    lse = torch.full((q.shape[1], q.shape[0]), float("-inf"))
+    for a, b, c, d in zip(cu_q[:-1].tolist(), cu_q[1:].tolist(), cu_k[:-1].tolist(), cu_k[1:].tolist()):
+        if b > a:
+            o, l = math_forward(*(x.transpose(0, 1).unsqueeze(0).float() for x in (q[a:b], k[c:d], v[c:d])), scale,
+                                causal, align="bottom-right")
+            out[a:b], lse[:, a:b] = o[0].transpose(0, 1), l[0]
+    return out.to(q.dtype), lse.contiguous()
+
+
+def _varlen_bwd(dout, q, k, v, out, lse, dq, dk, dv, cu_q, cu_k, max_q, max_k, scale, causal):
+    _rules(q, k, v, out, dout, dq, dk, dv)
+    _varlen_rules(q, k, cu_q, cu_k, max_q, max_k)
+    assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape, "dq/dk/dv shapes"
+    t, h, _ = q.shape
+    lse = torch.as_strided(lse, (h, t), (t, 1))  # read through the data pointer
+    for a, b, c, d in zip(cu_q[:-1].tolist(), cu_q[1:].tolist(), cu_k[:-1].tolist(), cu_k[1:].tolist()):
+        if b > a:
+            grads = math_backward(*(x.transpose(0, 1).unsqueeze(0).float() for x in (dout[a:b], q[a:b], k[c:d], v[c:d],
+                                                                                      out[a:b])),
+                                  lse[:, a:b].unsqueeze(0).float(), scale, causal, align="bottom-right")
+            for buf, g, (lo, hi) in zip((dq, dk, dv), grads, ((a, b), (c, d), (c, d))):
+                buf[lo:hi].copy_(g[0].transpose(0, 1))
+    return torch.zeros(h, t)
+
+
 # --- FA2 2.6.x -----------------------------------------------------------------------------------
 
 def fa2_6_forward(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, return_softmax):
@@ -67,6 +112,23 @@ def fa2_6_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softm
                    softcap, alibi_slopes, deterministic, rng_state=None):
     assert tuple(window_size) == (-1, -1)
     d = _bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, softmax_scale, causal)
+    return dq, dk, dv, d
+
+
+def fa2_6_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
+                         causal, window_size, softcap, alibi_slopes, return_softmax, block_table, leftpad_k=None,
+                         seqused_k=None):
+    assert dropout_p == 0.0 and tuple(window_size) == (-1, -1) and block_table is None and seqused_k is None
+    out, lse = _varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal)
+    return out, q, k, v, out, lse, None, torch.zeros(2, dtype=torch.int64)
+
+
+def fa2_6_varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                          max_seqlen_k, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                          deterministic, rng_state=None):
+    assert tuple(window_size) == (-1, -1)
+    d = _varlen_bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                    max_seqlen_k, softmax_scale, causal)
     return dq, dk, dv, d
 
 
@@ -89,6 +151,31 @@ def fa2_7_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, s
     return _bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, softmax_scale, causal)
 
 
+@torch.library.custom_op("fake_flash_attn::_flash_attn_varlen_forward", mutates_args=(), device_types="cpu")
+def fa2_7_varlen_forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
+                         max_seqlen_k: int, dropout_p: float, softmax_scale: float, causal: bool,
+                         window_size_left: int = -1, window_size_right: int = -1, softcap: float = 0.0,
+                         alibi_slopes: Optional[Tensor] = None, return_softmax: bool = False,
+                         block_table: Optional[Tensor] = None, leftpad_k: Optional[Tensor] = None,
+                         seqused_k: Optional[Tensor] = None, zero_tensors: bool = False
+                         ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    assert dropout_p == 0.0 and (window_size_left, window_size_right) == (-1, -1) and block_table is None
+    out, lse = _varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal)
+    return out, lse, torch.empty(0, dtype=q.dtype), torch.zeros(2, dtype=torch.int64)
+
+
+@torch.library.custom_op("fake_flash_attn::_flash_attn_varlen_backward", mutates_args=("dq", "dk", "dv"),
+                         device_types="cpu")
+def fa2_7_varlen_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, softmax_lse: Tensor,
+                          dq: Optional[Tensor], dk: Optional[Tensor], dv: Optional[Tensor], cu_seqlens_q: Tensor,
+                          cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int, dropout_p: float,
+                          softmax_scale: float, causal: bool, window_size_left: int, window_size_right: int,
+                          softcap: float, alibi_slopes: Optional[Tensor], deterministic: bool,
+                          rng_state: Optional[Tensor] = None, zero_tensors: bool = False) -> Tensor:
+    return _varlen_bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                       max_seqlen_k, softmax_scale, causal)
+
+
 # --- FA3 -------------------------------------------------------------------------------------------
 
 def fa3_2024_forward(q, k, v, softmax_scale, causal):
@@ -106,7 +193,11 @@ def fa3_2025_03_forward(q, k, v, k_new, v_new, qv, out, cu_seqlens_q, cu_seqlens
                         rotary_sin, seqlens_rotary, q_descale, k_descale, v_descale, softmax_scale, causal,
                         window_size=(-1, -1), softcap=0.0, rotary_interleaved=True, scheduler_metadata=None,
                         num_splits=1, pack_gqa=None, sm_margin=0):
-    assert k_new is None and cu_seqlens_q is None and page_table is None and tuple(window_size) == (-1, -1)
+    assert k_new is None and page_table is None and tuple(window_size) == (-1, -1)
+    if cu_seqlens_q is not None:  # varlen through the same entry point
+        assert cu_seqlens_k is not None and out is None
+        o, lse = _varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal)
+        return o, lse, None, None
     o, lse = _fwd(q, k, v, softmax_scale, causal)
     if out is None:
         out = o
@@ -119,7 +210,11 @@ def fa3_2025_03_forward(q, k, v, k_new, v_new, qv, out, cu_seqlens_q, cu_seqlens
 def fa3_2025_03_backward(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, sequed_q, sequed_k,
                          max_seqlen_q, max_seqlen_k, dq, dk, dv, softmax_scale, causal, window_size=(-1, -1),
                          softcap=0.0, deterministic=False, sm_margin=0):
-    assert cu_seqlens_q is None and tuple(window_size) == (-1, -1)
+    assert tuple(window_size) == (-1, -1)
+    if cu_seqlens_q is not None:
+        d = _varlen_bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                        max_seqlen_k, softmax_scale, causal)
+        return dq, dk, dv, d
     d = _bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, softmax_scale, causal)
     return dq, dk, dv, d
 
@@ -154,11 +249,16 @@ def fa3_2025_08_backward(
     softmax_scale: Optional[float] = None, is_causal: bool = False, window_size_left: int = -1,
     window_size_right: int = -1, softcap: float = 0.0, deterministic: bool = False, sm_margin: int = 0,
 ) -> Tensor:
+    if cu_seqlens_q is not None:
+        return _varlen_bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                           max_seqlen_k, softmax_scale, is_causal)
     return _bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, softmax_scale, is_causal)
 
 
 FA2 = {"2.5": None, "2.6": (fa2_6_forward, fa2_6_backward), "2.7": (fa2_7_forward, fa2_7_backward),
        "2.8": (fa2_7_forward, fa2_7_backward)}  # 2.7.0 .. 2.8.3 share one surface
+FA2_VARLEN = {"2.6": (fa2_6_varlen_forward, fa2_6_varlen_backward), "2.7": (fa2_7_varlen_forward, fa2_7_varlen_backward),
+              "2.8": (fa2_7_varlen_forward, fa2_7_varlen_backward)}
 FA3 = {"2024-07": (fa3_2024_forward, fa3_2024_backward), "2025-03": (fa3_2025_03_forward, fa3_2025_03_backward),
        "2025-08": (fa3_2025_08_forward, fa3_2025_08_backward)}
 
@@ -178,6 +278,8 @@ def install(monkeypatch, fa2: Optional[str] = "2.8", fa3: Optional[str] = None) 
         pkg.__version__ = {"2.5": "2.5.9.post1", "2.6": "2.6.3", "2.7": "2.7.4.post1", "2.8": "2.8.3"}[fa2]
         fwd, bwd = FA2[fa2] or (_fa2_5_forward, fa2_6_backward)
         iface._flash_attn_forward, iface._flash_attn_backward = fwd, bwd
+        if fa2 in FA2_VARLEN:
+            iface._flash_attn_varlen_forward, iface._flash_attn_varlen_backward = FA2_VARLEN[fa2]
         pkg.flash_attn_interface = iface
         monkeypatch.setitem(sys.modules, "flash_attn", pkg)
         monkeypatch.setitem(sys.modules, "flash_attn.flash_attn_interface", iface)

@@ -3,7 +3,9 @@
 TE: ``fused_attn_fwd``/``fused_attn_bwd`` in both call forms (2.0-2.14 with a positional
 ``dqkv_dtype``; 2.15+ with ``o_format``/``do_format``/``dqkv_layout``) and its backend selection
 (``get_attention_backend`` with the F16 rules of the real one), enforcing TE's rules (packed sbhd,
-fp16/bf16, causal with ``window_size=(-1, 0)``). flash-attn's surfaces are in ``fake_flash``, the
+fp16/bf16, causal with ``window_size=(-1, 0)``). THD (``thd_thd_thd``, ``padding_causal`` /
+``padding``): int32 ``cu_seqlens`` and ``cu_seqlens_*_padded`` on the device, ``[t, h, d]``
+tensors, softmax stats ``[t, h, 1]`` with cuDNN >= 9.6 and ``[b, h, max_seqlen, 1]`` before. flash-attn's surfaces are in ``fake_flash``, the
 CUDA SDPA ops in ``fake_aten``. All compute with plain math from the lse and out they are given, so
 our adapters' argument passing, layouts, lse handling and the delta stand-in are checked on CPU.
 They are test doubles, not kernels.
@@ -100,6 +102,61 @@ def _te_backward(q, k, v, o, d_o, aux_ctx_tensors, attn_scale, attn_mask_type, d
     return [x.permute(2, 0, 1, 3).to(q.dtype).contiguous() for x in grads]
 
 
+def _te_thd_rules(q, k, fake_dtype, attn_mask_type, window_size, dropout, backend, cu_q, cu_kv, cu_q_pad, cu_kv_pad,
+                  max_q, max_kv):
+    assert q.dtype in (torch.float16, torch.bfloat16) and fake_dtype == q.dtype, "F16 fused attention: fp16/bf16"
+    assert backend == FusedAttnBackend.F16_arbitrary_seqlen and dropout == 0.0
+    assert (attn_mask_type, tuple(window_size)) in (("padding_causal", (-1, 0)), ("padding", (-1, -1))), (attn_mask_type, window_size)
+    assert q.dim() == 3 and k.dim() == 3 and q.is_contiguous() and k.is_contiguous(), "thd: contiguous [t, h, d]"
+    for cu, pad, x, m in ((cu_q, cu_q_pad, q, max_q), (cu_kv, cu_kv_pad, k, max_kv)):
+        assert pad is not None and pad.dtype == cu.dtype == torch.int32 and cu.device == pad.device == x.device
+        assert int(pad[-1]) <= x.shape[0] and bool(((cu[1:] - cu[:-1]) <= (pad[1:] - pad[:-1])).all())
+        assert int((cu[1:] - cu[:-1]).max()) <= m, "max_seqlen below a sequence's length"
+
+
+def _te_thd_segments(cu_q, cu_kv, pad_q, pad_kv):
+    """(q rows, kv rows) of every sequence: real lengths from cu_seqlens at the padded offsets."""
+    lq, lk = (cu_q[1:] - cu_q[:-1]).tolist(), (cu_kv[1:] - cu_kv[:-1]).tolist()
+    return [((a, a + x), (c, c + y)) for a, x, c, y in zip(pad_q[:-1].tolist(), lq, pad_kv[:-1].tolist(), lk)]
+
+
+def _te_thd_forward(q, k, v, attn_scale, attn_mask_type, cu_q, cu_kv, pad_q, pad_kv, max_q):
+    out = torch.zeros(q.shape, dtype=torch.float32)
+    lse = torch.zeros(q.shape[0], q.shape[1])
+    for (a, b), (c, d) in _te_thd_segments(cu_q, cu_kv, pad_q, pad_kv):
+        if b > a:
+            o, l = math_forward(*(x.transpose(0, 1).unsqueeze(0).float() for x in (q[a:b], k[c:d], v[c:d])), attn_scale,
+                                attn_mask_type == "padding_causal")
+            out[a:b], lse[a:b] = o[0].transpose(0, 1), l[0].T
+    if CUDNN["version"] >= (9, 6, 0):
+        stats = lse.unsqueeze(-1).contiguous()  # [t, h, 1]
+    else:  # [b, h, max_seqlen, 1]
+        stats = torch.zeros(cu_q.numel() - 1, q.shape[1], max_q, 1)
+        for i, ((a, b), _) in enumerate(_te_thd_segments(cu_q, cu_kv, pad_q, pad_kv)):
+            stats[i, :, : b - a, 0] = lse[a:b].T
+    return out.to(q.dtype), [stats, torch.zeros(2, dtype=torch.int64)]
+
+
+def _te_thd_backward(q, k, v, o, d_o, aux_ctx_tensors, attn_scale, attn_mask_type, deterministic, cu_q, cu_kv, pad_q,
+                     pad_kv, max_q):
+    SEEN["deterministic"] = deterministic
+    stats = aux_ctx_tensors[0]
+    segments = _te_thd_segments(cu_q, cu_kv, pad_q, pad_kv)
+    if CUDNN["version"] >= (9, 6, 0):
+        assert stats.is_contiguous() and stats.shape == (q.shape[0], q.shape[1], 1), stats.shape
+    else:
+        assert stats.is_contiguous() and stats.shape == (cu_q.numel() - 1, q.shape[1], max_q, 1), stats.shape
+    grads = [torch.zeros(x.shape, dtype=q.dtype) for x in (q, k, v)]
+    for i, ((a, b), (c, d)) in enumerate(segments):
+        if b > a:
+            lse = stats[a:b, :, 0].T if stats.dim() == 3 else stats[i, :, : b - a, 0]
+            g = math_backward(*(x.transpose(0, 1).unsqueeze(0).float() for x in (d_o[a:b], q[a:b], k[c:d], v[c:d], o[a:b])),
+                              lse.unsqueeze(0).float(), attn_scale, attn_mask_type == "padding_causal")
+            for buf, x, (lo, hi) in zip(grads, g, ((a, b), (c, d), (c, d))):
+                buf[lo:hi] = x[0].transpose(0, 1).to(q.dtype)
+    return grads
+
+
 def fused_attn_fwd_2_0(is_training, max_seqlen_q, max_seqlen_kv, cu_seqlens_q, cu_seqlens_kv, q, k, v, fake_dtype,
                        fused_attention_backend, attn_bias=None, cu_seqlens_q_padded=None, cu_seqlens_kv_padded=None,
                        page_table_k=None, page_table_v=None, s_quantizer=None, o_quantizer=None, attn_scale=None,
@@ -107,6 +164,11 @@ def fused_attn_fwd_2_0(is_training, max_seqlen_q, max_seqlen_kv, cu_seqlens_q, c
                        attn_mask_type="padding", softmax_type="vanilla", window_size=(-1, -1), bottom_right_diagonal=None,
                        rng_gen=None, softmax_offset=None, return_max_logit=False, cuda_graph=False):
     """TE 2.0 .. 2.14 (2.14's keyword set; the positional part is the same since 2.0)."""
+    if qkv_layout == "thd_thd_thd":
+        _te_thd_rules(q, k, fake_dtype, attn_mask_type, window_size, dropout, fused_attention_backend, cu_seqlens_q,
+                      cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded, max_seqlen_q, max_seqlen_kv)
+        return _te_thd_forward(q, k, v, attn_scale, attn_mask_type, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded,
+                               cu_seqlens_kv_padded, max_seqlen_q)
     _te_rules(q, fake_dtype, qkv_layout, attn_mask_type, window_size, dropout, fused_attention_backend, cu_seqlens_q,
               max_seqlen_q)
     return _te_forward(q, k, v, attn_scale, attn_mask_type)
@@ -120,6 +182,11 @@ def fused_attn_bwd_2_0(max_seqlen_q, max_seqlen_kv, cu_seqlens_q, cu_seqlens_kv,
                        deterministic=False, cuda_graph=False):
     """TE 2.0 .. 2.14: ``dqkv_dtype`` (a TE dtype) positionally between fake_dtype and aux_ctx_tensors."""
     assert dqkv_dtype == TE_DTYPE[q.dtype], f"dqkv_dtype must be TE_DType[{q.dtype}], got {dqkv_dtype!r}"
+    if qkv_layout == "thd_thd_thd":
+        _te_thd_rules(q, k, fake_dtype, attn_mask_type, window_size, dropout, fused_attention_backend, cu_seqlens_q,
+                      cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded, max_seqlen_q, max_seqlen_kv)
+        return _te_thd_backward(q, k, v, o, d_o, aux_ctx_tensors, attn_scale, attn_mask_type, deterministic,
+                                cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded, max_seqlen_q)
     _te_rules(q, fake_dtype, qkv_layout, attn_mask_type, window_size, dropout, fused_attention_backend, cu_seqlens_q,
               max_seqlen_q)
     return _te_backward(q, k, v, o, d_o, aux_ctx_tensors, attn_scale, attn_mask_type, deterministic)
@@ -132,6 +199,12 @@ def fused_attn_fwd_2_15(is_training, max_seqlen_q, max_seqlen_kv, cu_seqlens_q, 
                         attn_bias_type="no_bias", attn_mask_type="padding", softmax_type="vanilla", window_size=(-1, -1),
                         bottom_right_diagonal=None, rng_gen=None, softmax_offset=None, return_max_logit=False,
                         cuda_graph=False):
+    if qkv_layout == "thd_thd_thd":
+        assert o_format == "thd"
+        _te_thd_rules(q, k, fake_dtype, attn_mask_type, window_size, dropout, fused_attention_backend, cu_seqlens_q,
+                      cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded, max_seqlen_q, max_seqlen_kv)
+        return _te_thd_forward(q, k, v, attn_scale, attn_mask_type, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded,
+                               cu_seqlens_kv_padded, max_seqlen_q)
     assert o_format == "sbhd"
     _te_rules(q, fake_dtype, qkv_layout, attn_mask_type, window_size, dropout, fused_attention_backend, cu_seqlens_q,
               max_seqlen_q)
@@ -146,6 +219,12 @@ def fused_attn_bwd_2_15(max_seqlen_q, max_seqlen_kv, cu_seqlens_q, cu_seqlens_kv
                         attn_bias_type="no_bias", attn_mask_type="padding", softmax_type="vanilla",
                         window_size=(-1, -1), bottom_right_diagonal=None, deterministic=False, cuda_graph=False):
     """TE 2.15+: no dqkv_dtype; o_format / do_format / dqkv_layout."""
+    if qkv_layout == "thd_thd_thd":
+        assert dqkv_layout == "thd_thd_thd" and do_format == o_format == "thd"
+        _te_thd_rules(q, k, fake_dtype, attn_mask_type, window_size, dropout, fused_attention_backend, cu_seqlens_q,
+                      cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded, max_seqlen_q, max_seqlen_kv)
+        return _te_thd_backward(q, k, v, o, d_o, aux_ctx_tensors, attn_scale, attn_mask_type, deterministic,
+                                cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded, max_seqlen_q)
     assert dqkv_layout == "sbhd_sbhd_sbhd" and do_format == o_format == "sbhd"
     _te_rules(q, fake_dtype, qkv_layout, attn_mask_type, window_size, dropout, fused_attention_backend, cu_seqlens_q,
               max_seqlen_q)
@@ -199,7 +278,9 @@ def install(monkeypatch, te: Optional[str] = "2.15", flash: Optional[str] = "2.8
             "transformer_engine.pytorch.attention.dot_product_attention.utils"
         mods = {name: types.ModuleType(name) for name in (
             "transformer_engine", "transformer_engine.pytorch", "transformer_engine.pytorch.constants",
-            "transformer_engine.pytorch.cpp_extensions", "transformer_engine.pytorch.cpp_extensions.fused_attn", sel)}
+            "transformer_engine.pytorch.cpp_extensions", "transformer_engine.pytorch.cpp_extensions.fused_attn",
+            "transformer_engine.pytorch.utils", sel)}
+        mods["transformer_engine.pytorch.utils"].get_cudnn_version = lambda: CUDNN["version"]
         fa = mods["transformer_engine.pytorch.cpp_extensions.fused_attn"]
         fa.fused_attn_fwd, fa.fused_attn_bwd = (fused_attn_fwd_2_0, fused_attn_bwd_2_0) if te == "2.0" else \
             (fused_attn_fwd_2_15, fused_attn_bwd_2_15)
@@ -237,5 +318,36 @@ def assert_exact_through_executor(kern, shape, causal, heads, dtype, m=8, tol=5e
     res = virtual_mesh_attention(lo(q), lo(k), lo(v), shape, dout=lo(do), causal=causal, kernel=kern)
     for name, ref in (("out", ro), ("lse", rl), ("dq", qr.grad), ("dk", kr.grad), ("dv", vr.grad)):
         got, ref = res[name].double(), ref.detach()
+        err = float((got - ref).norm() / ref.norm())
+        assert err < tol, f"{name}: relative error {err:.2e}"
+
+
+def assert_packed_through_executor(kern, shape, heads, dtype, tol=5e-3):
+    """Packed sequences (THD, padding, GQA) through the real executor on virtual ranks with ``kern``
+    against the float64 block-diagonal reference: wiring mistakes show as O(1) errors."""
+    from megatron_mesh_cp.reference import packed_reference_attention
+    from megatron_mesh_cp.virtual import virtual_mesh_attention
+
+    h, hk = heads
+    n = 1
+    for x in shape:
+        n *= x
+    m = 2 * n
+    cu, real = [0, m, 4 * m, 6 * m, 7 * m], [0, m, 4 * m - 3, 6 * m - 5, 6 * m - 5]  # last document: all padding
+    g = torch.Generator().manual_seed(n)
+    q, k, v, do = (torch.randn(cu[-1], x, 16, generator=g, dtype=torch.float64) for x in (h, hk, hk, h))
+    qr, kr, vr = (x.clone().requires_grad_(True) for x in (q, k, v))
+    ro, rl = packed_reference_attention(qr, kr, vr, cu, real)
+    ro.backward(do)
+    lo = lambda x: x.to(dtype)  # noqa: E731
+    res = virtual_mesh_attention(lo(q), lo(k), lo(v), shape, dout=lo(do), layout="thd", kernel=kern,
+                                 cu_seqlens=torch.tensor(real, dtype=torch.int32),
+                                 cu_seqlens_padded=torch.tensor(cu, dtype=torch.int32))
+    finite = torch.isfinite(rl)
+    assert torch.equal(torch.isfinite(res["lse"]), finite)
+    for name, ref in (("out", ro), ("lse", rl), ("dq", qr.grad), ("dk", kr.grad), ("dv", vr.grad)):
+        got, ref = res[name].double(), ref.detach()
+        if name == "lse":
+            got, ref = got[finite], ref[finite]
         err = float((got - ref).norm() / ref.norm())
         assert err < tol, f"{name}: relative error {err:.2e}"

@@ -173,3 +173,62 @@ def test_megatron_start_up_checks_the_kernel_for_the_model(monkeypatch):
     assert SETTINGS.deterministic is False
     with pytest.raises(MeshArgumentError, match="no deterministic fused-attention backward .*--deterministic-mode"):
         apply_mesh_args(args(kv_channels=128, deterministic_mode=True), argv=[])
+
+
+# --- packed sequences (THD, varlen) through the TE and flash adapters --------------------------
+
+def _packed_through_executor(monkeypatch, name, shape, heads, **kw):
+    kern = K.get_kernel(name, "cuda", **kw)
+    monkeypatch.setattr(type(kern), "check", lambda self, q, k: None)  # CPU tensors stand in for CUDA ones
+    monkeypatch.setattr(type(kern), "check_varlen", lambda self, q: None)
+    fake_kernels.assert_packed_through_executor(kern, shape, heads, torch.float16)
+    return kern
+
+
+@pytest.mark.parametrize("fa2", ["2.6", "2.7", "2.8"])
+@pytest.mark.parametrize("shape", [(2, 2), (2, 1, 2)], ids=["2x2", "a2a2x1x2"])
+def test_flash_attn_2_varlen_through_the_executor(monkeypatch, fa2, shape):
+    """FA2's varlen entry points (2.6: plain, window_size tuple; 2.7/2.8: custom ops), lse [h, t]."""
+    fake_kernels.pretend_cuda(monkeypatch, te=None, flash=fa2)
+    _packed_through_executor(monkeypatch, "flash", shape, (4, 2))
+
+
+@pytest.mark.parametrize("fa3", ["2025-03", "2025-08"])
+def test_flash_attn_3_varlen_through_the_executor(monkeypatch, fa3):
+    """FA3 builds since 2025-01 take cu_seqlens in their one forward/backward entry point."""
+    fake_kernels.pretend_cuda(monkeypatch, te=None, flash=None, fa3=fa3)
+    kern = _packed_through_executor(monkeypatch, "flash", (2, 2), (4, 2))
+    assert kern._varlen_surface("cuda").label == "flash-attn 3"
+
+
+def test_flash_varlen_needs_a_build_with_varlen_entry_points(monkeypatch):
+    """The first FA3 builds' varlen surface is not wired: packed inputs use FA2 if present, else refuse."""
+    fake_kernels.pretend_cuda(monkeypatch, te=None, flash="2.8", fa3="2024-07")
+    assert K.get_kernel("flash", "cuda")._varlen_surface("cuda").label == "flash-attn 2.8.3"
+    monkeypatch.setattr(K, "_INSTANCES", {})
+    fake_kernels.pretend_cuda(monkeypatch, te=None, flash=None, fa3="2024-07")
+    q = K.input_spec((8, 1, 2, 16), torch.float16, "cuda")
+    with pytest.raises(ValueError, match="flash kernel cannot run packed sequences .*no varlen entry points.*--mesh-kernel te"):
+        K.select_kernel("flash", q, q, packed=True)
+
+
+@pytest.mark.parametrize("te", ["2.0", "2.15"])
+@pytest.mark.parametrize("cudnn", [(9, 10, 0), (9, 5, 0)], ids=["stats-th1", "stats-bhs1"])
+def test_te_thd_through_the_executor(monkeypatch, te, cudnn):
+    """TE's thd_thd_thd with padding_causal / padding; softmax stats [t, h, 1] from cuDNN 9.6 on,
+    [b, h, max_seqlen, 1] before -- both converted to and from ours."""
+    fake_kernels.pretend_cuda(monkeypatch, te=te, flash=None)
+    monkeypatch.setitem(fake_kernels.CUDNN, "version", cudnn)
+    _packed_through_executor(monkeypatch, "te", (2, 2), (4, 2))
+    _packed_through_executor(monkeypatch, "te", (1, 2, 2), (4, 4))
+
+
+def test_auto_kernel_for_packed_inputs_on_gpu(monkeypatch):
+    """auto skips backends that cannot run varlen: the torch kernel's CUDA path has none."""
+    fake_kernels.pretend_cuda(monkeypatch, te=None, flash=None)
+    q = K.input_spec((8, 1, 2, 16), torch.float16, "cuda")
+    with pytest.raises(ValueError, match="torch: the torch attention kernel runs packed sequences \\(THD\\) on CPU only"):
+        K.select_kernel("auto", q, q, packed=True)
+    monkeypatch.setattr(K, "_AUTO", {})
+    fake_kernels.pretend_cuda(monkeypatch, te="2.15", flash=None)
+    assert K.select_kernel("auto", q, q, packed=True).name == "te"

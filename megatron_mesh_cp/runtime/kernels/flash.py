@@ -21,6 +21,11 @@ then uses FA2 if it can). dq/dk/dv (and FA3's out, where it takes one) are writt
 sequence-major buffers we own through ``[b, s, h, d]`` views, so results come back contiguous
 (FA3's out too where its forward is a plain function; a custom op may not return its input).
 FA2/FA3 align a causal mask bottom-right; every causal block here is square (``check_square``).
+
+Packed sequences (THD): ``_flash_attn_varlen_forward`` / ``_backward`` (FA2; FA3 where the build
+has them), or FA3's one entry point where it takes ``cu_seqlens_q`` itself (builds since 2025-01),
+bound by name the same way; q and kv share the batch's ``cu_seqlens`` (every packed sub-block is
+square per document) and the lse is ``[h, total]``, as FA2 >= 2.6 and FA3 return it.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from .base import BlockKernel, check_cuda_half, check_square
+from .base import BlockKernel, Varlen, check_cuda_half, check_square
 
 __all__ = ["FlashKernel", "flash_version"]
 
@@ -82,6 +87,18 @@ class _Surface:
         # an output buffer only where the forward is a plain function: a custom op may not return
         # (an alias of) one of its inputs, so FA3 builds wrapped as custom ops allocate their own
         self.takes_out = not hasattr(self.fwd, "_init_fn") and "out" in self.fwd_sig.parameters
+        self.vfwd, self.vbwd = getattr(mod, "_flash_attn_varlen_forward", None), getattr(mod, "_flash_attn_varlen_backward", None)
+        if (self.vfwd is None or self.vbwd is None) and "cu_seqlens_q" in self.fwd_sig.parameters \
+                and "cu_seqlens_q" in self.bwd_sig.parameters:
+            self.vfwd, self.vbwd = self.fwd, self.bwd  # FA3 since 2025-01: one entry point takes cu_seqlens
+        self.varlen_error = f"{label} has no varlen entry points" if self.vfwd is None or self.vbwd is None else None
+        if self.varlen_error is None:
+            self.vfwd_sig, self.vbwd_sig = _signature(self.vfwd), _signature(self.vbwd)
+            try:
+                self._bind(self.vfwd_sig, _FIXED, f"{label} varlen forward")
+                self._bind(self.vbwd_sig, _FIXED, f"{label} varlen backward")
+            except ValueError as exc:
+                self.varlen_error = str(exc)
 
     @staticmethod
     def _bind(sig: inspect.Signature, values: Dict, what: str) -> Dict:
@@ -110,6 +127,21 @@ class _Surface:
                     softmax_scale=scale, causal=causal, is_causal=causal, deterministic=deterministic)
         self.bwd(**self._bind(self.bwd_sig, vals, self.label))
 
+    def forward_varlen(self, q, k, v, varlen: Varlen, causal: bool, scale: float):
+        """[t, h, d] tensors of one packed sub-block -> (out [t, h, d], lse [h, t])."""
+        vals = dict(_FIXED, q=q, k=k, v=v, cu_seqlens_q=varlen.cu, cu_seqlens_k=varlen.cu, max_seqlen_q=varlen.max_len,
+                    max_seqlen_k=varlen.max_len, softmax_scale=scale, causal=causal)
+        res = self.vfwd(**self._bind(self.vfwd_sig, vals, self.label))
+        return res[0], res[self.lse_index]
+
+    def backward_varlen(self, dout, q, k, v, out, lse, dq, dk, dv, varlen: Varlen, causal: bool, scale: float,
+                        deterministic: bool):
+        vals = dict(_FIXED, dout=dout, q=q, k=k, v=v, out=out, softmax_lse=lse, dq=dq, dk=dk, dv=dv,
+                    cu_seqlens_q=varlen.cu, cu_seqlens_k=varlen.cu, max_seqlen_q=varlen.max_len,
+                    max_seqlen_k=varlen.max_len, softmax_scale=scale, causal=causal, is_causal=causal,
+                    deterministic=deterministic)
+        self.vbwd(**self._bind(self.vbwd_sig, vals, self.label))
+
 
 #: values for the parameters every form may declare (None: an absent optional tensor / length)
 _FIXED = dict(
@@ -121,6 +153,7 @@ _FIXED = dict(
     sequed_q=None, sequed_k=None, max_seqlen_q=None, max_seqlen_k=None, page_table=None,
     kv_batch_idx=None, leftpad_k=None, rotary_cos=None, rotary_sin=None, seqlens_rotary=None,
     q_descale=None, k_descale=None, v_descale=None, descale_q=None, descale_k=None, descale_v=None,
+    block_table=None, zero_tensors=False,
 )
 # the tensors and flags of each call are filled in per call
 for _name in ("q", "k", "v", "dout", "softmax_lse", "dq", "dk", "dv", "softmax_scale", "causal", "is_causal"):
@@ -187,6 +220,21 @@ class FlashKernel(BlockKernel):
             self._by_device[cap] = ok[0] if ok else self._surfaces[-1]
         return self._by_device[cap]
 
+    def _varlen_surface(self, device) -> Optional[_Surface]:
+        """The first build (FA3, then FA2) that runs here and has usable varlen entry points."""
+        cap = torch.cuda.get_device_capability(device)
+        ok = [s for s in self._surfaces if s.varlen_error is None and cap[0] >= s.min_sm
+              and (s.deterministic_ok or not self.deterministic)]
+        return ok[0] if ok else None
+
+    def check_varlen(self, q: torch.Tensor) -> None:
+        s = self._varlen_surface(q.device)
+        if s is None:
+            why = "; ".join(x.varlen_error or f"{x.label} cannot run here" for x in self._surfaces)
+            raise ValueError(f"the flash kernel cannot run packed sequences (THD) here: {why}; "
+                             "use --mesh-kernel te, or install flash-attn >= 2.6")
+        check_cuda_half(f"the flash kernel ({s.label}, varlen)", q, s.min_sm)
+
     def check(self, q: torch.Tensor, k: torch.Tensor) -> None:
         s = self._surface(q.device)
         if self.deterministic and not s.deterministic_ok:
@@ -194,14 +242,19 @@ class FlashKernel(BlockKernel):
         check_cuda_half(f"the flash kernel ({s.label})", q, s.min_sm,
                         " or install flash-attn 2" if s.label == "flash-attn 3" else "")
 
-    def forward(self, q, k, v, *, causal: bool, scale: float):
+    def forward(self, q, k, v, *, causal: bool, scale: float, varlen: Optional[Varlen] = None):
         check_square(q, k, causal)
+        if varlen is not None:  # batch 1: [t, 1, h, d] views -> [t, h, d]
+            o, lse = self._varlen_surface(q.device).forward_varlen(q[:, 0], k[:, 0], v[:, 0], varlen, causal, scale)
+            return o.unsqueeze(1), lse.unsqueeze(0)
         s = self._surface(q.device)
         out = torch.empty_like(q) if s.takes_out else None  # sequence-major; FA3 writes through the view
         o, lse = s.forward(_bshd(q), _bshd(k), _bshd(v), causal, scale, None if out is None else _bshd(out))
         return (out if out is not None else _bshd(o)), lse
 
-    def lse_for_backward(self, lse_sbh: torch.Tensor):
+    def lse_for_backward(self, lse_sbh: torch.Tensor, varlen: Optional[Varlen] = None):
+        if varlen is not None:
+            return lse_sbh[:, 0].T.contiguous()  # [h, t]
         return lse_sbh.permute(1, 2, 0).contiguous()  # [b, h, s]
 
     def _buffer(self, role: str, like: torch.Tensor) -> torch.Tensor:
@@ -211,9 +264,14 @@ class FlashKernel(BlockKernel):
             self._grads[key] = torch.empty(like.shape, dtype=like.dtype, device=like.device)
         return self._grads[key]
 
-    def backward(self, dout, q, k, v, out, lse, *, causal: bool, scale: float):
+    def backward(self, dout, q, k, v, out, lse, *, causal: bool, scale: float, varlen: Optional[Varlen] = None):
         check_square(q, k, causal)
         dq, dk, dv = self._buffer("dq", q), self._buffer("dk", k), self._buffer("dv", v)
+        if varlen is not None:
+            self._varlen_surface(q.device).backward_varlen(
+                dout[:, 0], q[:, 0], k[:, 0], v[:, 0], out[:, 0], lse, dq[:, 0], dk[:, 0], dv[:, 0], varlen, causal,
+                scale, self.deterministic)
+            return dq, dk, dv
         self._surface(q.device).backward(_bshd(dout), _bshd(q), _bshd(k), _bshd(v), _bshd(out), lse,
                                          _bshd(dq), _bshd(dk), _bshd(dv), causal, scale, self.deterministic)
         return dq, dk, dv

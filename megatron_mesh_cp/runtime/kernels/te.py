@@ -13,6 +13,11 @@ itself (``get_attention_backend``, the selection DotProductAttention makes), onc
 configuration, in :meth:`TEKernel.check`: head dim > 128 in training needs sm90 and cuDNN >= 9.5,
 deterministic backward needs sm90+ (and cuDNN >= 9.18.1 on sm100+, never sm120), and so on --
 whatever the installed TE and cuDNN say.
+
+Packed sequences (THD): ``thd_thd_thd`` with ``padding_causal`` / ``padding`` masks, q and kv sharing
+the batch's ``cu_seqlens`` (also passed as the ``_padded`` offsets: a packed sub-block has no gaps).
+TE's softmax stats for THD are ``[t, h, 1]`` with cuDNN >= 9.6 and ``[b, h, max_seqlen, 1]`` before
+(TE's own context-parallel code makes the same distinction); both are converted to and from ours.
 """
 
 from __future__ import annotations
@@ -20,11 +25,11 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import inspect
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 
-from .base import BlockKernel, check_cuda_half, check_square
+from .base import BlockKernel, Varlen, check_cuda_half, check_square
 
 __all__ = ["TEKernel"]
 
@@ -58,6 +63,12 @@ def _window(causal: bool) -> Tuple[int, int]:
     return (-1, 0) if causal else (-1, -1)
 
 
+def _cudnn_version() -> Tuple[int, ...]:
+    from transformer_engine.pytorch.utils import get_cudnn_version
+
+    return tuple(get_cudnn_version())
+
+
 class TEKernel(BlockKernel):
     name = "te"
 
@@ -78,6 +89,7 @@ class TEKernel(BlockKernel):
         self._checked: Dict[Tuple, str] = {}
         self._cu: Dict[Tuple[int, int, str], torch.Tensor] = {}
         self._rng: Dict[str, torch.Tensor] = {}
+        self._rows: Dict[int, tuple] = {}  # per packed batch: each row's (document, offset), for [b, h, s, 1] stats
 
     @classmethod
     def available(cls) -> bool:
@@ -87,14 +99,16 @@ class TEKernel(BlockKernel):
             return False
         return torch.cuda.is_available()
 
-    def _supported(self, q, k, causal: bool, deterministic: bool) -> bool:
+    def _supported(self, q, k, causal: bool, deterministic: bool, thd: bool = False) -> bool:
         """Whether TE's own selection offers the F16 arbitrary-seqlen fused backend for training
-        on these inputs (batch, heads, head dim, dtype, mask, determinism; this GPU and cuDNN)."""
+        on these inputs (batch, heads, head dim, dtype, mask, determinism, layout; this GPU and cuDNN)."""
         sq, b, h, d = q.shape
         fields = {f.name for f in dataclasses.fields(self._params)}
-        values = dict(qkv_type=torch.Tensor, qkv_dtype=q.dtype, qkv_layout="sbhd_sbhd_sbhd", batch_size=b,
-                      num_heads=h, num_gqa_groups=k.shape[2], max_seqlen_q=sq, max_seqlen_kv=k.shape[0],
-                      head_dim_qk=d, head_dim_v=d, attn_mask_type="causal" if causal else "no_mask",
+        mask = ("padding_causal" if causal else "padding") if thd else ("causal" if causal else "no_mask")
+        values = dict(qkv_type=torch.Tensor, qkv_dtype=q.dtype, qkv_layout="thd_thd_thd" if thd else "sbhd_sbhd_sbhd",
+                      batch_size=b, num_heads=h, num_gqa_groups=(k.shape[2] if k is not None else h), max_seqlen_q=sq,
+                      max_seqlen_kv=(k.shape[0] if k is not None else sq), head_dim_qk=d, head_dim_v=d,
+                      attn_mask_type=mask,
                       window_size=_window(causal), attention_dropout=0.0, context_parallel=False,
                       deterministic=deterministic, is_training=True, fp8=False)
         res = self._select(self._params(**{key: val for key, val in values.items() if key in fields}))
@@ -120,6 +134,72 @@ class TEKernel(BlockKernel):
         if self._checked[key]:
             raise ValueError(self._checked[key])
 
+    def check_varlen(self, q: torch.Tensor) -> None:
+        check_cuda_half("the te kernel (TE fused attention, thd)", q, 8)
+        major, minor = torch.cuda.get_device_capability(q.device)
+        key = ("thd", q.dtype, tuple(q.shape[1:]), major, minor)
+        if key not in self._checked:
+            ok = self._supported(q, None, True, self.deterministic, thd=True)
+            self._checked[key] = "" if ok else (
+                f"Transformer Engine has no fused-attention backend for packed sequences (thd, padding_causal) with "
+                f"{str(q.dtype)[6:]}, head dim {q.shape[-1]} on sm{major}{minor} with this cuDNN; use --mesh-kernel flash")
+        if self._checked[key]:
+            raise ValueError(self._checked[key])
+
+    def _thd_common(self, causal: bool, scale: float, params) -> Dict:
+        kw = dict(attn_scale=scale, dropout=0.0, fast_zero_fill=True, qkv_layout="thd_thd_thd", attn_bias_type="no_bias",
+                  attn_mask_type="padding_causal" if causal else "padding", window_size=_window(causal),
+                  deterministic=self.deterministic, o_format="thd", do_format="thd", dqkv_layout="thd_thd_thd")
+        return {key: val for key, val in kw.items() if key in params}
+
+    def _row_index(self, varlen: Varlen) -> tuple:
+        """Each packed row's (document, offset) as device tensors, once per batch."""
+        hit = self._rows.get(id(varlen))
+        if hit is None or hit[0] is not varlen:
+            lens = torch.tensor(varlen.lens, dtype=torch.long)
+            doc = torch.repeat_interleave(torch.arange(len(varlen.lens)), lens)
+            off = torch.arange(int(doc.numel())) - (torch.cumsum(lens, 0) - lens)[doc]
+            if len(self._rows) > 8:
+                self._rows.clear()
+            hit = self._rows[id(varlen)] = (varlen, doc.to(varlen.cu.device), off.to(varlen.cu.device))
+        return hit[1], hit[2]
+
+    def _forward_thd(self, q, k, v, causal: bool, scale: float, varlen: Varlen):
+        cu, m = varlen.cu, varlen.max_len
+        out, aux = self._fwd(True, m, m, cu, cu, q[:, 0], k[:, 0], v[:, 0], q.dtype, self._backend,
+                             cu_seqlens_q_padded=cu, cu_seqlens_kv_padded=cu,
+                             **self._thd_common(causal, scale, self._fwd_params))[:2]
+        stats = aux[0]
+        if stats.dim() == 3:  # [t, h, 1] (cuDNN >= 9.6)
+            lse = stats[..., 0].T
+        else:  # [b, h, max_seqlen, 1]
+            doc, off = self._row_index(varlen)
+            lse = stats[doc, :, off, 0].T
+        return out.unsqueeze(1), lse.unsqueeze(0)
+
+    def _stats_thd(self, lse_sbh: torch.Tensor, varlen: Varlen) -> torch.Tensor:
+        """Our [t, 1, h] lse as TE's THD softmax stats for the backward."""
+        if _cudnn_version() >= (9, 6, 0):
+            return lse_sbh[:, 0].unsqueeze(-1).contiguous()  # [t, h, 1]
+        doc, off = self._row_index(varlen)
+        buf = torch.zeros(len(varlen.lens), lse_sbh.shape[2], max(varlen.max_len, 1), 1, dtype=lse_sbh.dtype,
+                          device=lse_sbh.device)
+        buf[doc, :, off, 0] = lse_sbh[:, 0]
+        return buf
+
+    def _backward_thd(self, dout, q, k, v, out, stats, causal: bool, scale: float, varlen: Varlen):
+        dev = str(q.device)
+        if dev not in self._rng:
+            self._rng[dev] = torch.zeros(2, dtype=torch.int64, device=q.device)
+        cu, m = varlen.cu, varlen.max_len
+        args = [m, m, cu, cu, q[:, 0], k[:, 0], v[:, 0], out[:, 0], dout[:, 0], q.dtype]
+        if self._dqkv_dtype:
+            args.append(self._dtype[q.dtype])
+        args += [[stats, self._rng[dev]], self._backend]
+        grads = self._bwd(*args, cu_seqlens_q_padded=cu, cu_seqlens_kv_padded=cu,
+                          **self._thd_common(causal, scale, self._bwd_params))
+        return grads[0].unsqueeze(1), grads[1].unsqueeze(1), grads[2].unsqueeze(1)
+
     def _cu_seqlens(self, batch: int, seq: int, device: torch.device) -> torch.Tensor:
         key = (batch, seq, str(device))
         if key not in self._cu:
@@ -133,8 +213,10 @@ class TEKernel(BlockKernel):
                   o_format="sbhd", do_format="sbhd", dqkv_layout="sbhd_sbhd_sbhd")  # the last three: TE 2.15+
         return {key: val for key, val in kw.items() if key in params}
 
-    def forward(self, q, k, v, *, causal: bool, scale: float):
+    def forward(self, q, k, v, *, causal: bool, scale: float, varlen: Optional[Varlen] = None):
         check_square(q, k, causal)
+        if varlen is not None:
+            return self._forward_thd(q, k, v, causal, scale, varlen)
         sq, b = q.shape[0], q.shape[1]
         sk = k.shape[0]
         out, aux = self._fwd(
@@ -144,11 +226,15 @@ class TEKernel(BlockKernel):
         stats = aux[0]  # [b, h, sq, 1]
         return out, stats.reshape(stats.shape[0], stats.shape[1], sq)
 
-    def lse_for_backward(self, lse_sbh: torch.Tensor):
+    def lse_for_backward(self, lse_sbh: torch.Tensor, varlen: Optional[Varlen] = None):
+        if varlen is not None:
+            return self._stats_thd(lse_sbh, varlen)
         return lse_sbh.permute(1, 2, 0).unsqueeze(-1).contiguous()  # [b, h, sq, 1]
 
-    def backward(self, dout, q, k, v, out, lse, *, causal: bool, scale: float):
+    def backward(self, dout, q, k, v, out, lse, *, causal: bool, scale: float, varlen: Optional[Varlen] = None):
         check_square(q, k, causal)
+        if varlen is not None:
+            return self._backward_thd(dout, q, k, v, out, lse, causal, scale, varlen)
         sq, b = q.shape[0], q.shape[1]
         sk = k.shape[0]
         dev = str(q.device)
