@@ -417,6 +417,9 @@ def _plot(summary: Dict, ref: Dict, path: str) -> None:
 
 
 def _data_label(args, stdlib: bool) -> str:
+    if stdlib and getattr(args, "mesh_packed_data", False):
+        cut = f" of <= {args.mesh_pack_doc_tokens} bytes" if args.mesh_pack_doc_tokens else ""
+        return f"the Python stdlib's sources packed (documents{cut}, padded to {args.mesh_pack_multiple})"
     if stdlib:
         return "the Python stdlib's sources (byte-level)"
     if getattr(args, "mock_data", False):
@@ -494,6 +497,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             with open(opts.summary_json, "w") as f:
                 json.dump(summary, f, indent=1)
         if opts.plot_loss and args.context_parallel_size > 1:
-            ref = _reference_run(megatron_argv, str(Path(opts.plot_loss).with_suffix(".cp1.json")))
+            same_batches = []  # packed data: keep this run's packing multiple, so CP = 1 sees the same batches
+            if getattr(args, "mesh_packed_data", False) and not _has(megatron_argv, "--mesh-pack-multiple"):
+                same_batches = ["--mesh-pack-multiple", str(args.mesh_pack_multiple)]
+            ref = _reference_run(megatron_argv + same_batches, str(Path(opts.plot_loss).with_suffix(".cp1.json")))
             _plot(summary, ref, opts.plot_loss)
             log.info(f"loss curve (vs CP=1) written to {opts.plot_loss}")
