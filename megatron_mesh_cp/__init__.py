@@ -7,6 +7,7 @@ Public API:
 * :class:`MeshGroups` -- the CP group with its row (Q) and column (KV) rings (and Ulysses group).
 * :class:`MeshShape`, :func:`valid_shapes` -- tile shapes and mesh coordinates.
 * :func:`zigzag_shard`, :func:`zigzag_gather` -- Megatron's CP token layout.
+* :func:`thd_shard`, :func:`thd_gather` -- its packed (THD) form: each document split per 2·CP.
 * :func:`build_plans`, :func:`plan_traffic`, :class:`ChunkDims` -- the schedule as data and the
   bytes it moves, computed without running.
 """
@@ -15,6 +16,7 @@ from .attention import mesh_attention
 from .planning.schedule import build_plans
 from .runtime.groups import MeshGroups
 from .runtime.layout import zigzag_gather, zigzag_shard
+from .runtime.packed import thd_gather, thd_shard
 from .runtime.plan import ChunkDims, Plan, plan_traffic, validate
 from .runtime.topology import MeshShape, valid_shapes
 from .virtual import virtual_mesh_attention
@@ -29,6 +31,8 @@ __all__ = [
     "valid_shapes",
     "zigzag_shard",
     "zigzag_gather",
+    "thd_shard",
+    "thd_gather",
     "build_plans",
     "plan_traffic",
     "validate",

@@ -7,8 +7,8 @@ import torch
 
 import megatron_mesh_cp.attention as attention
 from megatron_mesh_cp import mesh_attention
-from megatron_mesh_cp.kernels import BlockKernel
-from megatron_mesh_cp.packed import thd_shard
+from megatron_mesh_cp.runtime.kernels import BlockKernel
+from megatron_mesh_cp.runtime.packed import thd_shard
 from megatron_mesh_cp.reference import packed_reference_attention
 from rank_tasks import _sq, get_mesh
 from rank_tasks_hybrid import hybrid_mesh

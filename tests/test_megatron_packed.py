@@ -13,7 +13,7 @@ pytest.importorskip("megatron.training", reason="megatron-core >= 0.17 (Python 3
 from megatron_runs import train  # noqa: E402
 
 from megatron_mesh_cp.megatron.packing import pack_sample, packed_batch  # noqa: E402
-from megatron_mesh_cp.packed import thd_partition_indices  # noqa: E402
+from megatron_mesh_cp.runtime.packed import thd_partition_indices  # noqa: E402
 
 #: documents = stdlib files cut into pieces of <= 37 bytes, each padded to a multiple of 8 (= 2 x CP 4)
 PACKED = dict(train_iters=3, calculate_per_token_loss=True, mesh_packed_data=True, mesh_pack_multiple=8,

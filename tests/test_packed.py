@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from megatron_mesh_cp import valid_shapes
-from megatron_mesh_cp.layout import BlockCase
-from megatron_mesh_cp.packed import (
+from megatron_mesh_cp.runtime.layout import BlockCase
+from megatron_mesh_cp.runtime.packed import (
     PackedLayout, packed_slices, packed_spec, padding_rows, thd_gather, thd_partition_indices, thd_shard,
 )
 from megatron_mesh_cp.reference import packed_reference_attention

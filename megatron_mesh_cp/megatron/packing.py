@@ -6,7 +6,7 @@ sequence whose documents -- the stdlib files, optionally cut into pieces of at m
 ``--mesh-pack-doc-tokens`` -- each start on a multiple of ``--mesh-pack-multiple`` (default 2·CP):
 the tokens of a document, then padding (loss mask 0) up to the multiple; what no longer fits the
 sequence is dropped. Under CP > 1 the micro-batch is flattened to one THD sequence, split with the
-per-document zigzag (:func:`~megatron_mesh_cp.packed.thd_partition_indices`, the same partition as
+per-document zigzag (:func:`~megatron_mesh_cp.runtime.packed.thd_partition_indices`, the same partition as
 TE's ``thd_get_partitioned_indices``) and described by a ``PackedSeqParams``; at CP = 1 the same
 documents are kept as ``[b, s]`` rows with a block-diagonal causal mask, so Megatron's own local
 attention is the reference the mesh run is compared with.
