@@ -160,13 +160,13 @@ def padding_rows(spec: PackedSpec, n: int, rank: int, device=None) -> Optional[t
     """Bool ``[local tokens]``: which of rank ``rank``'s rows are padding (None: none are)."""
     if spec.cu_real is None:
         return None
-    total = spec.cu_padded[-1]
-    pos = thd_partition_indices(spec.cu_padded, total, n, rank).to(device)
-    start = torch.tensor(spec.cu_padded[:-1], dtype=torch.long, device=device)
-    real = torch.tensor(spec.cu_real, dtype=torch.long, device=device)
-    doc = torch.searchsorted(torch.tensor(spec.cu_padded[1:], dtype=torch.long, device=device), pos, right=True)
+    total = spec.cu_padded[-1]  # built on the host from host offsets, then copied: no device sync
+    pos = thd_partition_indices(spec.cu_padded, total, n, rank)
+    start = torch.tensor(spec.cu_padded[:-1], dtype=torch.long)
+    real = torch.tensor(spec.cu_real, dtype=torch.long)
+    doc = torch.searchsorted(torch.tensor(spec.cu_padded[1:], dtype=torch.long), pos, right=True)
     pad = (pos - start[doc]) >= (real[1:] - real[:-1])[doc]
-    return pad if bool(pad.any()) else None
+    return pad.to(device) if bool(pad.any()) else None
 
 
 class PackedLayout:
