@@ -193,15 +193,16 @@ def packed_page(cluster_name="h100-ib400"):
         "against the explicit partition and mask). The replay prices every ring or mesh step by its block's "
         "work, the greedy planner and auto shape plan with the same packed block times, USP's ring and "
         "a2a+mesh's inner mesh run the same per-document zigzag over the Ulysses groups, and the all-to-alls "
-        "are unchanged. A varlen call still covers a whole block, so each block keeps its fixed call overhead "
-        f"({fixed:.0f} us) and its fp32 output correction.",
+        "are unchanged. The runtime runs a packed block as its per-document sub-blocks (3 varlen calls on the "
+        "diagonal, 2 off it, each covering every document; `runtime/packed.py`), so a packed block pays the "
+        f"fixed call overhead ({fixed:.0f} us) and the fp32 output correction once per sub-block call.",
         "",
         f"Documents: {packing.describe()}. Pieces are {c['lo'] // (2 * n)}-{c['hi'] // (2 * n)} tokens at "
         f"n = {n}, so a block below the diagonal does on average {work[below].mean() / (s_loc * s_loc / 2):.1%} "
         f"of its unpacked work. Mean forward time of such a block (GQA): unpacked {bt['unpacked']:.0f} us, packed "
         f"{bt['packed']:.0f} us (exact pairs), {bt['packed, tiles']:.0f} us ({c['tile']}×{c['tile']} tiles); "
-        f"{fixed:.0f} us call overhead and the correction pass are paid in each, whatever the mask, so at this "
-        "size the fixed per-block costs outweigh the kernel.",
+        f"the {fixed:.0f} us call overhead and the correction pass are paid per varlen call, whatever the mask, so "
+        "at this size the fixed per-block costs outweigh the kernel.",
         "",
         f"Padding is not spread evenly: each document is padded by up to 2·CP−1 = {2 * n - 1} tokens at its "
         f"end, more than a piece, so its last pieces, held as second pieces by the lowest ranks, are padding. "

@@ -15,6 +15,7 @@ from megatron_mesh_cp.planning.greedy import PlanCost
 from megatron_mesh_cp.planning.packing import Packing, parse_doc_range, read_packing, sample_packing
 from megatron_mesh_cp.planning.replay import replay
 from megatron_mesh_cp.planning.schedule import build_plans
+from megatron_mesh_cp.runtime.layout import BlockCase
 from megatron_mesh_cp.runtime.plan import BACKWARD, FORWARD
 from megatron_mesh_cp.runtime.topology import valid_shapes
 from megatron_mesh_cp.simulate import main
@@ -116,14 +117,27 @@ def _w(n, seq, kv=8, packing=None, causal=True):
                     packing=packing)
 
 
-def test_one_unpadded_document_is_the_unpacked_model():
+# no fixed per-call costs: what is left is the kernel work, where one document is the unpacked model
+NOFIX = replace(H100, block_overhead=0.0, correction_passes=0)
+
+
+def test_one_unpadded_document_is_the_unpacked_model_but_for_the_varlen_calls():
     n, seq = 8, 64 * 1024
     w, wp = _w(n, seq), _w(n, seq, packing=Packing((seq,), 2 * n))
     for backward in (False, True):
-        np.testing.assert_allclose(wp.block_times(H100, backward, n), w.block_times(H100, backward, n), rtol=1e-12)
+        np.testing.assert_allclose(wp.block_times(NOFIX, backward, n), w.block_times(NOFIX, backward, n), rtol=1e-12)
+        # the runtime's sub-blocks (packed_slices): 3 varlen calls on the diagonal, 2 off it
+        extra = wp.block_times(H100, backward, n) - w.block_times(H100, backward, n)
+        over = H100.block_overhead
+        assert np.all(np.diag(extra) > 2 * over - 1e-12) and np.all(extra[~np.eye(n, dtype=bool)] > over - 1e-12)
+        assert wp.packed_call_costs(NOFIX, BlockCase.DIAG, backward) == 0.0
+        no_corr = replace(H100, correction_passes=0)
+        assert [wp.packed_call_costs(no_corr, c, backward) / over for c in (BlockCase.DIAG, BlockCase.LOWER,
+                BlockCase.UPPER)] == pytest.approx([3, 2, 2], rel=1e-12)
     for algo in ("ring", "mesh:2x4", "a2a+mesh:2x2x2", "usp:2"):
-        assert simulate_algorithm(algo, n, H100, wp).time == pytest.approx(simulate_algorithm(algo, n, H100, w).time,
-                                                                          rel=1e-12), algo
+        assert simulate_algorithm(algo, n, NOFIX, wp).time == pytest.approx(
+            simulate_algorithm(algo, n, NOFIX, w).time, rel=1e-12), algo
+        assert simulate_algorithm(algo, n, H100, wp).time > simulate_algorithm(algo, n, H100, w).time, algo
     # one call over the whole sequence: unpacked charges S^2/2 causal pairs, packed the exact S(S+1)/2
     for algo in ("usp", "ulysses", "allgather"):
         assert simulate_algorithm(algo, n, H100, wp).time == pytest.approx(simulate_algorithm(algo, n, H100, w).time,
@@ -172,13 +186,13 @@ def test_greedy_planner_costs_are_the_packed_block_times():
         assert cost.block == pytest.approx(t[below].mean(), rel=1e-12)
         assert t[below].max() / t[below].min() < 1.01  # every rank holds 2 pieces of each doc: only padding varies
         assert cost.block < PlanCost.of(4, 4, phase, H100, replace(w, packing=None)).block / 2
-    # one unpadded document: the planner sees exactly the unpacked costs, so it plans the same
+    # one unpadded document, no per-call costs: the planner sees exactly the unpacked costs, so it plans the same
     one = _w(n, seq, packing=Packing((seq,), 2 * n))
     for phase in (FORWARD, BACKWARD):
-        packed, plain = PlanCost.of(4, 4, phase, H100, one), PlanCost.of(4, 4, phase, H100, replace(one, packing=None))
+        packed, plain = PlanCost.of(4, 4, phase, NOFIX, one), PlanCost.of(4, 4, phase, NOFIX, replace(one, packing=None))
         assert packed.block == pytest.approx(plain.block, rel=1e-12) and replace(packed, block=plain.block) == plain
-    assert [p.ops for p in build_plans(4, 4, cluster=H100, workload=one)] == \
-        [p.ops for p in build_plans(4, 4, cluster=H100, workload=replace(one, packing=None))]
+    assert [p.ops for p in build_plans(4, 4, cluster=NOFIX, workload=one)] == \
+        [p.ops for p in build_plans(4, 4, cluster=NOFIX, workload=replace(one, packing=None))]
 
 
 def test_shape_bound_stays_a_bound_when_packed():

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from ..runtime.layout import BlockCase
+from ..runtime.packed import packed_slices
 from ..runtime.plan import ChunkDims
 from .packing import Packing
 
@@ -206,13 +207,29 @@ class Workload:
         correction = cluster.elementwise_time(4 * cluster.correction_passes * self.accumulator_elements(case, backward))
         return kernel + cluster.block_overhead + correction
 
+    def packed_call_costs(self, cluster: Cluster, case: BlockCase, backward: bool) -> float:
+        """The fixed costs of a packed block: the runtime runs it as its per-document sub-blocks
+        (:func:`~megatron_mesh_cp.runtime.packed.packed_slices`: 3 varlen calls on the diagonal, 2
+        off it), each paying the call overhead and the fp32 correction over its own rows and keys."""
+        if case is BlockCase.FULL:  # no causal split: one call over the block
+            subs = [(self.seq_local, self.seq_local)]
+        else:
+            subs = [(sl.q_stop - sl.q_start, sl.kv_stop - sl.kv_start) for sl in packed_slices(case, self.seq_local)]
+        total = 0.0
+        for rows, keys in subs:
+            rows, keys = self.batch * rows, self.batch * keys
+            acc = (rows * self.heads * self.head_dim + 2 * keys * self.kv_heads * self.head_dim if backward
+                   else rows * self.heads * (self.head_dim + 1))
+            total += cluster.block_overhead + cluster.elementwise_time(4 * cluster.correction_passes * acc)
+        return total
+
     def block_times(self, cluster: Cluster, backward: bool, ranks: int) -> np.ndarray:
         """Seconds of every block (Q chunk of rank i, KV chunk of rank j) on ``ranks`` CP ranks: [ranks, ranks].
 
         Unpacked, each entry is :meth:`block_time` of its case. Packed, the kernel is charged the
         block's real work (:meth:`Packing.block_work`) at the throughput of its case's row count
         (a varlen call spreads all documents' rows over the GPU at once); the call overhead and the
-        correction pass over the block's output rows are the same as unpacked: one varlen call per
+        correction passes are those of the runtime's varlen calls (:meth:`packed_call_costs`): 2-3 per
         block, whatever the number of documents. Read-only, cached.
         """
         return _block_times(self, cluster, backward, ranks)
@@ -251,9 +268,7 @@ def _block_times(w: Workload, cluster: Cluster, backward: bool, ranks: int) -> n
         w.check_packing(ranks)
         work = w.packing.block_work(ranks, w.causal)
         rows = np.vectorize(w.block_rows, otypes=[float])(cases)
-        fixed = np.vectorize(
-            lambda c: cluster.block_overhead + cluster.elementwise_time(
-                4 * cluster.correction_passes * w.accumulator_elements(c, backward)), otypes=[float])(cases)
+        fixed = np.vectorize(lambda c: w.packed_call_costs(cluster, c, backward), otypes=[float])(cases)
         out = cluster.attention_time(w.pair_flops(work, backward), rows, backward) + fixed
     out.setflags(write=False)
     return out

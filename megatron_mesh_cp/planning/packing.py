@@ -25,8 +25,9 @@ This module holds the document-length distribution (:class:`Packing`, sampled by
 is given). :class:`~megatron_mesh_cp.planning.cluster.Workload` carries a ``Packing`` and turns the work into
 block times; the replay, the greedy planner, auto shape and the baselines all price blocks from it.
 
-A varlen kernel call still handles one whole block (every document of it) in one launch, so the
-per-call overhead of the cost model is paid once per block, packed or not.
+A varlen kernel call handles every document of a sub-block in one launch; the runtime splits a
+causal packed block into 2-3 such sub-blocks (``runtime.packed.packed_slices``), and the cost model
+charges each its call overhead and correction pass (``Workload.packed_call_costs``).
 """
 
 from __future__ import annotations
