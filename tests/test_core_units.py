@@ -156,7 +156,7 @@ def test_in_order_plans_are_valid_for_every_shape(n):
     for a, b in valid_shapes(n):
         fwd, bwd = build_plans(a, b)
         assert validate(fwd) >= 2 and validate(bwd) >= 2
-        assert sorted((c.q, c.kv) for c in fwd.computes) == sorted(itertools.product(range(a), range(b)))
+        assert sorted(fwd.blocks) == sorted(itertools.product(range(a), range(b)))
 
 
 def _bad(ops, a=2, b=2, phase="forward"):

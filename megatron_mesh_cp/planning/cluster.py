@@ -194,18 +194,29 @@ class Workload:
     def block_keys(self, case: BlockCase) -> int:
         return self.seq_local // 2 if case is BlockCase.LOWER else self.seq_local
 
-    def accumulator_elements(self, case: BlockCase, backward: bool) -> int:
-        """fp32 elements a block's result is folded into: (out, lse) rows, or dQ rows and dK/dV keys."""
-        rows, keys = self.batch * self.block_rows(case), self.batch * self.block_keys(case)
-        if backward:
-            return rows * self.heads * self.head_dim + 2 * keys * self.kv_heads * self.head_dim
-        return rows * self.heads * (self.head_dim + 1)
-
     def block_time(self, cluster: Cluster, case: BlockCase, backward: bool) -> float:
         """One unpacked block-kernel call: the kernel, its fixed call overhead and the fp32 correction pass."""
-        kernel = cluster.attention_time(self.block_flops(case, backward), self.block_rows(case), backward)
-        correction = cluster.elementwise_time(4 * cluster.correction_passes * self.accumulator_elements(case, backward))
-        return kernel + cluster.block_overhead + correction
+        return (self.kernel_time(cluster, case, backward) + self.call_time(cluster, case, backward)
+                + self.keys_time(cluster, case, backward))
+
+    def kernel_time(self, cluster: Cluster, case: BlockCase, backward: bool) -> float:
+        """The attention kernel's work for one block (additive over the blocks of a grouped call:
+        its efficiency depends on the query rows, which the blocks of a call share)."""
+        return cluster.attention_time(self.block_flops(case, backward), self.block_rows(case), backward)
+
+    def call_time(self, cluster: Cluster, case: BlockCase, backward: bool) -> float:
+        """What every kernel call pays once, however many blocks it covers: the fixed call overhead
+        and the correction passes over the Q rows' fp32 accumulator (out and lse, or dQ)."""
+        rows = self.batch * self.block_rows(case) * self.heads
+        elements = rows * (self.head_dim if backward else self.head_dim + 1)
+        return cluster.block_overhead + cluster.elementwise_time(4 * cluster.correction_passes * elements)
+
+    def keys_time(self, cluster: Cluster, case: BlockCase, backward: bool) -> float:
+        """Per block, beside the kernel: the backward's dK/dV accumulation over the block's keys."""
+        if not backward:
+            return 0.0
+        keys = 2 * self.batch * self.block_keys(case) * self.kv_heads * self.head_dim
+        return cluster.elementwise_time(4 * cluster.correction_passes * keys)
 
     def packed_call_costs(self, cluster: Cluster, case: BlockCase, backward: bool) -> float:
         """The fixed costs of a packed block: the runtime runs it as its per-document sub-blocks

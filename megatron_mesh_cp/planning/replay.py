@@ -12,9 +12,10 @@ arrives after the link latency; two rings crossing the same NIC queue on it in p
 
 Hiding communication is not free (docs/calibration.md): a block kernel runs slower by the cluster's
 ``overlap_slowdown_*`` for every transfer in flight beside it, in proportion to their overlap, so
-more concurrent channels cost more; every block pays a call overhead and an fp32 correction pass
-(in :meth:`Workload.block_times`, which prices a packed sequence's blocks by their work inside documents:
-``packing``). A ring hop uses its own link (on a PCIe node it crosses each switch
+more concurrent channels cost more; every kernel call pays a call overhead and an fp32 correction
+pass (:meth:`Workload.call_time`; a grouped compute that runs several blocks in one call pays them
+once) beside its blocks' work (:meth:`Workload.block_times`, which prices a packed sequence's blocks
+by their work inside documents: ``packing``). A ring hop uses its own link (on a PCIe node it crosses each switch
 uplink once per direction, so rings do not contend on the host bridge; all-to-alls do, see
 ``baselines``).
 
@@ -26,13 +27,15 @@ its buffers from, so the simulator's bytes equal the executor's byte counters.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache, partial
 from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
 
 from .cluster import Cluster, Workload, workload_dims
-from ..runtime.plan import BACKWARD, FORWARD, ChunkDims, Compute, Plan, Transfer, payload, RING_OF
+from ..runtime.layout import BlockCase, kernel_calls
+from ..runtime.plan import BACKWARD, FORWARD, ChunkDims, Compute, Plan, Transfer, payload, slab_containing, RING_OF
 
 __all__ = ["PhaseResult", "replay"]
 
@@ -61,18 +64,49 @@ class PhaseResult:
         return self.time - float(self.busy[self.critical])
 
 
-def _block_durations(plan: Plan, w: Workload, cluster: Cluster, backward: bool) -> Dict[Tuple[int, int], np.ndarray]:
-    """Per compute op, the seconds of the block each rank computes there (its Q rank i, KV rank j):
-    equal per causal case unpacked, the block's real work when the workload is packed."""
+#: block cases by code, for the vectorised case arrays below
+_CASES = (BlockCase.FULL, BlockCase.DIAG, BlockCase.LOWER, BlockCase.UPPER)
+
+
+@lru_cache(maxsize=65536)
+def _calls_by_case(kvs: Tuple[int, ...], pattern: Tuple[int, ...], slabs) -> Tuple[int, ...]:
+    """Case codes of the kernel calls a compute of ``kvs`` makes on ranks of one (cases..., split)
+    pattern (replays of many plans and configurations meet the same patterns again)."""
+    cases = {kv: _CASES[x] for kv, x in zip(kvs, pattern)}
+    calls = kernel_calls(kvs, cases, partial(slab_containing, slabs), pattern[-1])
+    return tuple(_CASES.index(k.case) for k in calls)
+
+
+def _block_durations(plan: Plan, w: Workload, cluster: Cluster, backward: bool) -> Dict[Compute, np.ndarray]:
+    """Per compute op, its compute-stream seconds on every rank (Q rank i, KV ranks j of its blocks).
+
+    A single block outside a slab: the block's time (equal per causal case unpacked, its real work
+    when the workload is packed), which includes one kernel call's overhead and output correction.
+    A grouped compute: its blocks' times less that per-block call cost, plus one call cost per
+    kernel call the executor makes (:func:`~megatron_mesh_cp.runtime.layout.kernel_calls`: blocks
+    in one KV slab and of one case share a call per run of consecutive KV offsets)."""
     a, b = plan.a, plan.b
     pos = np.arange(a * b)
     r, c = pos // a, pos % a
     t = w.block_times(cluster, backward, a * b)
+    call = np.array([w.call_time(cluster, k, backward) for k in _CASES])
     out = {}
     for op in plan.computes:
         i = r * a + (c - op.q) % a
-        j = ((r - op.kv) % b) * a + c
-        out[(op.q, op.kv)] = t[i, j]
+        js = [((r - kv) % b) * a + c for kv in op.kvs]
+        if len(op.kvs) == 1 and plan.slab_of(op.kvs[0]) is None:
+            out[op] = t[i, js[0]]
+            continue
+        if w.causal:
+            codes = np.stack([np.where(i == j, 1, np.where(j < i, 2, 3)) for j in js])
+        else:
+            codes = np.zeros((len(js), a * b), dtype=int)
+        dur = sum(t[i, j] for j in js) - call[codes].sum(axis=0)
+        # the ranks fall into a few (cases, row) patterns; count each pattern's calls once
+        split = r if w.causal else np.zeros(a * b, dtype=int)  # runtime.layout.slab_piece
+        patterns, which = np.unique(np.vstack([codes, split]), axis=1, return_inverse=True)
+        cost = np.array([call[list(_calls_by_case(op.kvs, tuple(col), plan.slabs))].sum() for col in patterns.T])
+        out[op] = dur + cost[np.asarray(which).reshape(-1)]
     return out
 
 
@@ -131,8 +165,10 @@ def replay(
 
     for op in plan.ops:
         if isinstance(op, Compute):
-            start = np.maximum(compute_free, np.maximum(arrival[("q", op.q)], arrival[("kv", op.kv)]))
-            end = start + blocks[(op.q, op.kv)]
+            start = np.maximum(compute_free, arrival[("q", op.q)])
+            for kv in op.kvs:
+                start = np.maximum(start, arrival[("kv", kv)])
+            end = start + blocks[op]
             stretch = np.zeros(n)
             for key, spans in in_flight.items():
                 for t0, t1 in spans:
@@ -142,7 +178,7 @@ def replay(
             busy += compute_free - start
             last_compute = (start, compute_free)
             if rec:
-                timeline.append(("compute", float(start[record]), float(compute_free[record]), f"blk {op.q},{op.kv}"))
+                timeline.append(("compute", float(start[record]), float(compute_free[record]), f"blk {op.q},{'+'.join(map(str, op.kvs))}"))
         elif isinstance(op, Transfer):
             key = (op.ring, op.direction)
             dst = plan.dst(op)

@@ -6,7 +6,10 @@ and folds partial results in a fixed order (so two runs are bitwise identical). 
 accumulated in fp32 (fp64 for fp64 inputs).
 
 Tensors are sequence-major (``[s, b, h, d]``, Megatron's layout), so every block's row or column
-range is a contiguous view and no block copies its inputs. Receive buffers, accumulators and merge
+range is a contiguous view and no block copies its inputs. A KV chunk travels as its two zigzag
+pieces, so that each lands where the receiver keeps it: in the chunk's own buffer, or apart in a
+KV slab (plan.py), where the keys of a grouped compute's blocks lie side by side and one kernel
+call covers them (layout.kernel_calls). Receive buffers, accumulators and merge
 scratch come from a :class:`BufferPool` that lives with the communicator and is reused by every
 layer of the same shape; inside it, bytes are reused as the plan's liveness allows (memory.py, buffers.py),
 and a tensor placed where a dead one was first waits for that one's send to finish (and, on GPU,
@@ -30,7 +33,7 @@ import torch
 from .buffers import BufferPool
 from .comm import RingComm, VirtualHub
 from .kernels import BlockKernel, Varlen, lse_dtype
-from .layout import BlockSlices, block_case
+from .layout import BlockSlices, KernelCall, block_case, kernel_calls, slab_piece
 from .merge import merge_into
 from .packed import packed_slices
 from .plan import FORWARD, ChunkDims, Compute, Free, Plan, Transfer, payload
@@ -108,8 +111,12 @@ class Executor:
         q_payload = [q] if fwd else [q, tensors["dout"], tensors["delta"], tensors["lse"]]
         self.chunks: Dict[str, Dict[int, List[torch.Tensor]]] = {
             "q": {0: q_payload},
-            "kv": {0: [k, tensors["v"]]},
+            "kv": {0: _pieces([k, tensors["v"]])},  # KV: [k piece 0, k piece 1, v piece 0, v piece 1]
         }
+        self.kv_whole: Dict[int, List[torch.Tensor]] = {0: [k, tensors["v"]]}  # chunks outside slabs
+        self.slab_left = {sl: sl[1] - sl[0] + 1 for sl in plan.slabs}  # chunks not yet freed
+        # foreign KV offsets <= the rank's row hold chunks below all its Q chunks (layout.slab_piece)
+        self.split = self.shape.coords(self.position)[0] if causal else 0
         self.arrivals: Dict[Tuple[str, int], object] = {}  # handle that delivered a gathered chunk
         self.acc: Dict[str, Dict[int, List[torch.Tensor]]] = {"o": {}, "dq": {}, "dkv": {}}
         self.incoming: Dict[str, Dict[int, list]] = {"o": {}, "dq": {}, "dkv": {}}
@@ -126,7 +133,9 @@ class Executor:
 
     def step(self, op) -> None:
         if isinstance(op, Compute):
-            (self._forward_block if self.plan.phase == FORWARD else self._backward_block)(op.q, op.kv)
+            block = self._forward_call if self.plan.phase == FORWARD else self._backward_call
+            for call in self._calls(op):
+                block(op.q, call)
         elif isinstance(op, Transfer):
             self._transfer(op)
         elif isinstance(op, Free):
@@ -195,11 +204,17 @@ class Executor:
         dst = self.plan.dst(op)
         specs = payload(self.plan.phase, op.kind, self.dims)
         after = ()
+        categories = [s.category for s in specs]
         if op.kind in ("q", "kv"):
             send = self.chunks[op.kind][op.src]  # forwarding waits for its arrival, not for compute
             after = (self.arrivals[(op.kind, op.src)],) if (op.kind, op.src) in self.arrivals else ()
             key = (op.kind, op.src)
             roles = [("recv", op.kind, dst, i) for i in range(len(specs))]
+            if op.kind == "kv":  # the wire carries pieces: each lands where this rank keeps it
+                categories = [c for c in categories for _ in range(2)]
+                slab = self.plan.slab_of(dst)
+                if slab is not None:
+                    roles = [("slab", "kv", slab[0], i) for i in range(len(specs))]
         else:
             folded = self._folded(op.kind, op.src)
             send = [t if t.dtype == s.dtype else t.to(s.dtype) for t, s in zip(folded, specs)]
@@ -209,9 +224,18 @@ class Executor:
             roles = [("in", op.kind, dst, op.direction, i) for i in range(len(specs))]
         marks: list = []
         recv = [self._take(r, marks) for r in roles]
+        if op.kind == "kv":
+            slab = self.plan.slab_of(dst)
+            if slab is None:
+                self.kv_whole[dst] = recv
+                recv = _pieces(recv)
+            else:
+                m = self.seq // 2
+                at = [slab_piece(slab, dst, p, self.split) * m for p in (0, 1)]
+                recv = [t[x: x + m] for t in recv for x in at]
         if after:  # without `after` the transfer's stream waits for all compute so far anyway
             after = tuple(after) + tuple(marks)
-        handle = self.comm.exchange(op.ring, op.direction, send, recv, [s.category for s in specs], after=after)
+        handle = self.comm.exchange(op.ring, op.direction, send, recv, categories, after=after)
         self.sends.setdefault(key, []).append((handle, send))  # keep what is sent alive until done
         if op.kind not in ("q", "kv"):
             acc_roles = [("acc", op.kind, op.src, i) for i in range(len(specs))]
@@ -228,8 +252,16 @@ class Executor:
         self._chunk(kind, off)
         for h, _ in self.sends.pop((kind, off), []):
             h.wait()
-        roles = [("recv", kind, off, i) for i in range(len(self.chunks[kind][off]))]
         del self.chunks[kind][off]
+        slab = self.plan.slab_of(off) if kind == "kv" else None
+        if slab is None:
+            n = len(payload(self.plan.phase, kind, self.dims))
+            roles = [("recv", kind, off, i) for i in range(n)]
+            if kind == "kv":
+                del self.kv_whole[off]
+        else:  # the slab's bytes die with its last chunk
+            self.slab_left[slab] -= 1
+            roles = [("slab", "kv", slab[0], i) for i in range(2)] if not self.slab_left[slab] else []
         if kind == "q" and self.stand_ins.pop(off, None) is not None:
             roles.append(("stand_in", off))
         self._died(roles)
@@ -270,43 +302,74 @@ class Executor:
         """A reusable scratch view shaped like ``like`` (rows are leading, so a prefix view fits)."""
         return self._take(("scratch", like.dim()))[: like.shape[0]]
 
-    def _slices(self, qo: int, ko: int) -> Tuple[BlockSlices, ...]:
-        """The kernel calls of block (qo, ko): one, or a packed block's per-document sub-blocks."""
-        i = self.shape.q_chunk(self.position, qo)
-        j = self.shape.kv_chunk(self.position, ko)
-        case = block_case(i, j, self.causal)
-        if self.varlen is not None:
-            return packed_slices(case, self.seq)
-        return (BlockSlices.of(case, self.seq),)
+    def _calls(self, op: Compute) -> List[KernelCall]:
+        """The kernel calls of a compute on this rank: one per contiguous run of keys per case
+        (packed: one per block, each then run as its per-document sub-blocks)."""
+        i = self.shape.q_chunk(self.position, op.q)
+        cases = {ko: block_case(i, self.shape.kv_chunk(self.position, ko), self.causal) for ko in op.kvs}
+        if self.varlen is not None:  # a varlen call takes one chunk's documents: no grouping
+            return [c for ko in op.kvs for c in kernel_calls((ko,), cases, self.plan.slab_of, self.split)]
+        return kernel_calls(op.kvs, cases, self.plan.slab_of, self.split)
 
-    def _forward_block(self, qo: int, ko: int) -> None:
+    def _parts(self, call: KernelCall):
+        """``(k, v, parts)``: the keys the call reads and its kernel calls ``(rows, cols, causal)``,
+        cols relative to ``k``. Outside a slab ``k`` is the whole chunk; in a slab, the call's
+        pieces side by side (for one packed block: its first piece, then its second if it reads it,
+        so a packed sub-block's half of the chunk is the same range of ``k``). Waits for the chunks."""
+        for ko in call.kvs:
+            self._chunk("kv", ko)
+        if call.slab is None:
+            k, v = self.kv_whole[call.kvs[0]]
+        else:
+            m = self.seq // 2
+            keys = slice(call.start * m, (call.start + len(call.pieces)) * m)
+            k, v = (self.bufs.tensor(("slab", "kv", call.slab[0], i))[keys] for i in range(2))
+        if self.varlen is not None:
+            return k, v, [(s.q_rows, s.kv_cols, s.causal) for s in packed_slices(call.case, self.seq)]
+        sl = BlockSlices.of(call.case, self.seq)
+        return k, v, [(sl.q_rows, sl.kv_cols if call.slab is None else slice(None), sl.causal)]
+
+    def _forward_call(self, qo: int, call: KernelCall) -> None:
         (q,) = self._chunk("q", qo)
-        k, v = self._chunk("kv", ko)
+        k, v, parts = self._parts(call)
         acc_out, acc_lse = self._partial("o", qo)
-        for sl in self._slices(qo, ko):
-            rows, cols = sl.q_rows, sl.kv_cols
-            out, lse = self.kernel.forward(q[rows], k[cols], v[cols], causal=sl.causal, scale=self.scale, **self._vl)
+        for rows, cols, causal in parts:
+            out, lse = self.kernel.forward(q[rows], k[cols], v[cols], causal=causal, scale=self.scale, **self._vl)
             merge_into(acc_out[rows], acc_lse[rows], out, lse.permute(2, 0, 1), scratch=self._scratch)
 
-    def _backward_block(self, qo: int, ko: int) -> None:
+    def _backward_call(self, qo: int, call: KernelCall) -> None:
         q, dout, delta, lse = self._chunk("q", qo)
-        k, v = self._chunk("kv", ko)
+        k, v, parts = self._parts(call)
         if qo not in self.stand_ins:  # a foreign chunk's stand-in lives in the pool until its Free
             self.stand_ins[qo] = self._take(("stand_in", qo)).copy_(delta_stand_in(dout, delta))
         out = self.stand_ins[qo]
-        for sl in self._slices(qo, ko):
-            rows, cols = sl.q_rows, sl.kv_cols
-            lkey = (qo, sl.q_start, sl.q_stop)
+        m = self.seq // 2
+        for rows, cols, causal in parts:
+            lkey = (qo, rows.start, rows.stop)
             if lkey not in self.kernel_lse:  # once per chunk and row range, not per block
                 self.kernel_lse[lkey] = self.kernel.lse_for_backward(lse[rows], **self._vl)
             dq, dk, dv = self.kernel.backward(
                 dout[rows], q[rows], k[cols], v[cols], out[rows], self.kernel_lse[lkey],
-                causal=sl.causal, scale=self.scale, **self._vl,
+                causal=causal, scale=self.scale, **self._vl,
             )
             self._partial("dq", qo)[0][rows].add_(dq)
-            acc_k, acc_v = self._partial("dkv", ko)
-            acc_k[cols].add_(dk)
-            acc_v[cols].add_(dv)
+            if call.slab is None:
+                acc_k, acc_v = self._partial("dkv", call.kvs[0])
+                acc_k[cols].add_(dk)
+                acc_v[cols].add_(dv)
+                continue
+            first = (cols.start or 0) // m  # each piece's gradient into its chunk's partial
+            for at in range(dk.shape[0] // m):
+                ko, piece = call.pieces[first + at]
+                acc_k, acc_v = self._partial("dkv", ko)
+                acc_k[piece * m: (piece + 1) * m].add_(dk[at * m: (at + 1) * m])
+                acc_v[piece * m: (piece + 1) * m].add_(dv[at * m: (at + 1) * m])
+
+
+def _pieces(chunk: List[torch.Tensor]) -> List[torch.Tensor]:
+    """A KV chunk's [k, v] as its zigzag pieces [k0, k1, v0, v1] (views), the way it travels."""
+    m = chunk[0].shape[0] // 2
+    return [t[x: x + m] for t in chunk for x in (0, m)]
 
 
 def run_virtual(

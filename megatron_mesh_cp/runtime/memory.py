@@ -3,7 +3,8 @@
 A plan says when every buffer the executor needs comes to life and when it dies: a gathered chunk
 lives from the transfer that receives it to the ``Free`` that drops it; a partial accumulator from
 the first block that feeds it to the transfer that sends it; a received partial until it is folded
-(the transfer that forwards its offset, or the end of the run). :func:`buffer_lives` lists them;
+(the transfer that forwards its offset, or the end of the run); a KV slab (plan.py) from the first
+chunk it receives to the ``Free`` of its last one. :func:`buffer_lives` lists them;
 :func:`layout` places each tensor at a byte offset of one arena, reusing the bytes of tensors that
 died before it is born, as a register allocator reuses registers. The arena's size is the pool's
 footprint; ``Layout.peak`` (:func:`peak_live_bytes`) is the largest sum of live bytes at any op,
@@ -21,7 +22,7 @@ import numpy as np
 from .plan import BACKWARD, FORWARD, GATHER_KINDS, REDUCE_KINDS, ChunkDims, Compute, Free, Plan, TensorSpec, Transfer
 from .plan import partial_offset, payload
 
-__all__ = ["ALIGN", "Life", "Layout", "buffer_lives", "layout", "peak_live_bytes"]
+__all__ = ["ALIGN", "Life", "Layout", "buffer_lives", "layout", "peak_live_bytes", "slab_specs"]
 
 #: Every pool tensor starts at a multiple of this many bytes (what CUDA kernels' vector loads want).
 ALIGN = 256
@@ -57,10 +58,19 @@ def _acc_specs(phase: str, kind: str, dims: ChunkDims) -> List[TensorSpec]:
     return [TensorSpec(s.category, s.shape, dims.acc_dtype) for s in payload(phase, kind, dims)]
 
 
+def slab_specs(slab: Tuple[int, int], dims: ChunkDims) -> List[TensorSpec]:
+    """The K and V tensors of a KV slab: the chunks of offsets lo..hi, sequence-major, piece-major
+    (layout.slab_piece), the same bytes as that many received chunks."""
+    chunks = slab[1] - slab[0] + 1
+    return [TensorSpec(s.category, (chunks * s.shape[0],) + tuple(s.shape[1:]), s.dtype)
+            for s in payload(FORWARD, "kv", dims)]
+
+
 def buffer_lives(plan: Plan, dims: ChunkDims) -> List[Life]:
     """Every tensor the executor takes from the pool when it runs ``plan`` on chunks of ``dims``.
 
-    Roles: ``("recv", kind, offset, i)`` gathered chunks, ``("stand_in", offset)`` the backward's
+    Roles: ``("recv", kind, offset, i)`` gathered chunks, ``("slab", "kv", lo, i)`` the K (i = 0) and
+    V (i = 1) slab of the plan's slab starting at offset lo, ``("stand_in", offset)`` the backward's
     stand-in for a foreign chunk's output, ``("acc", kind, offset, i)`` partial accumulators,
     ``("in", kind, offset, direction, i)`` received partials, ``("scratch", dim)`` merge scratch.
     A tensor alive "to the end" ends at ``len(plan.ops)`` (the executor's ``finish``).
@@ -78,10 +88,16 @@ def buffer_lives(plan: Plan, dims: ChunkDims) -> List[Life]:
             start, spec = born.pop(role)
             lives.append(Life(role, spec, start, i))
 
+    slab_left = {sl: sl[1] - sl[0] + 1 for sl in plan.slabs}
     for i, op in enumerate(plan.ops):
         if isinstance(op, Transfer):
             dst = plan.dst(op)
-            if op.kind in GATHER_KINDS:
+            slab = plan.slab_of(dst) if op.kind == "kv" else None
+            if slab is not None:
+                if ("slab", "kv", slab[0], 0) not in born:
+                    for j, spec in enumerate(slab_specs(slab, dims)):
+                        birth(("slab", "kv", slab[0], j), spec, i)
+            elif op.kind in GATHER_KINDS:
                 for j, spec in enumerate(payload(plan.phase, op.kind, dims)):
                     birth(("recv", op.kind, dst, j), spec, i)
             else:
@@ -90,14 +106,20 @@ def buffer_lives(plan: Plan, dims: ChunkDims) -> List[Life]:
                 for j, spec in enumerate(payload(plan.phase, op.kind, dims)):
                     birth(("in", op.kind, dst, op.direction, j), spec, i)
         elif isinstance(op, Compute):
-            for kind in REDUCE_KINDS[plan.phase]:
-                off = partial_offset(kind, op.q, op.kv)
-                if ("acc", kind, off, 0) not in born:
-                    for j, spec in enumerate(_acc_specs(plan.phase, kind, dims)):
-                        birth(("acc", kind, off, j), spec, i)
+            for q_off, kv_off in op.blocks:
+                for kind in REDUCE_KINDS[plan.phase]:
+                    off = partial_offset(kind, q_off, kv_off)
+                    if ("acc", kind, off, 0) not in born:
+                        for j, spec in enumerate(_acc_specs(plan.phase, kind, dims)):
+                            birth(("acc", kind, off, j), spec, i)
             if not fwd and op.q and ("stand_in", op.q) not in born:
                 birth(("stand_in", op.q), TensorSpec("", (dims.seq, dims.batch, dims.heads, dims.head_dim), dims.dtype), i)
         elif isinstance(op, Free):
+            slab = plan.slab_of(op.offset) if op.kind == "kv" else None
+            if slab is not None:
+                slab_left[slab] -= 1
+                if not slab_left[slab]:
+                    death(("slab", "kv", slab[0]), i)
             death(("recv", op.kind, op.offset), i)
             if op.kind == "q":
                 death(("stand_in", op.offset), i)

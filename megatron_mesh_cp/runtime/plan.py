@@ -10,8 +10,17 @@ likewise on the column ring. Three op types:
   ``src + direction`` (mod ring size) from the receiver's point of view. Gathers (``q``, ``kv``)
   forward chunks; reductions (``o``, ``dq``, ``dkv``) send a rank's partial result, which the
   receiver folds into its own partial of that offset before sending it on.
-* :class:`Compute` -- one tile block (Q offset, KV offset).
+* :class:`Compute` -- the tile blocks of one Q offset and one or more KV offsets. Several KV offsets
+  make a *grouped* compute: the executor runs the blocks whose keys sit contiguously in memory as
+  one kernel call (see *slabs* below and :func:`megatron_mesh_cp.layout.kernel_calls`).
 * :class:`Free` -- drop a gathered chunk (the memory budget is counted in live chunks).
+
+A plan may declare KV *slabs*: ranges ``(lo, hi)`` of foreign KV offsets whose chunks are received
+into one buffer laid out piece-major (first zigzag pieces of offsets lo..hi ascending, then the
+second pieces descending). Under the zigzag layout that puts the keys of every case group of a
+grouped compute (the "lower" blocks' first pieces, the "upper" blocks' whole chunks) side by side,
+so one kernel call covers them without copying anything. A slab is live, as a whole, from the first
+chunk it receives to the ``Free`` of its last one.
 
 Sends and receives pair up by construction (every rank runs the same transfer). :func:`validate`
 checks the rest: each block once, inputs present when used, reductions reaching their owner once.
@@ -66,8 +75,20 @@ class Transfer:
 
 @dataclass(frozen=True)
 class Compute:
+    """Blocks (q, kv) for every KV offset in ``kvs`` (an int is one block); in that order."""
+
     q: int
-    kv: int
+    kvs: Tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if isinstance(self.kvs, int):
+            object.__setattr__(self, "kvs", (self.kvs,))
+        else:
+            object.__setattr__(self, "kvs", tuple(self.kvs))
+
+    @property
+    def blocks(self) -> Tuple[Tuple[int, int], ...]:
+        return tuple((self.q, kv) for kv in self.kvs)
 
 
 @dataclass(frozen=True)
@@ -77,6 +98,14 @@ class Free:
 
 
 Op = Union[Transfer, Compute, Free]
+
+
+def slab_containing(slabs: Sequence[Tuple[int, int]], kv: int) -> Optional[Tuple[int, int]]:
+    """The slab (lo, hi) of ``slabs`` holding KV offset ``kv``, or None."""
+    for lo, hi in slabs:
+        if lo <= kv <= hi:
+            return (lo, hi)
+    return None
 
 
 @dataclass(frozen=True)
@@ -89,6 +118,12 @@ class Plan:
     ops: Tuple[Op, ...]
     name: str = "plan"
     meta: Tuple[Tuple[str, object], ...] = field(default=(), compare=False)
+    #: KV slabs: ranges (lo, hi) of foreign KV offsets received into one piece-major buffer
+    slabs: Tuple[Tuple[int, int], ...] = ()
+
+    def slab_of(self, kv: int) -> Optional[Tuple[int, int]]:
+        """The slab KV offset ``kv`` is received into, or None (its own chunk buffer)."""
+        return slab_containing(self.slabs, kv)
 
     def ring_size(self, ring: str) -> int:
         return self.a if ring == "row" else self.b
@@ -104,12 +139,19 @@ class Plan:
     def computes(self) -> List[Compute]:
         return [op for op in self.ops if isinstance(op, Compute)]
 
+    @property
+    def blocks(self) -> List[Tuple[int, int]]:
+        """Every (q, kv) block the plan computes, in op order."""
+        return [blk for op in self.computes for blk in op.blocks]
+
     def describe(self) -> str:
         counts: Dict[str, int] = {}
         for t in self.transfers:
             counts[t.kind] = counts.get(t.kind, 0) + 1
         parts = ", ".join(f"{k}:{v}" for k, v in counts.items())
-        return f"{self.name} {self.phase} {self.a}x{self.b}: {len(self.computes)} blocks, transfers {parts or 'none'}"
+        grouped = f" in {len(self.computes)} computes" if len(self.computes) != len(self.blocks) else ""
+        return (f"{self.name} {self.phase} {self.a}x{self.b}: {len(self.blocks)} blocks{grouped}, "
+                f"transfers {parts or 'none'}")
 
 
 # --- payloads: what one transfer puts on the wire --------------------------------------------
@@ -155,7 +197,8 @@ def payload(phase: str, kind: str, dims: ChunkDims) -> List[TensorSpec]:
     """The tensors one transfer of ``kind`` sends (and receives), with their byte categories.
 
     The executor allocates receive buffers from this and the byte model sums it, so the two
-    cannot drift apart.
+    cannot drift apart. (A KV chunk goes on the wire as its two zigzag pieces, so each can land
+    where the receiver keeps it -- apart, in a slab; the bytes are these.)
     """
     b, s, h, hk, d, dt, acc, part = dims
     part = part or acc
@@ -199,7 +242,9 @@ def validate(plan: Plan, max_live: Optional[int] = None) -> int:
     exactly once; a partial is sent only after every block feeding it was computed and the partial
     it waits for arrived; following the reductions, every rank's partial of every offset reaches
     the owner (offset 0) exactly once. Live chunks (gathered chunks held plus partials held) never
-    exceed ``max_live`` when given.
+    exceed ``max_live`` when given; a slab counts as all its chunks from the first one it receives
+    until its last one is freed. Slabs are disjoint ranges of foreign KV offsets; a compute names
+    each of its KV offsets once.
     """
     if plan.phase not in (FORWARD, BACKWARD):
         raise PlanError(f"unknown phase {plan.phase!r}")
@@ -212,6 +257,9 @@ def validate(plan: Plan, max_live: Optional[int] = None) -> int:
     sent = {k: set() for k in reduce_kinds}
     inbound = {k: {} for k in reduce_kinds}  # offset -> number of partials received there
     started = {k: set() for k in reduce_kinds}  # offsets whose own partial exists
+    _check_slabs(plan)
+    slab_left = {sl: sl[1] - sl[0] + 1 for sl in plan.slabs}  # chunks of a slab not yet freed
+    slab_live = set()
     live = 2  # own Q and KV chunks
     peak = live
     for idx, op in enumerate(plan.ops):
@@ -231,7 +279,12 @@ def validate(plan: Plan, max_live: Optional[int] = None) -> int:
                     raise PlanError(f"{where}: offset {dst} of {op.kind} received twice")
                 received[op.kind].add(dst)
                 present[op.kind].add(dst)
-                live += 1
+                slab = plan.slab_of(dst) if op.kind == "kv" else None
+                if slab is None:
+                    live += 1
+                elif slab not in slab_live:  # the slab's bytes are held from its first chunk on
+                    slab_live.add(slab)
+                    live += slab[1] - slab[0] + 1
             elif op.kind in reduce_kinds:
                 if op.src == 0:
                     raise PlanError(f"{where}: a rank never sends the partial of its own chunk")
@@ -251,26 +304,35 @@ def validate(plan: Plan, max_live: Optional[int] = None) -> int:
             else:
                 raise PlanError(f"{where}: kind {op.kind!r} does not belong in a {plan.phase} plan")
         elif isinstance(op, Compute):
-            if not (0 <= op.q < a and 0 <= op.kv < b):
-                raise PlanError(f"{where}: block outside the {a}x{b} tile")
-            if (op.q, op.kv) in computed:
-                raise PlanError(f"{where}: block computed twice")
-            for kind, off in (("q", op.q), ("kv", op.kv)):
-                _need(present, freed, kind, off, where)
-            for kind in reduce_kinds:
-                off = partial_offset(kind, op.q, op.kv)
-                if off in sent[kind]:
-                    raise PlanError(f"{where}: block feeds partial {kind} already sent")
-                if off not in started[kind]:
-                    started[kind].add(off)
-                    live += 1
-            computed.add((op.q, op.kv))
+            if not op.kvs or len(set(op.kvs)) != len(op.kvs):
+                raise PlanError(f"{where}: a compute names each KV offset once, and at least one")
+            for q_off, kv_off in op.blocks:
+                if not (0 <= q_off < a and 0 <= kv_off < b):
+                    raise PlanError(f"{where}: block outside the {a}x{b} tile")
+                if (q_off, kv_off) in computed:
+                    raise PlanError(f"{where}: block computed twice")
+                for kind, off in (("q", q_off), ("kv", kv_off)):
+                    _need(present, freed, kind, off, where)
+                for kind in reduce_kinds:
+                    off = partial_offset(kind, q_off, kv_off)
+                    if off in sent[kind]:
+                        raise PlanError(f"{where}: block feeds partial {kind} already sent")
+                    if off not in started[kind]:
+                        started[kind].add(off)
+                        live += 1
+                computed.add((q_off, kv_off))
         elif isinstance(op, Free):
             if op.kind not in GATHER_KINDS or op.offset == 0:
                 raise PlanError(f"{where}: only gathered foreign chunks can be freed")
             _need(present, freed, op.kind, op.offset, where)
             freed[op.kind].add(op.offset)
-            live -= 1
+            slab = plan.slab_of(op.offset) if op.kind == "kv" else None
+            if slab is None:
+                live -= 1
+            else:  # the slab's bytes go when its last chunk does
+                slab_left[slab] -= 1
+                if not slab_left[slab]:
+                    live -= slab[1] - slab[0] + 1
         else:
             raise PlanError(f"{where}: unknown op type")
         peak = max(peak, live)
@@ -286,6 +348,17 @@ def validate(plan: Plan, max_live: Optional[int] = None) -> int:
     for kind in reduce_kinds:
         _check_reduction(plan, kind, sent[kind])
     return peak
+
+
+def _check_slabs(plan: Plan) -> None:
+    seen = set()
+    for slab in plan.slabs:
+        if len(slab) != 2 or not 1 <= slab[0] <= slab[1] < plan.b:
+            raise PlanError(f"slab {slab}: must be a range (lo, hi) of foreign KV offsets, 1 <= lo <= hi < {plan.b}")
+        span = set(range(slab[0], slab[1] + 1))
+        if span & seen:
+            raise PlanError(f"slab {slab} overlaps another slab")
+        seen |= span
 
 
 def _need(present, freed, kind, off, where):
