@@ -312,8 +312,8 @@ def main():
         "2.9x mean) instead of above them. USP remains the baseline to beat: its all-to-all stays on NVLink and its "
         "ring moves large blocks. a2a+mesh beats it where traffic matters (MHA, short sequences, slow "
         "networks) and ties it where both are compute-bound (1M GQA). At 128K tokens per 256 ranks the blocks "
-        "are small and the fixed per-call overhead dominates; grouping the blocks that share a Q chunk into one "
-        "kernel call (not built yet) is the next step there.",
+        "are small and the fixed per-call overhead dominates; the grouped plans run the blocks that share a Q chunk "
+        "and whose KV chunks sit side by side in a receive slab as one kernel call (DESIGN.md, grouped computes).",
         "",
         "## Tables (bf16 partials, TE's convention)",
         "",

@@ -50,9 +50,11 @@ def test_pool_bytes_equal_the_plans_peak_live_bytes_per_phase(a, b, causal, h, h
     assert [c.buffers.nbytes() for c in hub_b.ranks] == [peak_b] * shape.n
     run_virtual(bwd, shape, bwd_in(res), kern, causal=causal, scale=0.3, hub=hub)  # both: one arena, the larger
     assert [c.buffers.nbytes() for c in hub.ranks] == [max(peak_f, peak_b)] * shape.n
-    for plan in (fwd, bwd):  # bytes are reused: far less than one buffer per chunk ever received
+    for plan in (fwd, bwd):  # bytes are reused: less than one buffer per chunk ever received
         lives = buffer_lives(plan, dims)
-        assert layout(plan, dims).nbytes == peak_live_bytes(plan, dims) < sum(x.nbytes for x in lives)
+        assert layout(plan, dims).nbytes == peak_live_bytes(plan, dims) <= sum(x.nbytes for x in lives)
+        if max(x.start for x in lives) > min(x.end for x in lives):  # some tensor dies before another is born
+            assert peak_live_bytes(plan, dims) < sum(x.nbytes for x in lives)
 
 
 def test_reused_bytes_keep_results_exact_and_bitwise_repeatable():

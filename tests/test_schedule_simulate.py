@@ -77,7 +77,8 @@ def test_greedy_holds_back_own_blocks_for_the_tail(shape):
     r = replay(fwd, cluster, w, record=0)
     blocks = [(s, lab) for lane, s, e, lab in r.timeline if lane == "compute" and lab.startswith("blk")]
     ready = lambda i, j: max(r.arrivals[("q", i)], r.arrivals[("kv", j)])  # noqa: E731
-    parsed = [(s, *map(int, lab.split()[1].split(","))) for s, lab in blocks]
+    # "blk i,j" or, for a grouped compute, "blk i,j1+j2+...": one entry per block
+    parsed = [(s, int(i), int(j)) for s, lab in blocks for i, js in [lab.split()[1].split(",")] for j in js.split("+")]
     for idx, (t, i, j) in enumerate(parsed):
         if i == 0:
             later = [(ii, jj) for _, ii, jj in parsed[idx + 1:] if ii != 0]

@@ -20,6 +20,7 @@ from ..runtime.plan import BACKWARD, FORWARD, REDUCE_KINDS, RING_OF, payload, va
 from ..runtime.topology import MeshShape, valid_shapes
 from .cluster import Cluster, Workload, workload_dims
 from .costs import plan_peak_bytes, te_ring_peak_bytes, ulysses_a2a_steps, ulysses_buffer_bytes, ulysses_inner
+from .greedy import GROUP_WIDTH
 from .replay import replay
 from .schedule import build_plans
 
@@ -62,9 +63,10 @@ def shape_bound(a: int, b: int, cluster: Cluster, w: Workload, stride: int = 1) 
     """A lower bound on the a x b mesh's simulated time: per phase, its compute or its busiest link.
 
     Rings whose hops are all of one link type share that type's egress; a ring with both kinds of
-    hop can at best use both links at once.
+    hop can at best use both links at once. Compute: every block's kernel work, and per Q chunk at
+    least one kernel call for the own KV chunk and one per KV slab of the grouped plans (the
+    fewest calls any plan makes).
     """
-
     dims = workload_dims(w)
     cases = (BlockCase.DIAG, BlockCase.LOWER, BlockCase.UPPER) if w.causal else (BlockCase.FULL,)
     links = {
@@ -74,10 +76,13 @@ def shape_bound(a: int, b: int, cluster: Cluster, w: Workload, stride: int = 1) 
     bw = {"intra": cluster.intra_bw, "inter": cluster.inter_bw, "mixed": cluster.intra_bw + cluster.inter_bw}
     total = 0.0
     for phase in (FORWARD, BACKWARD):
+        bwd = phase == BACKWARD
         if w.packing is None:
-            compute = a * b * min(w.block_time(cluster, c, phase == BACKWARD) for c in cases)
-        else:  # every rank computes a * b blocks, none cheaper than the cheapest packed block
-            compute = a * b * float(w.block_times(cluster, phase == BACKWARD, a * b).min())
+            calls = a * (1 + -(-(b - 1) // GROUP_WIDTH))
+            compute = (a * b * min(w.kernel_time(cluster, c, bwd) + w.keys_time(cluster, c, bwd) for c in cases)
+                       + calls * min(w.call_time(cluster, c, bwd) for c in cases))
+        else:  # packed plans are not grouped: every rank computes a * b blocks, none cheaper than the cheapest
+            compute = a * b * float(w.block_times(cluster, bwd, a * b).min())
         wire = {"intra": 0.0, "inter": 0.0}
         comm = 0.0
         for kind in ("q", "kv") + REDUCE_KINDS[phase]:

@@ -14,11 +14,18 @@ op that can start earliest:
   nothing else is left to overlap the waits;
 * at most ``max_inflight`` transfers per ring are outstanding, only ring neighbours talk, and live
   chunks (gathered chunks + partials) never exceed ``max_live``; chunks are freed once used and
-  forwarded.
+  forwarded;
+* with ``group`` (grouped calls), the foreign KV chunks are received into slabs of consecutive
+  offsets (plan.py) and a chosen block takes along the other blocks of its Q chunk whose KV chunks
+  are already in its slab: one Compute op, which the executor runs as one kernel call per run of
+  keys (at most two per slab) instead of one per block. Nothing waits to make a group bigger:
+  groups form when chunks arrive faster than blocks finish, which is when the per-call cost is on
+  the critical path. Reductions are then ranked by when their fold can run (a partial passed over
+  by a compute would wait a whole group), the longest chain first.
 
-Which direction each gather and reduction chain runs (one way round, or split both ways) is a
-small enumeration around the greedy: each variant is planned and replayed on the cluster by the
-simulator, and the fastest valid one is kept.
+Which direction each gather and reduction chain runs (one way round, or split both ways), and
+whether blocks are grouped, is a small enumeration around the greedy: each variant is planned and
+replayed on the cluster by the simulator, and the fastest valid one is kept.
 """
 
 from __future__ import annotations
@@ -26,11 +33,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
+from ..runtime.layout import BlockCase
 from ..runtime.plan import (BACKWARD, FORWARD, REDUCE_KINDS, RING_OF, Compute, Free, Op, Plan, PlanError, Transfer,
                             feeding_blocks, partial_offset, payload, validate)
 from .cluster import Cluster, Workload, workload_dims
 
-__all__ = ["ChainConfig", "PlanCost", "greedy_plan", "CONFIGS"]
+__all__ = ["ChainConfig", "PlanCost", "greedy_plan", "CONFIGS", "GROUP_WIDTH"]
 
 INF = float("inf")
 
@@ -43,14 +51,21 @@ class ChainConfig:
     split_reductions: bool = False  # reduce half the partials each way round
     max_inflight: int = 2  # outstanding transfers per ring
     max_live: Optional[int] = None  # memory budget in live chunks
+    group: int = 0  # > 1: foreign KV chunks in slabs of this many offsets, blocks grouped per slab
 
     def label(self) -> str:
         g = "split" if self.split_gathers else "one-way"
         r = "split" if self.split_reductions else "one-way"
-        return f"gathers {g}, reductions {r}"
+        return f"gathers {g}, reductions {r}" + (f", grouped calls (slabs of {self.group})" if self.group > 1 else "")
 
 
-CONFIGS = tuple(ChainConfig(g, r) for g in (False, True) for r in (False, True))
+#: Offsets per KV slab in the grouped variants. A slab is held whole from its first chunk to its
+#: last, so narrower slabs keep memory nearer the ungrouped plans' (about two slabs live, not all
+#: b - 1 chunks) at the price of more calls: replayed at 2x16 (128K GQA, n = 256, a2a+mesh 8x2x16),
+#: forward + backward 6.93 ms with slabs of 8, 6.86 with one slab of 15, 7.08 with 4, 8.54 ungrouped.
+GROUP_WIDTH = 8
+
+CONFIGS = tuple(ChainConfig(g, r, group=k) for k in (0, GROUP_WIDTH) for g in (False, True) for r in (False, True))
 
 
 @dataclass(frozen=True)
@@ -58,6 +73,7 @@ class PlanCost:
     """What the planner needs to know about time, for one phase on one shape."""
 
     block: float  # seconds per block (zigzag blocks are all the same work; packed: their mean, see Workload)
+    call: float  # of which every kernel call pays once (overhead, output correction)
     fold: Dict[str, float]  # elementwise fold of an arriving partial, per reduce kind
     transfer: Dict[str, float]  # bytes / bandwidth, per payload kind
     latency: Dict[str, float]  # per ring
@@ -80,7 +96,9 @@ class PlanCost:
             if kind not in ("q", "kv"):
                 fold[kind] = cluster.elementwise_time(3 * nbytes)
         latency = {ring: cluster.latency(lt) for ring, lt in link.items()}
-        return cls(w.mean_block_time(cluster, backward, n), fold, transfer, latency, link)
+        case = BlockCase.LOWER if w.causal else BlockCase.FULL
+        return cls(w.mean_block_time(cluster, backward, n), w.call_time(cluster, case, backward), fold, transfer,
+                   latency, link)
 
 
 def _ring_link(cluster: Cluster, rings: List[List[int]], stride: int) -> str:
@@ -144,6 +162,11 @@ class _Greedy:
         self.freed = set()
         self.started_partials = set()
         self.live = 2
+        width = min(cfg.group, b - 1)
+        self.slabs = tuple((lo, min(lo + width - 1, b - 1)) for lo in range(1, b, width)) if width > 1 else ()
+        self.slab_at = {o: sl for sl in self.slabs for o in range(sl[0], sl[1] + 1)}
+        self.slab_received = {sl: 0 for sl in self.slabs}
+        self.slab_freed = {sl: 0 for sl in self.slabs}
 
     # --- helpers ----------------------------------------------------------------------------
     def _partials_of(self, i: int, j: int) -> List[Tuple[str, int]]:
@@ -166,6 +189,60 @@ class _Greedy:
     def _room(self, extra: int) -> bool:
         return self.cfg.max_live is None or self.live + extra <= self.cfg.max_live
 
+    def _slab(self, kind: str, off: int):
+        return self.slab_at.get(off) if kind == "kv" else None
+
+    def _arrival_cost(self, kind: str, dst: int) -> int:
+        """Live chunks a gather into ``dst`` adds: one, or the whole slab with its first chunk."""
+        slab = self._slab(kind, dst)
+        if slab is None:
+            return 1
+        return slab[1] - slab[0] + 1 if self.slab_received[slab] == 0 else 0
+
+    def _group(self, i: int, j: int, start: float) -> List[int]:
+        """KV offsets of the compute that runs block (i, j) at ``start``: with grouping, the other
+        blocks of Q chunk i whose KV chunk sits in the slab by then, in priority order, within the
+        memory budget -- but at most one block per reduction chain that *closes* a dK/dV partial
+        (is the last block it waits for). A dK/dV partial leaves after the one before it in its
+        chain arrived and was folded, and folds run between computes: a group closing g partials
+        lets the chain advance one hop where it needs g, and the hops it falls behind come back
+        exposed at the end of the backward (replayed, 2x16 at 128K GQA: backward 5.04 ms with one
+        closing block per chain and group, 5.15 ms with any number)."""
+        kvs = [j]
+        slab = self._slab("kv", j)
+        if slab is None:
+            return kvs
+        starting = {p for p in self._partials_of(i, j) if p not in self.started_partials}
+        closing = self._closes(i, j)
+        cands = [o for (q, o) in self.todo if q == i and o != j and self._slab("kv", o) == slab]
+        for o in sorted(cands, key=lambda o: self._priority(i, o)):
+            if self.arr.get(("kv", o), INF) > start:
+                continue
+            closes = self._closes(i, o)
+            if closes & closing:
+                continue
+            new = {p for p in self._partials_of(i, o) if p not in self.started_partials} - starting
+            if not self._room(len(starting) + len(new)):
+                continue
+            starting |= new
+            closing |= closes
+            kvs.append(o)
+        return kvs
+
+    def _closes(self, i: int, o: int) -> set:
+        """The reduction chain (direction) whose dK/dV partial block (i, o) closes -- as the last
+        block that partial waits for -- or the empty set."""
+        if "dkv" not in self.reduce_kinds or o == 0 or self.remaining[("kv", o)] != 1:
+            return set()
+        return {d for d, offs in self.reductions["dkv"].items() if o in offs}
+
+    def _compute_time(self, kvs: List[int]) -> float:
+        """A compute's time on the representative rank: the blocks' work plus a call cost per kernel
+        call, one per case group of a grouped compute (below and above the rank's Q chunks: two at
+        most, for consecutive offsets)."""
+        calls = 1 if len(kvs) == 1 else 2
+        return len(kvs) * (self.cost.block - self.cost.call) + calls * self.cost.call
+
     # --- candidates -------------------------------------------------------------------------
     def _transfer_start(self, kind: str, d: int, ready: float) -> float:
         ring = RING_OF[kind]
@@ -179,7 +256,7 @@ class _Greedy:
             if idx >= len(chain):
                 continue
             src, dst = chain[idx]
-            if (k, src) not in self.arr or not self._room(1):
+            if (k, src) not in self.arr or not self._room(self._arrival_cost(k, dst)):
                 continue
             start = self._transfer_start(k, d, self.arr[(k, src)])
             other = "kv" if k == "q" else "q"
@@ -200,7 +277,14 @@ class _Greedy:
             # decided as soon as the fold can start on the compute stream; the wire waits for it
             ready = max([self.t_comp] + self.inbound.get((k, off), []))
             start = self._transfer_start(k, d, ready)
-            out.append((start, 0, (k, d), ("reduce", k, d, off)))
+            # grouped: ranked by when its fold can run, so it is not passed over by a compute that
+            # starts before the ring is free (a grouped compute is long: a partial passed over waits
+            # a whole group), and between chains ready together the longer one first (the critical
+            # path); ungrouped plans keep the per-block rule Ring and USP are calibrated on
+            if self.slabs:
+                out.append((ready, 0, (idx - len(chain), k, d), ("reduce", k, d, off)))
+            else:
+                out.append((start, 0, (k, d), ("reduce", k, d, off)))
         for i, j in self.todo:
             if ("q", i) not in self.arr or ("kv", j) not in self.arr:
                 continue
@@ -227,7 +311,13 @@ class _Greedy:
         if (kind, off) in self.forwards:
             return
         self.freed.add((kind, off))
-        self.live -= 1
+        slab = self._slab(kind, off)
+        if slab is not None:  # the slab's bytes go with its last chunk
+            self.slab_freed[slab] += 1
+            if self.slab_freed[slab] == slab[1] - slab[0] + 1:
+                self.live -= slab[1] - slab[0] + 1
+        else:
+            self.live -= 1
         self.ops.append(Free(kind, off))
 
     def run(self) -> Plan:
@@ -240,8 +330,10 @@ class _Greedy:
                 _, k, d, src = what
                 dst = self.gathers[k][d][self.g_next[(k, d)]][1]
                 self.g_next[(k, d)] += 1
+                self.live += self._arrival_cost(k, dst)
+                if self._slab(k, dst) is not None:
+                    self.slab_received[self._slab(k, dst)] += 1
                 self.arr[(k, dst)] = self._emit_transfer(k, d, src, start)
-                self.live += 1
                 self.forwards.discard((k, src))
                 self._maybe_free(k, src)
             elif what[0] == "reduce":
@@ -258,16 +350,19 @@ class _Greedy:
                 self.live += 1 - 1 - len(inbound)
             else:
                 _, i, j = what
-                self.todo.discard((i, j))
-                for p in self._partials_of(i, j):
-                    if p not in self.started_partials:
-                        self.started_partials.add(p)
-                        self.live += 1
-                self.t_comp = start + self.cost.block
-                self.ops.append(Compute(i, j))
-                for key in (("q", i), ("kv", j)):
-                    self.remaining[key] -= 1
-                    self._maybe_free(*key)
+                kvs = self._group(i, j, start)
+                for o in kvs:
+                    self.todo.discard((i, o))
+                    for p in self._partials_of(i, o):
+                        if p not in self.started_partials:
+                            self.started_partials.add(p)
+                            self.live += 1
+                self.t_comp = start + self._compute_time(kvs)
+                self.ops.append(Compute(i, tuple(kvs)))
+                for o in kvs:
+                    for key in (("q", i), ("kv", o)):
+                        self.remaining[key] -= 1
+                        self._maybe_free(*key)
         done = not self.todo and all(
             self.r_next[key] >= len(self.reductions[key[0]][key[1]]) for key in self.r_next
         ) and all(self.g_next[key] >= len(self.gathers[key[0]][key[1]]) for key in self.g_next)
@@ -276,7 +371,7 @@ class _Greedy:
                 f"no {self.phase} plan for {self.a}x{self.b} fits in {self.cfg.max_live} live chunks"
             )
         return Plan(self.phase, self.a, self.b, tuple(self.ops), name="greedy",
-                    meta=(("config", self.cfg.label()),))
+                    meta=(("config", self.cfg.label()),), slabs=self.slabs)
 
 
 def greedy_plan(a: int, b: int, phase: str, cost: PlanCost, cfg: ChainConfig = ChainConfig()) -> Plan:

@@ -117,6 +117,8 @@ def _greedy_plans(a, b, cluster, workload, stride, max_live, max_inflight, chain
         scored = []
         errors = []
         for cfg in CONFIGS if chains == "auto" else CONFIGS[:1]:
+            if cfg.group and workload.packing is not None:
+                continue  # grouped calls are for the dense zigzag blocks the executor runs
             cfg = replace(cfg, max_inflight=max_inflight, max_live=max_live)
             try:
                 plan = greedy_plan(a, b, phase, cost, cfg)
@@ -136,8 +138,8 @@ def _greedy_plans(a, b, cluster, workload, stride, max_live, max_inflight, chain
     fwd, bwd = best
     meta = (("planning_seconds", elapsed),)
     return (
-        Plan(fwd.phase, a, b, fwd.ops, name=fwd.name, meta=fwd.meta + meta),
-        Plan(bwd.phase, a, b, bwd.ops, name=bwd.name, meta=bwd.meta + meta),
+        Plan(fwd.phase, a, b, fwd.ops, name=fwd.name, meta=fwd.meta + meta, slabs=fwd.slabs),
+        Plan(bwd.phase, a, b, bwd.ops, name=bwd.name, meta=bwd.meta + meta, slabs=bwd.slabs),
     )
 
 
