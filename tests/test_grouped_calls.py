@@ -17,7 +17,7 @@ import torch
 from megatron_mesh_cp import MeshShape
 from megatron_mesh_cp.planning.cluster import Workload, load_cluster
 from megatron_mesh_cp.planning.costs import ulysses_inner
-from megatron_mesh_cp.planning.greedy import GROUP_WIDTH, ChainConfig, PlanCost, greedy_plan
+from megatron_mesh_cp.planning.greedy import GROUP_WIDTH, ChainConfig, PlanCost, greedy_plan, grouping_pays
 from megatron_mesh_cp.planning.replay import _block_durations, replay
 from megatron_mesh_cp.planning.schedule import build_plans
 from megatron_mesh_cp.reference import reference_attention
@@ -224,3 +224,7 @@ def test_grouped_variant_wins_at_the_128k_gqa_row():
         ungrouped += min(replay(greedy_plan(2, 16, phase, cost, ChainConfig(g, r)), H100, inner, stride=8,
                                 record=None).time for g in (False, True) for r in (False, True))
     assert grouped < 0.9 * ungrouped
+    # 1M tokens: blocks 8x larger, a call's fixed cost under GROUP_MIN_SHARE of a block: not planned
+    big = replace(inner, seq_local=inner.seq_local * 8)
+    assert not grouping_pays(big, H100, False) and not grouping_pays(big, H100, True)
+    assert not any(p.slabs for p in build_plans(2, 16, cluster=H100, workload=big, stride=8))

@@ -20,7 +20,7 @@ from ..runtime.plan import BACKWARD, FORWARD, REDUCE_KINDS, RING_OF, payload, va
 from ..runtime.topology import MeshShape, valid_shapes
 from .cluster import Cluster, Workload, workload_dims
 from .costs import plan_peak_bytes, te_ring_peak_bytes, ulysses_a2a_steps, ulysses_buffer_bytes, ulysses_inner
-from .greedy import GROUP_WIDTH
+from .greedy import GROUP_WIDTH, grouping_pays
 from .replay import replay
 from .schedule import build_plans
 
@@ -64,8 +64,8 @@ def shape_bound(a: int, b: int, cluster: Cluster, w: Workload, stride: int = 1) 
 
     Rings whose hops are all of one link type share that type's egress; a ring with both kinds of
     hop can at best use both links at once. Compute: every block's kernel work, and per Q chunk at
-    least one kernel call for the own KV chunk and one per KV slab of the grouped plans (the
-    fewest calls any plan makes).
+    least one kernel call for the own KV chunk and one per KV slab where grouped plans are made
+    (the fewest calls any plan makes), a call per block where they are not.
     """
     dims = workload_dims(w)
     cases = (BlockCase.DIAG, BlockCase.LOWER, BlockCase.UPPER) if w.causal else (BlockCase.FULL,)
@@ -77,11 +77,13 @@ def shape_bound(a: int, b: int, cluster: Cluster, w: Workload, stride: int = 1) 
     total = 0.0
     for phase in (FORWARD, BACKWARD):
         bwd = phase == BACKWARD
-        if w.packing is None:
+        if grouping_pays(w, cluster, bwd):
             calls = a * (1 + -(-(b - 1) // GROUP_WIDTH))
             compute = (a * b * min(w.kernel_time(cluster, c, bwd) + w.keys_time(cluster, c, bwd) for c in cases)
                        + calls * min(w.call_time(cluster, c, bwd) for c in cases))
-        else:  # packed plans are not grouped: every rank computes a * b blocks, none cheaper than the cheapest
+        elif w.packing is None:
+            compute = a * b * min(w.block_time(cluster, c, bwd) for c in cases)
+        else:  # every rank computes a * b blocks, none cheaper than the cheapest packed block
             compute = a * b * float(w.block_times(cluster, bwd, a * b).min())
         wire = {"intra": 0.0, "inter": 0.0}
         comm = 0.0

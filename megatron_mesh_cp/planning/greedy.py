@@ -38,7 +38,7 @@ from ..runtime.plan import (BACKWARD, FORWARD, REDUCE_KINDS, RING_OF, Compute, F
                             feeding_blocks, partial_offset, payload, validate)
 from .cluster import Cluster, Workload, workload_dims
 
-__all__ = ["ChainConfig", "PlanCost", "greedy_plan", "CONFIGS", "GROUP_WIDTH"]
+__all__ = ["ChainConfig", "PlanCost", "greedy_plan", "grouping_pays", "CONFIGS", "GROUP_WIDTH", "GROUP_MIN_SHARE"]
 
 INF = float("inf")
 
@@ -64,6 +64,21 @@ class ChainConfig:
 #: b - 1 chunks) at the price of more calls: replayed at 2x16 (128K GQA, n = 256, a2a+mesh 8x2x16),
 #: forward + backward 6.93 ms with slabs of 8, 6.86 with one slab of 15, 7.08 with 4, 8.54 ungrouped.
 GROUP_WIDTH = 8
+
+#: Grouped variants are planned only where a kernel call's fixed cost (overhead, output correction)
+#: is at least this share of a block's time: grouping saves at most that share of the compute, and
+#: planning them doubles the planner's work (large blocks, e.g. 1M tokens on 256 ranks, skip them).
+GROUP_MIN_SHARE = 0.1
+
+
+def grouping_pays(w: Workload, cluster: Cluster, backward: bool) -> bool:
+    """Whether the grouped variants are worth planning for this layer and phase (dense layers only:
+    a varlen call cannot take a packed document's keys from several chunks)."""
+    if w.packing is not None:
+        return False
+    case = BlockCase.LOWER if w.causal else BlockCase.FULL
+    return w.call_time(cluster, case, backward) >= GROUP_MIN_SHARE * w.block_time(cluster, case, backward)
+
 
 CONFIGS = tuple(ChainConfig(g, r, group=k) for k in (0, GROUP_WIDTH) for g in (False, True) for r in (False, True))
 
@@ -156,6 +171,11 @@ class _Greedy:
                     pos[o] = i
             self.rank_of[k] = pos
         self.todo = {(i, j) for i in range(a) for j in range(b)}
+        self.ready = {(0, 0)}  # blocks to do whose Q and KV chunks both have a (planned) arrival
+        # per block, the partials it feeds and its static rank (which must leave first, then i, j)
+        self.partials = {(i, j): tuple((k, partial_offset(k, i, j)) for k in self.reduce_kinds) for i, j in self.todo}
+        self.ranking = {blk: tuple(sorted(self.rank_of[k][off] for k, off in self.partials[blk])) + blk
+                        for blk in self.todo}
         self.remaining = {("q", i): b for i in range(a)}
         self.remaining.update({("kv", j): a for j in range(b)})
         self.forwards = {(k, src) for k, chains in self.gathers.items() for ch in chains.values() for src, _ in ch}
@@ -169,16 +189,15 @@ class _Greedy:
         self.slab_freed = {sl: 0 for sl in self.slabs}
 
     # --- helpers ----------------------------------------------------------------------------
-    def _partials_of(self, i: int, j: int) -> List[Tuple[str, int]]:
-        return [(k, partial_offset(k, i, j)) for k in self.reduce_kinds]
+    def _partials_of(self, i: int, j: int) -> Tuple[Tuple[str, int], ...]:
+        return self.partials[(i, j)]
 
     def _priority(self, i: int, j: int) -> Tuple:
-        keys = tuple(sorted(self.rank_of[k][off] for k, off in self._partials_of(i, j)))
         if self.cfg.max_live is not None:
             # under a memory budget, finish chunks first so they can be freed
             left = min(self.remaining[("q", i)] if i else 10**9, self.remaining[("kv", j)] if j else 10**9)
-            return (left,) + keys + (i, j)
-        return keys + (i, j)
+            return (left,) + self.ranking[(i, j)]
+        return self.ranking[(i, j)]
 
     def _slot(self, ring: str, t: float) -> float:
         """Earliest time >= t at which the ring has fewer than max_inflight transfers outstanding."""
@@ -214,7 +233,7 @@ class _Greedy:
             return kvs
         starting = {p for p in self._partials_of(i, j) if p not in self.started_partials}
         closing = self._closes(i, j)
-        cands = [o for (q, o) in self.todo if q == i and o != j and self._slab("kv", o) == slab]
+        cands = [o for (q, o) in self.ready if q == i and o != j and self._slab("kv", o) == slab]
         for o in sorted(cands, key=lambda o: self._priority(i, o)):
             if self.arr.get(("kv", o), INF) > start:
                 continue
@@ -285,14 +304,17 @@ class _Greedy:
                 out.append((ready, 0, (idx - len(chain), k, d), ("reduce", k, d, off)))
             else:
                 out.append((start, 0, (k, d), ("reduce", k, d, off)))
-        for i, j in self.todo:
-            if ("q", i) not in self.arr or ("kv", j) not in self.arr:
+        # computes all rank (start, 2, priority), priorities unique: only the first of them can win
+        best, budget, arr = None, self.cfg.max_live is not None, self.arr
+        for i, j in self.ready:
+            aq, ak = arr[("q", i)], arr[("kv", j)]
+            if budget and not self._room(sum(1 for p in self.partials[(i, j)] if p not in self.started_partials)):
                 continue
-            new = sum(1 for p in self._partials_of(i, j) if p not in self.started_partials)
-            if not self._room(new):
-                continue
-            start = max(self.t_comp, self.arr[("q", i)], self.arr[("kv", j)])
-            out.append((start, 2, self._priority(i, j), ("compute", i, j)))
+            key = (max(self.t_comp, aq, ak), self._priority(i, j))
+            if best is None or key < best[0]:
+                best = (key, i, j)
+        if best is not None:
+            out.append((best[0][0], 2, best[0][1], ("compute", best[1], best[2])))
         return out
 
     # --- emit -------------------------------------------------------------------------------
@@ -334,6 +356,11 @@ class _Greedy:
                 if self._slab(k, dst) is not None:
                     self.slab_received[self._slab(k, dst)] += 1
                 self.arr[(k, dst)] = self._emit_transfer(k, d, src, start)
+                other = "kv" if k == "q" else "q"
+                for o in range(self.size[other]):
+                    blk = (dst, o) if k == "q" else (o, dst)
+                    if (other, o) in self.arr and blk in self.todo:
+                        self.ready.add(blk)
                 self.forwards.discard((k, src))
                 self._maybe_free(k, src)
             elif what[0] == "reduce":
@@ -353,6 +380,7 @@ class _Greedy:
                 kvs = self._group(i, j, start)
                 for o in kvs:
                     self.todo.discard((i, o))
+                    self.ready.discard((i, o))
                     for p in self._partials_of(i, o):
                         if p not in self.started_partials:
                             self.started_partials.add(p)

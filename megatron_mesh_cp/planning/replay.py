@@ -80,8 +80,8 @@ def _calls_by_case(kvs: Tuple[int, ...], pattern: Tuple[int, ...], slabs) -> Tup
 def _block_durations(plan: Plan, w: Workload, cluster: Cluster, backward: bool) -> Dict[Compute, np.ndarray]:
     """Per compute op, its compute-stream seconds on every rank (Q rank i, KV ranks j of its blocks).
 
-    A single block outside a slab: the block's time (equal per causal case unpacked, its real work
-    when the workload is packed), which includes one kernel call's overhead and output correction.
+    A single block: the block's time (equal per causal case unpacked, its real work when the
+    workload is packed), which includes one kernel call's overhead and output correction.
     A grouped compute: its blocks' times less that per-block call cost, plus one call cost per
     kernel call the executor makes (:func:`~megatron_mesh_cp.runtime.layout.kernel_calls`: blocks
     in one KV slab and of one case share a call per run of consecutive KV offsets)."""
@@ -94,7 +94,7 @@ def _block_durations(plan: Plan, w: Workload, cluster: Cluster, backward: bool) 
     for op in plan.computes:
         i = r * a + (c - op.q) % a
         js = [((r - kv) % b) * a + c for kv in op.kvs]
-        if len(op.kvs) == 1 and plan.slab_of(op.kvs[0]) is None:
+        if len(op.kvs) == 1:  # one block is one call, in its own buffer or alone in a slab
             out[op] = t[i, js[0]]
             continue
         if w.causal:

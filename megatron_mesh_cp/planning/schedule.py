@@ -19,7 +19,7 @@ from typing import List, Optional, Tuple
 
 from ..runtime.plan import BACKWARD, FORWARD, Compute, Op, Plan, PlanError, Transfer, validate
 from .cluster import Cluster, Workload, load_cluster
-from .greedy import CONFIGS, PlanCost, greedy_plan
+from .greedy import CONFIGS, PlanCost, greedy_plan, grouping_pays
 from .replay import replay
 
 __all__ = ["in_order_plan", "build_plans", "PLANNERS", "default_cluster", "DEFAULT_WORKLOAD"]
@@ -116,9 +116,10 @@ def _greedy_plans(a, b, cluster, workload, stride, max_live, max_inflight, chain
         cost = PlanCost.of(a, b, phase, cluster, workload, stride)
         scored = []
         errors = []
+        grouped = grouping_pays(workload, cluster, phase == BACKWARD)
         for cfg in CONFIGS if chains == "auto" else CONFIGS[:1]:
-            if cfg.group and workload.packing is not None:
-                continue  # grouped calls are for the dense zigzag blocks the executor runs
+            if cfg.group and not grouped:
+                continue
             cfg = replace(cfg, max_inflight=max_inflight, max_live=max_live)
             try:
                 plan = greedy_plan(a, b, phase, cost, cfg)

@@ -258,6 +258,7 @@ def validate(plan: Plan, max_live: Optional[int] = None) -> int:
     inbound = {k: {} for k in reduce_kinds}  # offset -> number of partials received there
     started = {k: set() for k in reduce_kinds}  # offsets whose own partial exists
     _check_slabs(plan)
+    upstream = _upstreams(plan)
     slab_left = {sl: sl[1] - sl[0] + 1 for sl in plan.slabs}  # chunks of a slab not yet freed
     slab_live = set()
     live = 2  # own Q and KV chunks
@@ -293,7 +294,7 @@ def validate(plan: Plan, max_live: Optional[int] = None) -> int:
                 missing = [blk for blk in feeding_blocks(op.kind, op.src, a, b) if blk not in computed]
                 if missing:
                     raise PlanError(f"{where}: blocks {missing} not computed before the partial is sent")
-                if _upstream(plan, op.kind, op.src) is not None and not inbound[op.kind].get(op.src):
+                if (op.kind, op.src) in upstream and not inbound[op.kind].get(op.src):
                     raise PlanError(f"{where}: sent before the partial it forwards arrived")
                 sent[op.kind].add(op.src)
                 # the own partial leaves, the partial folded into it is gone, a new one arrives
@@ -380,12 +381,13 @@ def feeding_blocks(kind: str, offset: int, a: int, b: int) -> List[Tuple[int, in
     return [(offset, j) for j in range(b)]
 
 
-def _upstream(plan: Plan, kind: str, offset: int) -> Optional[int]:
-    """Offset whose partial flows into ``offset`` (same direction chain), or None if none does."""
+def _upstreams(plan: Plan) -> Dict[Tuple[str, int], int]:
+    """(kind, offset) -> the offset whose partial flows into it (same direction chain); the first
+    such transfer in plan order, for every offset some reduction reaches."""
+    out: Dict[Tuple[str, int], int] = {}
     for t in plan.transfers:
-        if t.kind == kind and plan.dst(t) == offset:
-            return t.src
-    return None
+        out.setdefault((t.kind, plan.dst(t)), t.src)
+    return out
 
 
 def _check_reduction(plan: Plan, kind: str, sent: Iterable[int]) -> None:
