@@ -82,8 +82,8 @@ def _block_durations(plan: Plan, w: Workload, cluster: Cluster, backward: bool) 
 
     A single block: the block's time (equal per causal case unpacked, its real work when the
     workload is packed), which includes one kernel call's overhead and output correction.
-    A grouped compute: its blocks' times less that per-block call cost, plus one call cost per
-    kernel call the executor makes (:func:`~megatron_mesh_cp.runtime.layout.kernel_calls`: blocks
+    A grouped compute (unpacked; packed ones run block by block): its blocks' times less that
+    per-block call cost, plus one call cost per kernel call the executor makes (:func:`~megatron_mesh_cp.runtime.layout.kernel_calls`: blocks
     in one KV slab and of one case share a call per run of consecutive KV offsets)."""
     a, b = plan.a, plan.b
     pos = np.arange(a * b)
@@ -96,6 +96,9 @@ def _block_durations(plan: Plan, w: Workload, cluster: Cluster, backward: bool) 
         js = [((r - kv) % b) * a + c for kv in op.kvs]
         if len(op.kvs) == 1:  # one block is one call, in its own buffer or alone in a slab
             out[op] = t[i, js[0]]
+            continue
+        if w.packing is not None:  # packed, the executor runs a grouped compute block by block
+            out[op] = sum(t[i, j] for j in js)
             continue
         if w.causal:
             codes = np.stack([np.where(i == j, 1, np.where(j < i, 2, 3)) for j in js])
