@@ -133,7 +133,8 @@ def plans_for(q, k, mesh, causal: bool, layout: str, partial_dtype, planner: str
     cluster = getattr(mesh, "cluster", None) or default_cluster()
     # a2a+mesh: consecutive super-ranks are u CP ranks apart
     stride = getattr(mesh, "stride", 1) * getattr(mesh, "ulysses", 1)
-    return build_plans(mesh.shape.a, mesh.shape.b, planner, cluster=cluster, workload=w, stride=stride)
+    return build_plans(mesh.shape.a, mesh.shape.b, planner, cluster=cluster, workload=w, stride=stride,
+                       max_live=getattr(mesh, "max_live", None))
 
 
 class _MeshAttention(torch.autograd.Function):

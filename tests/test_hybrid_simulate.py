@@ -110,6 +110,22 @@ def test_auto_honours_the_memory_budget(caplog):
     assert "skips" in caplog.text
     hyb = choose_hybrid_shape(16, H100, w)
     assert hyb.peak_bytes <= hyb.budget == default_budget(w)
+    # the plans that then run (mesh_attention plans with the choice's live-chunk limit, as
+    # simulate_algorithm does) hold exactly the peak the choice logged
+    import torch
+    from megatron_mesh_cp.attention import plans_for
+    from megatron_mesh_cp.planning.costs import plan_peak_bytes
+
+    assert tight.max_live is not None and free.max_live is None
+    mesh = type("Mesh", (), {"shape": tight.shape, "cluster": H100, "stride": 1, "ulysses": 1,
+                             "max_live": tight.max_live})()
+    q = torch.empty(w.seq_local, w.batch, w.heads, w.head_dim, dtype=torch.bfloat16)
+    k = torch.empty(w.seq_local, w.batch, w.kv_heads, w.head_dim, dtype=torch.bfloat16)
+    fwd, bwd = plans_for(q, k, mesh, True, "sbhd", torch.bfloat16 if w.partial_bytes == 2 else None, "greedy")
+    assert plan_peak_bytes(fwd, bwd, w) == tight.peak_bytes
+    sim = simulate_algorithm("mesh", 16, H100, w, max_live=None)
+    auto = choose_shape(16, H100, w)
+    assert sim.peak_bytes == auto.peak_bytes <= auto.budget and sim.time == pytest.approx(auto.seconds, rel=1e-9)
 
 
 @pytest.mark.parametrize("shape,h,hk", [((2, 2, 2), 8, 2), ((4, 2, 1), 8, 2), ((2, 1, 4), 8, 8), ((4, 2, 2), 8, 4)])

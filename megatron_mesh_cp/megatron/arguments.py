@@ -201,6 +201,7 @@ def _apply_cp_algo(args, argv: Optional[Sequence[str]] = None):
     if _get(args, "window_size") is not None:
         raise MeshArgumentError("mesh CP does not support sliding-window attention yet; drop --window-size")
     _refuse_incompatible_features(args)
+    SETTINGS.max_live = None  # an explicit shape plans without a limit; auto sets the one that fits its budget
     if algo == "a2a+mesh":
         sizes = _resolve_hybrid_shape(args, shape_text or "auto", cp)
     else:
@@ -314,6 +315,7 @@ def _resolve_shape(args, text: str, cp: int) -> MeshShape:
 
     choice = choose_shape(cp, cluster, _workload(args, cp), stride=_tp(args))
     SETTINGS.shape_explanation = choice.explanation  # choose_shape has logged it
+    SETTINGS.max_live = choice.max_live  # the plans that run are the ones that fit the budget
     return choice.shape
 
 
@@ -351,6 +353,7 @@ def _resolve_hybrid_shape(args, text: str, cp: int) -> List[int]:
 
         choice = choose_hybrid_shape(cp, cluster, _workload(args, cp), stride=tp)
         SETTINGS.shape_explanation = choice.explanation  # choose_hybrid_shape has logged it
+        SETTINGS.max_live = choice.max_live
         return [choice.u, choice.shape.a, choice.shape.b]
     u, a, b = _parse_hybrid(text)
     if u * a * b != cp:

@@ -70,6 +70,7 @@ def mesh_groups_for(pg_collection=None, levels: int = 2) -> MeshGroups:
         else:
             mesh = MeshGroups.from_groups(cp, hcp[0], hcp[1])
         mesh.cluster = SETTINGS.cluster
+        mesh.max_live = SETTINGS.max_live
         mesh.stride = parallel_state.get_tensor_model_parallel_world_size() if parallel_state.model_parallel_is_initialized() else 1
         _MESHES[key] = mesh
     return _MESHES[key]

@@ -48,7 +48,7 @@ def _attention_transient(args, s_local: int, bytes_el: int) -> Tuple[float, int]
     dtype = {2: torch.bfloat16, 4: torch.float32}[bytes_el]
     dims = ChunkDims(args.micro_batch_size, s_local, heads, kv, d, dtype)
     worst, peak_chunks = 0.0, 0
-    for plan in build_plans(a, b, SETTINGS.planner, cluster=SETTINGS.cluster, stride=tp):
+    for plan in build_plans(a, b, SETTINGS.planner, cluster=SETTINGS.cluster, stride=tp, max_live=SETTINGS.max_live):
         peak = validate(plan)
         chunk = max(sum(t.nbytes for t in payload(plan.phase, k, dims)) for k in ("q", "kv", "o", "dq", "dkv"))
         acc = 3 * s_local * args.micro_batch_size * heads * d * 4  # fp32 out/dq + dk/dv accumulators

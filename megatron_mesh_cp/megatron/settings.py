@@ -20,6 +20,7 @@ class MeshSettings:
     check_finite: bool = False  # --mesh-check-finite: NaN/Inf in attention inputs raise on every CP rank
     cluster: object = None  # a megatron_mesh_cp.planning.cluster.Cluster, or None for the default
     shape_explanation: str = ""
+    max_live: Optional[int] = None  # live-chunk limit of the plans mesh_shape=auto chose to fit its memory budget
     # what Ring would have sent for the calls made so far (like-for-like partial dtype)
     ring_bytes: int = 0
     calls: int = 0

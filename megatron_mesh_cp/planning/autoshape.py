@@ -38,6 +38,7 @@ class ShapeChoice:
     explanation: str
     peak_bytes: int = 0  # the chosen plans' attention memory per rank (pool arena)
     budget: float = 0.0  # the memory budget the search honoured
+    max_live: Optional[int] = None  # the live-chunk limit the chosen plans need to fit it (None: none)
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,7 @@ class HybridChoice:
     explanation: str
     peak_bytes: int = 0
     budget: float = 0.0
+    max_live: Optional[int] = None  # as ShapeChoice.max_live, for the inner mesh
 
 
 def _ring_hops(cluster: Cluster, rings, stride: int) -> str:
@@ -113,14 +115,15 @@ def default_budget(w: Workload) -> float:
 
 def _search(cands: List[Tuple[tuple, float, Callable[[], Tuple[float, int]]]]):
     """Score candidates (key, bound, simulate) in bound order, skipping those that cannot win;
-    returns rows (key, seconds or None, note) and the peak bytes of each scored candidate."""
+    returns rows (key, seconds or None, note) and (peak bytes, live-chunk limit) of each scored one."""
     rows, peaks, best = [], {}, float("inf")
     for key, bound, run in sorted(cands, key=lambda c: c[1]):
         if bound >= best:
             rows.append((key, None, f"skipped: lower bound {bound * 1e3:.2f} ms >= best {best * 1e3:.2f} ms"))
             continue
         try:
-            t, peaks[key] = run()
+            t, peak, live = run()
+            peaks[key] = (peak, live)
         except ValueError as exc:  # the memory budget is too small for this tile
             rows.append((key, None, str(exc)))
             log.info("mesh_shape=auto skips %s: %s", "x".join(map(str, key)), exc)
@@ -137,8 +140,8 @@ def _mesh_time(a, b, cluster, w, stride, max_live, chains="auto") -> float:
             + replay(bwd, cluster, w, stride=stride, record=None).time)
 
 
-def _within_budget(a, b, cluster, w, stride, max_live, budget, extra=0) -> Tuple[float, int]:
-    """(simulated seconds, peak bytes) of the a x b mesh planned to fit ``budget`` bytes per rank
+def _within_budget(a, b, cluster, w, stride, max_live, budget, extra=0) -> Tuple[float, int, Optional[int]]:
+    """(simulated seconds, peak bytes, live-chunk limit used) of the a x b mesh planned to fit ``budget`` bytes per rank
     (``extra``: bytes held beside the pool, e.g. the all-to-all's); ValueError when it cannot."""
 
     fwd, bwd = build_plans(a, b, cluster=cluster, workload=w, stride=stride, max_live=max_live)
@@ -165,7 +168,7 @@ def _within_budget(a, b, cluster, w, stride, max_live, budget, extra=0) -> Tuple
             raise ValueError(f"its plans need {peak / 2**20:.0f} MiB (budget {budget / 2**20:.0f} MiB) and no "
                              f"live-chunk limit tried brings them under it")
         max_live, peak = fit
-    return _mesh_time(a, b, cluster, w, stride, max_live), peak
+    return _mesh_time(a, b, cluster, w, stride, max_live), peak, max_live
 
 
 @lru_cache(maxsize=128)
@@ -198,11 +201,11 @@ def choose_shape(
     text = (
         f"mesh_shape=auto -> {best[0]}x{best[1]} for CP={n} (S/rank={workload.seq_local}, heads "
         f"{workload.heads}/{workload.kv_heads} kv, d={workload.head_dim}, {cluster.name}, stride {stride}): "
-        f"simulated {best_t * 1e3:.2f} ms/layer fwd+bwd, peak attention memory {peaks[best] / 2**20:.0f} MiB/rank "
+        f"simulated {best_t * 1e3:.2f} ms/layer fwd+bwd, peak attention memory {peaks[best][0] / 2**20:.0f} MiB/rank "
         f"(budget {budget / 2**20:.0f} MiB){runner}{vs_ring}"
     )
     log.info(text)
-    return ShapeChoice(MeshShape(*best), best_t, tuple(sorted(rows)), text, peaks[best], budget)
+    return ShapeChoice(MeshShape(*best), best_t, tuple(sorted(rows)), text, peaks[best][0], budget, peaks[best][1])
 
 
 def ulysses_degrees(n: int, cluster: Cluster, heads: int, kv_heads: int, stride: int = 1) -> List[int]:
@@ -226,9 +229,9 @@ def choose_hybrid_shape(
         a2a = sum(step[2] for part in ulysses_a2a_steps(u, cluster, workload, stride)[:4] for step in part)
         for a, b in valid_shapes(n // u):
             def run(a=a, b=b, inner=inner, u=u, a2a=a2a):
-                t, peak = _within_budget(a, b, cluster, inner, stride * u, max_live, budget,
-                                         ulysses_buffer_bytes(u, workload))
-                return a2a + t, peak
+                t, peak, live = _within_budget(a, b, cluster, inner, stride * u, max_live, budget,
+                                               ulysses_buffer_bytes(u, workload))
+                return a2a + t, peak, live
 
             cands.append(((u, a, b), a2a + shape_bound(a, b, cluster, inner, stride * u), run))
     if not cands:
@@ -250,9 +253,10 @@ def choose_hybrid_shape(
     text = (
         f"mesh_shape=auto (a2a+mesh) -> {u}x{a}x{b} for CP={n} (S/rank={workload.seq_local}, heads "
         f"{workload.heads}/{workload.kv_heads} kv, d={workload.head_dim}, {cluster.name}, stride {stride}): "
-        f"simulated {best_t * 1e3:.2f} ms/layer fwd+bwd, peak attention memory {peaks[(u, a, b)] / 2**20:.0f} "
+        f"simulated {best_t * 1e3:.2f} ms/layer fwd+bwd, peak attention memory {peaks[(u, a, b)][0] / 2**20:.0f} "
         f"MiB/rank (budget {budget / 2**20:.0f} MiB){runner}, Ring 1x1x{n} {ring * 1e3:.2f} ms "
         f"({ring / best_t:.2f}x slower)"
     )
     log.info(text)
-    return HybridChoice(u, MeshShape(a, b), best_t, tuple(sorted(rows)), text, peaks[(u, a, b)], budget)
+    return HybridChoice(u, MeshShape(a, b), best_t, tuple(sorted(rows)), text, peaks[(u, a, b)][0], budget,
+                        peaks[(u, a, b)][1])

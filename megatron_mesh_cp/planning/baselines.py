@@ -222,8 +222,8 @@ def simulate_algorithm(
     if algo in ("mesh", "mesh-naive"):
         choice = choose_shape(n, cluster, w, stride=tp, max_live=max_live)
         a, b = choice.shape.a, choice.shape.b
-        if algo == "mesh":
-            return _plan_algo("mesh", a, b, cluster, w, tp, max_live=max_live, note="auto")
+        if algo == "mesh":  # the plans auto chose: built with the live-chunk limit that fits its budget
+            return _plan_algo("mesh", a, b, cluster, w, tp, max_live=choice.max_live, note="auto")
         return _plan_algo("mesh-naive", a, b, cluster, w, tp, planner="in-order")
     if algo.startswith("mesh:"):
 
@@ -238,7 +238,7 @@ def simulate_algorithm(
     if algo == "a2a+mesh":
 
         ch = choose_hybrid_shape(n, cluster, w, stride=tp, max_live=max_live)
-        return a2a_mesh(ch.u, ch.shape.a, ch.shape.b, cluster, w, tp, max_live)
+        return a2a_mesh(ch.u, ch.shape.a, ch.shape.b, cluster, w, tp, ch.max_live)
     if algo.startswith("a2a+mesh:"):
     
         parts = algo.split(":", 1)[1].lower().split("x")

@@ -128,6 +128,8 @@ class MeshGroups:
         # the GPU distance between consecutive CP ranks (Megatron: the TP size)
         self.cluster = None
         self.stride = 1
+        # the live-chunk limit greedy plans keep to (None: none); mesh_shape=auto sets what fits its budget
+        self.max_live: Optional[int] = None
 
     # --- construction ------------------------------------------------------------------------
     @classmethod
