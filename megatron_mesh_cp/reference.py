@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import math
-from typing import Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 
-__all__ = ["reference_attention", "packed_reference_attention"]
+__all__ = ["reference_attention", "packed_reference_attention", "packed_reference", "relative_errors"]
 
 
 def reference_attention(
@@ -60,3 +60,25 @@ def packed_reference_attention(
     lse = torch.logsumexp(scores, dim=-1)
     out = torch.matmul(torch.softmax(scores, dim=-1), vh).transpose(0, 1)
     return out.masked_fill(empty[:, None, None], 0.0), lse.masked_fill(empty, float("-inf"))
+
+
+def packed_reference(q, k, v, dout, cu_seqlens_padded, cu_seqlens=None) -> Dict[str, torch.Tensor]:
+    """out, lse and the gradients dq, dk, dv for ``dout`` of :func:`packed_reference_attention`
+    (in the inputs' dtype: float64 for the oracle the tests use)."""
+    qr, kr, vr = (x.detach().clone().requires_grad_(True) for x in (q, k, v))
+    out, lse = packed_reference_attention(qr, kr, vr, cu_seqlens_padded, cu_seqlens)
+    out.backward(dout)
+    return {"out": out.detach(), "lse": lse.detach(), "dq": qr.grad, "dk": kr.grad, "dv": vr.grad}
+
+
+def relative_errors(got: Dict[str, torch.Tensor], ref: Dict[str, torch.Tensor]) -> Dict[str, float]:
+    """Relative L2 error, in float64, of every quantity of ``ref`` found in ``got``; lse only where
+    the reference is finite (padding rows are -inf in both, which the caller checks)."""
+    errors = {}
+    for name, r in ref.items():
+        x, r = got[name].double(), r.double()
+        if name == "lse":
+            finite = torch.isfinite(r)
+            x, r = x[finite], r[finite]
+        errors[name] = float((x - r).norm() / r.norm())
+    return errors

@@ -9,7 +9,7 @@ import megatron_mesh_cp.attention as attention
 from megatron_mesh_cp import mesh_attention
 from megatron_mesh_cp.runtime.kernels import BlockKernel
 from megatron_mesh_cp.runtime.packed import thd_shard
-from megatron_mesh_cp.reference import packed_reference_attention
+from megatron_mesh_cp.reference import packed_reference
 from rank_tasks import _sq, get_mesh
 from rank_tasks_hybrid import hybrid_mesh
 
@@ -43,11 +43,8 @@ def exactness(ctx, shape, cu, real, heads, kv_heads, seed=0):
     gen = torch.Generator().manual_seed(seed)
     t = cu[-1]
     q, k, v, do = (torch.randn(t, x, 8, generator=gen, dtype=torch.float64) for x in (heads, kv_heads, kv_heads, heads))
-    qr, kr, vr = (x.clone().requires_grad_(True) for x in (q, k, v))
-    ro, rl = packed_reference_attention(qr, kr, vr, cu, real)
-    ro.backward(do)
-    refs = [ro.detach(), rl.detach(), qr.grad, kr.grad, vr.grad]
-    local_refs = [thd_shard(r, cu, n, g, dim=1 if name == "lse" else 0) for name, r in zip(QUANTITIES, refs)]
+    ref = packed_reference(q, k, v, do, cu, real)
+    local_refs = [thd_shard(ref[name], cu, n, g, dim=1 if name == "lse" else 0) for name in QUANTITIES]
     lq, lk, lv, ldo = (thd_shard(x, cu, n, g).float() for x in (q, k, v, do))
     lq, lk, lv = (x.requires_grad_(True) for x in (lq, lk, lv))
     cu_t, real_t = torch.tensor(cu, dtype=torch.int32), torch.tensor(real, dtype=torch.int32)
