@@ -207,32 +207,32 @@ class Workload:
     def call_time(self, cluster: Cluster, case: BlockCase, backward: bool) -> float:
         """What every kernel call pays once, however many blocks it covers: the fixed call overhead
         and the correction passes over the Q rows' fp32 accumulator (out and lse, or dQ)."""
-        rows = self.batch * self.block_rows(case) * self.heads
-        elements = rows * (self.head_dim if backward else self.head_dim + 1)
-        return cluster.block_overhead + cluster.elementwise_time(4 * cluster.correction_passes * elements)
+        return self._call_cost(cluster, self.block_rows(case), backward)
 
     def keys_time(self, cluster: Cluster, case: BlockCase, backward: bool) -> float:
         """Per block, beside the kernel: the backward's dK/dV accumulation over the block's keys."""
+        return self._keys_cost(cluster, self.block_keys(case), backward)
+
+    def _call_cost(self, cluster: Cluster, rows: int, backward: bool) -> float:
+        elements = self.batch * rows * self.heads * (self.head_dim if backward else self.head_dim + 1)
+        return cluster.block_overhead + cluster.elementwise_time(4 * cluster.correction_passes * elements)
+
+    def _keys_cost(self, cluster: Cluster, keys: int, backward: bool) -> float:
         if not backward:
             return 0.0
-        keys = 2 * self.batch * self.block_keys(case) * self.kv_heads * self.head_dim
-        return cluster.elementwise_time(4 * cluster.correction_passes * keys)
+        elements = 2 * self.batch * keys * self.kv_heads * self.head_dim
+        return cluster.elementwise_time(4 * cluster.correction_passes * elements)
 
     def packed_call_costs(self, cluster: Cluster, case: BlockCase, backward: bool) -> float:
         """The fixed costs of a packed block: the runtime runs it as its per-document sub-blocks
         (:func:`~megatron_mesh_cp.runtime.packed.packed_slices`: 3 varlen calls on the diagonal, 2
-        off it), each paying the call overhead and the fp32 correction over its own rows and keys."""
+        off it), each paying :meth:`call_time` over its own rows and :meth:`keys_time` over its keys."""
         if case is BlockCase.FULL:  # no causal split: one call over the block
             subs = [(self.seq_local, self.seq_local)]
         else:
             subs = [(sl.q_stop - sl.q_start, sl.kv_stop - sl.kv_start) for sl in packed_slices(case, self.seq_local)]
-        total = 0.0
-        for rows, keys in subs:
-            rows, keys = self.batch * rows, self.batch * keys
-            acc = (rows * self.heads * self.head_dim + 2 * keys * self.kv_heads * self.head_dim if backward
-                   else rows * self.heads * (self.head_dim + 1))
-            total += cluster.block_overhead + cluster.elementwise_time(4 * cluster.correction_passes * acc)
-        return total
+        return sum(self._call_cost(cluster, rows, backward) + self._keys_cost(cluster, keys, backward)
+                   for rows, keys in subs)
 
     def block_times(self, cluster: Cluster, backward: bool, ranks: int) -> np.ndarray:
         """Seconds of every block (Q chunk of rank i, KV chunk of rank j) on ``ranks`` CP ranks: [ranks, ranks].
@@ -279,7 +279,8 @@ def _block_times(w: Workload, cluster: Cluster, backward: bool, ranks: int) -> n
         w.check_packing(ranks)
         work = w.packing.block_work(ranks, w.causal)
         rows = np.vectorize(w.block_rows, otypes=[float])(cases)
-        fixed = np.vectorize(lambda c: w.packed_call_costs(cluster, c, backward), otypes=[float])(cases)
+        per_case = {case: w.packed_call_costs(cluster, case, backward) for case in BlockCase}
+        fixed = np.vectorize(per_case.__getitem__, otypes=[float])(cases)
         out = cluster.attention_time(w.pair_flops(work, backward), rows, backward) + fixed
     out.setflags(write=False)
     return out
