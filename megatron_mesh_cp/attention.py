@@ -13,6 +13,11 @@ Packed sequences (``layout="thd"`` with ``cu_seqlens`` / ``cu_seqlens_padded``, 
 per-document split): the documents join the signature (one agreement per new batch), the chunks
 are permuted into packed.py's half-major order around the unchanged executor and plans, and
 padding rows come back as zeros with lse = -inf.
+
+Documents on the ordinary layout (``layout="bshd"``/``"sbhd"`` with ``cu_seqlens`` alone: global
+offsets of documents of any length, batch 1): the documents join the signature too; the plans are
+the cached full plans pruned to the blocks some rank needs (prune.py), and each rank runs every
+block as the sub-blocks its documents leave (documents.py).
 """
 
 from __future__ import annotations
@@ -27,12 +32,14 @@ import torch
 from .planning.cluster import Workload
 from .planning.schedule import build_plans, default_cluster
 from .runtime.agree import agree, any_rank, plan_digest
+from .runtime.documents import DocumentMask, Documents, documents_of
 from .runtime.execute import Executor
 from .runtime.hybrid import UlyssesIn, UlyssesOut
 from .runtime.kernels import BlockKernel, lse_dtype, select_kernel
 from .runtime.layout import LAYOUTS, seq_dim
 from .runtime.packed import PackedLayout, PackedSpec, packed_spec, padding_rows
 from .runtime.plan import Plan
+from .runtime.prune import prune
 from .runtime.ulysses import check_ulysses_heads, kv_repeats
 
 __all__ = ["mesh_attention", "check_inputs", "resolve_scale"]
@@ -141,15 +148,16 @@ class _MeshAttention(torch.autograd.Function):
     """Sequence-major ([s, b, h, d]) in and out; lse out as [b, h, s] fp32."""
 
     @staticmethod
-    def forward(ctx, q, k, v, mesh, causal, scale, kernel, plans, partial_dtype, check_finite, varlen=None):
+    def forward(ctx, q, k, v, mesh, causal, scale, kernel, plans, partial_dtype, check_finite, varlen=None,
+                sub_blocks=None):
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         ex = Executor(plans[0], mesh.comm(), kernel, causal=causal, scale=scale,
                       tensors={"q": q, "k": k, "v": v}, partial_dtype=partial_dtype,
-                      buffers=getattr(mesh, "buffers", None), varlen=varlen)
+                      buffers=getattr(mesh, "buffers", None), varlen=varlen, sub_blocks=sub_blocks)
         out, lse = ex.run()
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.mesh, ctx.causal, ctx.scale, ctx.kernel, ctx.plans = mesh, causal, scale, kernel, plans
-        ctx.partial_dtype, ctx.check_finite, ctx.varlen = partial_dtype, check_finite, varlen
+        ctx.partial_dtype, ctx.check_finite, ctx.varlen, ctx.sub_blocks = partial_dtype, check_finite, varlen, sub_blocks
         lse_out = lse.permute(1, 2, 0).contiguous()
         ctx.mark_non_differentiable(lse_out)
         return out, lse_out
@@ -165,9 +173,9 @@ class _MeshAttention(torch.autograd.Function):
         tensors = {"q": q, "k": k, "v": v, "out": out, "lse": lse, "dout": dout, "delta": delta}
         ex = Executor(ctx.plans[1], ctx.mesh.comm(), ctx.kernel, causal=ctx.causal, scale=ctx.scale,
                       tensors=tensors, partial_dtype=ctx.partial_dtype, buffers=getattr(ctx.mesh, "buffers", None),
-                      varlen=ctx.varlen)
+                      varlen=ctx.varlen, sub_blocks=ctx.sub_blocks)
         dq, dk, dv = ex.run()
-        return dq, dk, dv, None, None, None, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None, None, None, None
 
 
 def _agreed_calls(mesh) -> "OrderedDict":
@@ -192,15 +200,22 @@ def _call_key(q, k, v, mesh, causal, softmax_scale, layout, kernel, plans, parti
 
 
 def _prepare(q, k, v, mesh, causal, softmax_scale, layout, kernel, plans, partial_dtype, planner, deterministic,
-             spec: Optional[PackedSpec] = None):
-    """Local validation and planning: ``(kernel, scale, plans)``; ``ValueError`` naming the fix."""
+             spec=None):
+    """Local validation and planning: ``(kernel, scale, plans, mask)``; ``ValueError`` naming the fix.
+    ``spec``: packed THD documents (PackedSpec) or documents on the ordinary layout (Documents)."""
     check_inputs(q, k, v, mesh, layout, softmax_scale)
-    if spec is not None:
-        n = getattr(mesh, "ulysses", 1) * mesh.shape.n
+    n = getattr(mesh, "ulysses", 1) * mesh.shape.n
+    if isinstance(spec, PackedSpec):
         spec.check(q.shape[seq_dim(layout)] * n, n)
         if not causal:
             raise ValueError("packed sequences (THD) need causal=True (Megatron's padding_causal mask); "
                              "per-document non-causal attention is not supported")
+    elif spec is not None:
+        spec.check(q.shape[seq_dim(layout)] * n)
+        batch = q.shape[1 - seq_dim(layout)]
+        if batch != 1:
+            raise ValueError(f"document masking (cu_seqlens with layout {layout!r}) takes one sequence per call, got "
+                             f"batch {batch}; run one sequence per micro-batch (Megatron: --micro-batch-size 1)")
     blk = select_kernel(kernel, q, k, deterministic=deterministic, packed=spec is not None)
     scale = resolve_scale(softmax_scale, q.shape[-1])
     if partial_dtype is not None and (not isinstance(partial_dtype, torch.dtype) or not partial_dtype.is_floating_point):
@@ -214,13 +229,18 @@ def _prepare(q, k, v, mesh, causal, softmax_scale, layout, kernel, plans, partia
         plans = plans_for(mq, mk, mesh, causal, "sbhd", partial_dtype, planner)
     elif (plans[0].a, plans[0].b, plans[1].a, plans[1].b) != (mesh.shape.a, mesh.shape.b) * 2:
         raise ValueError(f"plans are for {plans[0].a}x{plans[0].b}, the mesh is {mesh.shape}")
-    return blk, scale, plans
+    mask = None
+    if isinstance(spec, Documents):  # the blocks no document spans leave the plans (one pass each)
+        mask = DocumentMask(spec, mesh.shape.n, causal)
+        keep = mask.needed(mesh.shape)
+        plans = (prune(plans[0], keep), prune(plans[1], keep))
+    return blk, scale, plans, mask
 
 
 def _signature(q, k, mesh, causal, layout, partial_dtype, check_finite, deterministic, prepared,
                spec: Optional[PackedSpec] = None) -> dict:
     """The fields every rank of the CP group must agree on (None where this rank could not tell)."""
-    blk, scale, plans = prepared or (None, None, None)
+    blk, scale, plans = prepared[:3] if prepared else (None, None, None)
     dims = [None] * 5
     if prepared is not None:
         s_dim = seq_dim(layout)
@@ -232,8 +252,9 @@ def _signature(q, k, mesh, causal, layout, partial_dtype, check_finite, determin
         "forward plan": plan_digest(plans[0]) if plans else None,
         "backward plan": plan_digest(plans[1]) if plans else None,
         "mesh shape": str(mesh.shape), "ulysses": getattr(mesh, "ulysses", 1), "check_finite": bool(check_finite), "deterministic": bool(deterministic),
-        "cu_seqlens_padded": spec.cu_padded if spec is not None else None,
-        "cu_seqlens": spec.cu_real if spec is not None else None,
+        "cu_seqlens_padded": spec.cu_padded if isinstance(spec, PackedSpec) else None,
+        "cu_seqlens": spec.cu_real if isinstance(spec, PackedSpec) else None,
+        "documents": spec.cu if isinstance(spec, Documents) else None,
     }
 
 
@@ -306,12 +327,14 @@ def mesh_attention(
     """
     _check_mesh(mesh)
     spec, packed_error = None, None
-    if layout == "thd" or cu_seqlens is not None or cu_seqlens_padded is not None:
-        try:
+    try:
+        if layout == "thd" or cu_seqlens_padded is not None:
             q, k, v, spec = _as_packed(q, k, v, layout, cu_seqlens, cu_seqlens_padded)
             layout = "sbhd"
-        except ValueError as exc:
-            packed_error = exc
+        elif cu_seqlens is not None:  # documents on the ordinary layout
+            spec = documents_of(cu_seqlens)
+    except ValueError as exc:
+        packed_error = exc
     key = None if packed_error else _call_key(q, k, v, mesh, causal, softmax_scale, layout, kernel, plans,
                                               partial_dtype, planner, check_finite, deterministic, spec)
     calls = _agreed_calls(mesh)
@@ -329,19 +352,22 @@ def mesh_attention(
             agree("mesh attention", fields, mesh.cp_group, _comm_device(mesh), error)
         if error is not None:  # only without a CP group: agree() raised it on every rank otherwise
             raise error
-        if spec is not None:  # the batch's reorder and padding rows, made once per new batch
+        blk, scale, plans, mask = prepared
+        packed = sub_blocks = None
+        if isinstance(spec, PackedSpec):  # the batch's reorder and padding rows, made once per new batch
             u = getattr(mesh, "ulysses", 1)
             n = u * mesh.shape.n
-            prepared += ((PackedLayout(spec, n, u, q.device), padding_rows(spec, n, mesh.position, q.device)),)
-        else:
-            prepared += (None,)
+            packed = (PackedLayout(spec, n, u, q.device), padding_rows(spec, n, mesh.position, q.device))
+        elif mask is not None:  # this rank's kernel calls per block, made once per new batch
+            sub_blocks = mask.rank_parts(mesh.shape, getattr(mesh, "mesh_position", mesh.position), q.device)
+        prepared = (blk, scale, plans, packed, sub_blocks)
         if key is not None:
             calls[key] = prepared
             while len(calls) > MAX_AGREED:
                 calls.popitem(last=False)
     else:
         calls.move_to_end(key)
-    blk, scale, plans, packed = prepared
+    blk, scale, plans, packed, sub_blocks = prepared
     if check_finite:
         _check_finite(mesh, "q, k or v", q, k, v)
     if layout == "bshd":  # the executor is sequence-major
@@ -353,7 +379,7 @@ def mesh_attention(
     elif lay is not None:  # packed: the batch's half-major order (packed.py)
         q, k, v = (lay.into_mesh(x) for x in (q, k, v))
     out, lse = _MeshAttention.apply(q, k, v, mesh, bool(causal), scale, blk, plans, partial_dtype, bool(check_finite),
-                                    lay.varlen if lay is not None else None)
+                                    lay.varlen if lay is not None else None, sub_blocks)
     if u > 1:
         out, lse = UlyssesOut.apply(out, lse, mesh, bool(return_lse), lay)
     elif lay is not None:
@@ -374,7 +400,9 @@ def mesh_attention(
 def _as_packed(q, k, v, layout, cu_seqlens, cu_seqlens_padded):
     """thd ``[t, h, d]`` tensors as sbhd with batch 1, and the batch's PackedSpec (host offsets)."""
     if layout != "thd":
-        raise ValueError(f"packed sequences (cu_seqlens) take layout='thd' ([t, h, d] tensors), not {layout!r}")
+        raise ValueError(f"cu_seqlens_padded (documents padded to a multiple of 2*CP) takes layout='thd' ([t, h, d] "
+                         f"tensors), not {layout!r}; for documents of any length in the {layout} layout pass "
+                         "cu_seqlens alone")
     if cu_seqlens is None and cu_seqlens_padded is None:
         raise ValueError("layout='thd' needs the documents: pass cu_seqlens_padded (and cu_seqlens for padding)")
     for name, x in zip("qkv", (q, k, v)):

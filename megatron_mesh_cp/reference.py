@@ -36,10 +36,10 @@ def reference_attention(
 
 def packed_reference_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_padded, cu_seqlens=None, *,
-    softmax_scale: Optional[float] = None,
+    softmax_scale: Optional[float] = None, causal: bool = True,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Packed (thd ``[t, h, d]``) causal attention with a block-diagonal mask: a token sees the
-    real tokens of its own document up to itself; padding tokens (``cu_seqlens`` shorter than
+    """Packed (thd ``[t, h, d]``) attention with a block-diagonal mask: a token sees the real tokens
+    of its own document (up to itself when ``causal``); padding tokens (``cu_seqlens`` shorter than
     ``cu_seqlens_padded``) see and are seen by nothing and give out = 0, lse = -inf.
     Returns (out ``[t, h, d]``, lse ``[h, t]``). Dense math, differentiable."""
     t, h, d = q.shape
@@ -50,7 +50,9 @@ def packed_reference_attention(
     pos = torch.arange(t, device=q.device)
     doc = torch.searchsorted(padded[1:], pos, right=True)
     is_real = (pos - padded[doc]) < (real[1:] - real[:-1])[doc]
-    keep = (doc[:, None] == doc[None, :]) & torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
+    keep = doc[:, None] == doc[None, :]
+    if causal:
+        keep &= torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
     keep &= is_real[:, None] & is_real[None, :]
     kh = k.transpose(0, 1).repeat_interleave(group, dim=0)
     vh = v.transpose(0, 1).repeat_interleave(group, dim=0)
@@ -62,11 +64,11 @@ def packed_reference_attention(
     return out.masked_fill(empty[:, None, None], 0.0), lse.masked_fill(empty, float("-inf"))
 
 
-def packed_reference(q, k, v, dout, cu_seqlens_padded, cu_seqlens=None) -> Dict[str, torch.Tensor]:
+def packed_reference(q, k, v, dout, cu_seqlens_padded, cu_seqlens=None, causal: bool = True) -> Dict[str, torch.Tensor]:
     """out, lse and the gradients dq, dk, dv for ``dout`` of :func:`packed_reference_attention`
     (in the inputs' dtype: float64 for the oracle the tests use)."""
     qr, kr, vr = (x.detach().clone().requires_grad_(True) for x in (q, k, v))
-    out, lse = packed_reference_attention(qr, kr, vr, cu_seqlens_padded, cu_seqlens)
+    out, lse = packed_reference_attention(qr, kr, vr, cu_seqlens_padded, cu_seqlens, causal=causal)
     out.backward(dout)
     return {"out": out.detach(), "lse": lse.detach(), "dq": qr.grad, "dk": kr.grad, "dv": vr.grad}
 

@@ -7,7 +7,9 @@ kernels (with real GPU kernels on one GPU) without a process group. A shape ``(u
 ``a2a+mesh``: the Ulysses all-to-all in memory (the same packing and reorder as on process groups,
 :mod:`megatron_mesh_cp.runtime.ulysses`) around one a x b mesh per Ulysses slot. Packed sequences
 (``layout="thd"`` with ``cu_seqlens``/``cu_seqlens_padded``) are split per document
-(:mod:`megatron_mesh_cp.runtime.packed`) and reordered into the mesh's half-major order.
+(:mod:`megatron_mesh_cp.runtime.packed`) and reordered into the mesh's half-major order. Documents
+on the ordinary layout (``cu_seqlens`` alone, batch 1) run the pruned plans and each rank's
+sub-blocks (:mod:`megatron_mesh_cp.runtime.documents`), as :func:`mesh_attention` does.
 """
 
 from __future__ import annotations
@@ -19,11 +21,13 @@ import torch
 
 from .attention import plans_for
 from .runtime.comm import Traffic, VirtualHub
+from .runtime.documents import DocumentMask, documents_of
 from .runtime.execute import run_virtual
 from .runtime.kernels import BlockKernel, lse_dtype, select_kernel
 from .runtime.layout import seq_dim, zigzag_gather, zigzag_shard
 from .runtime.packed import PackedLayout, packed_spec, thd_gather, thd_shard
 from .runtime.plan import BACKWARD, FORWARD, Plan
+from .runtime.prune import prune
 from .runtime.topology import MeshShape
 from .runtime.ulysses import (
     a2a_bytes, check_ulysses_heads, fold_replicas, heads_to_members, kv_repeats, members_to_heads,
@@ -92,12 +96,17 @@ def virtual_mesh_attention(
     Returns ``{"out", "lse" ([b, h, s]), "dq", "dk", "dv" (with dout), "traffic" (per CP rank)}``.
     Packed: ``layout="thd"`` (q ``[t, h, d]``), causal, the documents' offsets as in
     :func:`~megatron_mesh_cp.attention.mesh_attention`; lse is ``[h, t]``, padding rows give 0 and -inf.
+    Documents on the ordinary layout: ``cu_seqlens`` alone with ``bshd``/``sbhd`` (batch 1);
+    ``result["plans"]`` then holds the pruned (forward, backward) plans that ran.
     """
     from .attention import plans_for
 
     u, mesh_shape = _split_shape(shape)
     n_mesh = mesh_shape.n
     n = u * n_mesh
+    docs = None
+    if layout != "thd" and cu_seqlens is not None and cu_seqlens_padded is None:
+        docs, cu_seqlens = documents_of(cu_seqlens), None
     spec = packed_spec(cu_seqlens, cu_seqlens_padded)
     thd = layout == "thd"
     if thd != (spec is not None):
@@ -118,7 +127,11 @@ def virtual_mesh_attention(
         r = kv_repeats(q.shape[2], k.shape[2], u)
     seq_major = lambda x: x if layout == "sbhd" else x.transpose(0, 1)  # noqa: E731
     qs, ks, vs = (seq_major(x) for x in (q, k, v))
-    blk = select_kernel(kernel, qs, ks, deterministic=deterministic, packed=thd)
+    if docs is not None:
+        docs.check(qs.shape[0])
+        if qs.shape[1] != 1:
+            raise ValueError(f"document masking takes one sequence (batch 1), got batch {qs.shape[1]}")
+    blk = select_kernel(kernel, qs, ks, deterministic=deterministic, packed=thd or docs is not None)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     traffic = [Traffic() for _ in range(n)]
 
@@ -149,6 +162,12 @@ def virtual_mesh_attention(
     if plans is None:
         fake = type("VirtualMesh", (), {"shape": mesh_shape, "cluster": None, "stride": 1, "ulysses": u})()
         plans = plans_for(lq[0], lk[0], fake, causal, "sbhd", partial_dtype, "greedy")
+    sub_blocks = None
+    if docs is not None:  # pruned plans; every super-rank's own calls per block
+        mask = DocumentMask(docs, n_mesh, causal)
+        keep = mask.needed(mesh_shape)
+        plans = (prune(plans[0], keep), prune(plans[1], keep))
+        sub_blocks = [mask.rank_parts(mesh_shape, G, q.device) for G in range(n_mesh)]
     # CP rank g = super-rank G * u + slot j; each slot runs its own a x b mesh over the super-ranks
     slots = [list(range(j, n, u)) for j in range(u)]
 
@@ -158,7 +177,7 @@ def virtual_mesh_attention(
             hub = VirtualHub(mesh_shape)
             res, counts = run_virtual(plan, mesh_shape, [per_rank[g] for g in ranks], blk, causal=causal,
                                       scale=scale, hub=hub, partial_dtype=partial_dtype,
-                                      varlen=lay.varlen if lay is not None else None)
+                                      varlen=lay.varlen if lay is not None else None, sub_blocks=sub_blocks)
             for g, x, t in zip(ranks, res, counts):
                 results[g] = x
                 for (p, c), nbytes in t.sent.items():
@@ -193,4 +212,6 @@ def virtual_mesh_attention(
             g = gather(local)
             result[name] = g[:, 0] if thd else g if layout == "sbhd" else g.transpose(0, 1)
     result["traffic"] = traffic
+    if docs is not None:
+        result["plans"] = plans
     return result

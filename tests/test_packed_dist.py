@@ -32,7 +32,7 @@ BAD = {
     "disagree": "disagree on cu_seqlens_padded",
     "kernel": "the dense-only attention kernel cannot run packed sequences (THD, varlen)",
     "noncausal": "packed sequences (THD) need causal=True",
-    "layout": "take layout='thd'",
+    "layout": "takes layout='thd'",
 }
 
 

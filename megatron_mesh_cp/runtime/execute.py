@@ -15,9 +15,11 @@ layer of the same shape; inside it, bytes are reused as the plan's liveness allo
 and a tensor placed where a dead one was first waits for that one's send to finish (and, on GPU,
 for the compute that read it). Nothing the executor hands back aliases the pool.
 
-Packed sequences (THD): with ``varlen`` the chunks are in packed.py's half-major order and each
+Masked blocks: with ``varlen`` (packed THD) the chunks are in packed.py's half-major order and each
 block runs as its per-document sub-blocks (``packed_slices``), every one a varlen kernel call with
-the batch's one set of lengths; the plan, the transfers and the buffers are the same.
+the batch's one set of lengths; with ``sub_blocks`` (documents on the ordinary layout,
+documents.py) each block runs as the rank's own list of kernel calls for it, none for an empty
+block. Either way every block is its own call (no grouping), and the plan says what moves.
 
 Forward inputs per rank: local q, k, v. Backward inputs: local q, k, v, the final out, its lse
 ([s, b, h]), dout and ``delta = rowsum(dout * out)``; only those are kept between the passes,
@@ -90,10 +92,12 @@ class Executor:
         partial_dtype: Optional[torch.dtype] = None,
         buffers: Optional[BufferPool] = None,
         varlen: Optional[Varlen] = None,
+        sub_blocks: Optional[Dict[Tuple[int, int], tuple]] = None,
     ) -> None:
         self.plan, self.comm, self.kernel = plan, comm, kernel
         self.varlen = varlen
-        self._vl = {} if varlen is None else {"varlen": varlen}  # passed to the kernel only when packed
+        # documents: (q offset, kv offset) -> this rank's calls ((rows, cols, causal, varlen), ...)
+        self.sub_blocks = sub_blocks
         self.causal, self.scale = causal, scale
         self.shape = MeshShape(plan.a, plan.b)
         self.position = comm.position
@@ -304,18 +308,19 @@ class Executor:
 
     def _calls(self, op: Compute) -> List[KernelCall]:
         """The kernel calls of a compute on this rank: one per contiguous run of keys per case
-        (packed: one per block, each then run as its per-document sub-blocks)."""
+        (masked: one per block, each then run as its sub-blocks; none for an empty block)."""
         i = self.shape.q_chunk(self.position, op.q)
         cases = {ko: block_case(i, self.shape.kv_chunk(self.position, ko), self.causal) for ko in op.kvs}
-        if self.varlen is not None:  # a varlen call takes one chunk's documents: no grouping
-            return [c for ko in op.kvs for c in kernel_calls((ko,), cases, self.plan.slab_of, self.split)]
-        return kernel_calls(op.kvs, cases, self.plan.slab_of, self.split)
+        if self.varlen is None and self.sub_blocks is None:
+            return kernel_calls(op.kvs, cases, self.plan.slab_of, self.split)
+        kvs = op.kvs if self.sub_blocks is None else [ko for ko in op.kvs if self.sub_blocks[(op.q, ko)]]
+        return [c for ko in kvs for c in kernel_calls((ko,), cases, self.plan.slab_of, self.split)]
 
-    def _parts(self, call: KernelCall):
-        """``(k, v, parts)``: the keys the call reads and its kernel calls ``(rows, cols, causal)``,
-        cols relative to ``k``. Outside a slab ``k`` is the whole chunk; in a slab, the call's
-        pieces side by side (for one packed block: its first piece, then its second if it reads it,
-        so a packed sub-block's half of the chunk is the same range of ``k``). Waits for the chunks."""
+    def _parts(self, qo: int, call: KernelCall):
+        """``(k, v, parts)``: the keys the call reads and its kernel calls ``(rows, cols, causal,
+        varlen)``, cols relative to ``k``. Outside a slab ``k`` is the whole chunk; in a slab, the
+        call's pieces side by side (for one masked block: its first piece, then its second if it
+        reads it, so the chunk's rows are the same range of ``k``). Waits for the chunks."""
         for ko in call.kvs:
             self._chunk("kv", ko)
         if call.slab is None:
@@ -324,36 +329,41 @@ class Executor:
             m = self.seq // 2
             keys = slice(call.start * m, (call.start + len(call.pieces)) * m)
             k, v = (self.bufs.tensor(("slab", "kv", call.slab[0], i))[keys] for i in range(2))
+        if self.sub_blocks is not None:
+            return k, v, self.sub_blocks[(qo, call.kvs[0])]
         if self.varlen is not None:
-            return k, v, [(s.q_rows, s.kv_cols, s.causal) for s in packed_slices(call.case, self.seq)]
+            return k, v, [(s.q_rows, s.kv_cols, s.causal, self.varlen) for s in packed_slices(call.case, self.seq)]
         sl = BlockSlices.of(call.case, self.seq)
-        return k, v, [(sl.q_rows, sl.kv_cols if call.slab is None else slice(None), sl.causal)]
+        return k, v, [(sl.q_rows, sl.kv_cols if call.slab is None else slice(None), sl.causal, None)]
 
     def _forward_call(self, qo: int, call: KernelCall) -> None:
         (q,) = self._chunk("q", qo)
-        k, v, parts = self._parts(call)
+        k, v, parts = self._parts(qo, call)
         acc_out, acc_lse = self._partial("o", qo)
-        for rows, cols, causal in parts:
-            out, lse = self.kernel.forward(q[rows], k[cols], v[cols], causal=causal, scale=self.scale, **self._vl)
+        for rows, cols, causal, varlen in parts:
+            vl = {} if varlen is None else {"varlen": varlen}  # passed to the kernel only when masked
+            out, lse = self.kernel.forward(q[rows], k[cols], v[cols], causal=causal, scale=self.scale, **vl)
             merge_into(acc_out[rows], acc_lse[rows], out, lse.permute(2, 0, 1), scratch=self._scratch)
 
     def _backward_call(self, qo: int, call: KernelCall) -> None:
         q, dout, delta, lse = self._chunk("q", qo)
-        k, v, parts = self._parts(call)
+        k, v, parts = self._parts(qo, call)
         if qo not in self.stand_ins:  # a foreign chunk's stand-in lives in the pool until its Free
             self.stand_ins[qo] = self._take(("stand_in", qo)).copy_(delta_stand_in(dout, delta))
         out = self.stand_ins[qo]
         m = self.seq // 2
-        for rows, cols, causal in parts:
-            lkey = (qo, rows.start, rows.stop)
+        one = self.varlen is not None or self.sub_blocks is not None  # one block: cols are its chunk's rows
+        for rows, cols, causal, varlen in parts:
+            vl = {} if varlen is None else {"varlen": varlen}
+            lkey = (qo, rows.start, rows.stop, varlen is not None)
             if lkey not in self.kernel_lse:  # once per chunk and row range, not per block
-                self.kernel_lse[lkey] = self.kernel.lse_for_backward(lse[rows], **self._vl)
+                self.kernel_lse[lkey] = self.kernel.lse_for_backward(lse[rows], **vl)
             dq, dk, dv = self.kernel.backward(
                 dout[rows], q[rows], k[cols], v[cols], out[rows], self.kernel_lse[lkey],
-                causal=causal, scale=self.scale, **self._vl,
+                causal=causal, scale=self.scale, **vl,
             )
             self._partial("dq", qo)[0][rows].add_(dq)
-            if call.slab is None:
+            if call.slab is None or one:
                 acc_k, acc_v = self._partial("dkv", call.kvs[0])
                 acc_k[cols].add_(dk)
                 acc_v[cols].add_(dv)
@@ -383,15 +393,18 @@ def run_virtual(
     hub: VirtualHub = None,
     partial_dtype: Optional[torch.dtype] = None,
     varlen: Optional[Varlen] = None,
+    sub_blocks: Optional[Sequence[Dict[Tuple[int, int], tuple]]] = None,
 ):
     """Run ``plan`` for all ranks of ``shape`` in this process, op by op in lockstep.
 
-    ``per_rank[g]`` holds rank g's executor tensors (sequence-major). Returns ``(results, traffic)``.
+    ``per_rank[g]`` holds rank g's executor tensors (sequence-major), ``sub_blocks[g]`` its masked
+    blocks' calls (documents). Returns ``(results, traffic)``.
     """
     hub = hub or VirtualHub(shape)
     execs = [
         Executor(plan, hub.ranks[g], kernel, causal=causal, scale=scale, tensors=per_rank[g],
-                 partial_dtype=partial_dtype, buffers=hub.ranks[g].buffers, varlen=varlen)
+                 partial_dtype=partial_dtype, buffers=hub.ranks[g].buffers, varlen=varlen,
+                 sub_blocks=None if sub_blocks is None else sub_blocks[g])
         for g in range(shape.n)
     ]
     for op in plan.ops:

@@ -101,6 +101,9 @@ def buffer_lives(plan: Plan, dims: ChunkDims) -> List[Life]:
                 for j, spec in enumerate(payload(plan.phase, op.kind, dims)):
                     birth(("recv", op.kind, dst, j), spec, i)
             else:
+                if ("acc", op.kind, op.src, 0) not in born:  # a pruned plan's relay: no block fed it here
+                    for j, spec in enumerate(_acc_specs(plan.phase, op.kind, dims)):
+                        birth(("acc", op.kind, op.src, j), spec, i)
                 death(("acc", op.kind, op.src), i)
                 death(("in", op.kind, op.src), i)
                 for j, spec in enumerate(payload(plan.phase, op.kind, dims)):

@@ -29,7 +29,7 @@ checks the rest: each block once, inputs present when used, reductions reaching 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import Dict, FrozenSet, Iterable, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -120,6 +120,15 @@ class Plan:
     meta: Tuple[Tuple[str, object], ...] = field(default=(), compare=False)
     #: KV slabs: ranges (lo, hi) of foreign KV offsets received into one piece-major buffer
     slabs: Tuple[Tuple[int, int], ...] = ()
+    #: the tile blocks (q, kv) the plan computes; None: all a x b (a pruned plan computes fewer)
+    tile: Optional[FrozenSet[Tuple[int, int]]] = None
+
+    @property
+    def tile_blocks(self) -> FrozenSet[Tuple[int, int]]:
+        """Every (q, kv) block the plan must compute: the whole tile unless pruned."""
+        if self.tile is not None:
+            return self.tile
+        return frozenset((i, j) for i in range(self.a) for j in range(self.b))
 
     def slab_of(self, kv: int) -> Optional[Tuple[int, int]]:
         """The slab KV offset ``kv`` is received into, or None (its own chunk buffer)."""
@@ -244,7 +253,9 @@ def validate(plan: Plan, max_live: Optional[int] = None) -> int:
     the owner (offset 0) exactly once. Live chunks (gathered chunks held plus partials held) never
     exceed ``max_live`` when given; a slab counts as all its chunks from the first one it receives
     until its last one is freed. Slabs are disjoint ranges of foreign KV offsets; a compute names
-    each of its KV offsets once.
+    each of its KV offsets once. A pruned plan (``plan.tile`` set) computes exactly its tile blocks,
+    gathers only what they use, and reduces only the partials some block of it feeds (and the
+    offsets those partials pass through on their way to the owner).
     """
     if plan.phase not in (FORWARD, BACKWARD):
         raise PlanError(f"unknown phase {plan.phase!r}")
@@ -258,6 +269,7 @@ def validate(plan: Plan, max_live: Optional[int] = None) -> int:
     inbound = {k: {} for k in reduce_kinds}  # offset -> number of partials received there
     started = {k: set() for k in reduce_kinds}  # offsets whose own partial exists
     _check_slabs(plan)
+    tile = plan.tile_blocks
     upstream = _upstreams(plan)
     slab_left = {sl: sl[1] - sl[0] + 1 for sl in plan.slabs}  # chunks of a slab not yet freed
     slab_live = set()
@@ -291,12 +303,15 @@ def validate(plan: Plan, max_live: Optional[int] = None) -> int:
                     raise PlanError(f"{where}: a rank never sends the partial of its own chunk")
                 if op.src in sent[op.kind]:
                     raise PlanError(f"{where}: partial {op.kind}[{op.src}] sent twice")
-                missing = [blk for blk in feeding_blocks(op.kind, op.src, a, b) if blk not in computed]
+                missing = [blk for blk in feeding_blocks(op.kind, op.src, a, b) if blk in tile and blk not in computed]
                 if missing:
                     raise PlanError(f"{where}: blocks {missing} not computed before the partial is sent")
                 if (op.kind, op.src) in upstream and not inbound[op.kind].get(op.src):
                     raise PlanError(f"{where}: sent before the partial it forwards arrived")
                 sent[op.kind].add(op.src)
+                if op.src not in started[op.kind]:  # a pruned plan's relay: its own partial starts empty here
+                    started[op.kind].add(op.src)
+                    live += 1
                 # the own partial leaves, the partial folded into it is gone, a new one arrives
                 live += 1 - 1 - inbound[op.kind].get(op.src, 0)
                 inbound[op.kind][dst] = inbound[op.kind].get(dst, 0) + 1
@@ -312,6 +327,8 @@ def validate(plan: Plan, max_live: Optional[int] = None) -> int:
                     raise PlanError(f"{where}: block outside the {a}x{b} tile")
                 if (q_off, kv_off) in computed:
                     raise PlanError(f"{where}: block computed twice")
+                if (q_off, kv_off) not in tile:
+                    raise PlanError(f"{where}: block ({q_off}, {kv_off}) is not in the plan's (pruned) tile")
                 for kind, off in (("q", q_off), ("kv", kv_off)):
                     _need(present, freed, kind, off, where)
                 for kind in reduce_kinds:
@@ -339,15 +356,17 @@ def validate(plan: Plan, max_live: Optional[int] = None) -> int:
         peak = max(peak, live)
         if max_live is not None and live > max_live:
             raise PlanError(f"{where}: {live} live chunks exceed the budget of {max_live}")
-    if len(computed) != a * b:
-        missing = sorted({(i, j) for i in range(a) for j in range(b)} - computed)
+    if computed != tile:
+        missing = sorted(tile - computed)
         raise PlanError(f"blocks never computed: {missing[:8]}{'...' if len(missing) > 8 else ''}")
-    for kind in GATHER_KINDS:
-        size = a if kind == "q" else b
-        if len(present[kind]) != size:
-            raise PlanError(f"{kind} chunks never gathered: {sorted(set(range(size)) - present[kind])}")
+    if plan.tile is None:
+        for kind in GATHER_KINDS:
+            size = a if kind == "q" else b
+            if len(present[kind]) != size:
+                raise PlanError(f"{kind} chunks never gathered: {sorted(set(range(size)) - present[kind])}")
     for kind in reduce_kinds:
-        _check_reduction(plan, kind, sent[kind])
+        fed = {partial_offset(kind, q, kv) for q, kv in tile} - {0}
+        _check_reduction(plan, kind, sent[kind], fed)
     return peak
 
 
@@ -390,20 +409,27 @@ def _upstreams(plan: Plan) -> Dict[Tuple[str, int], int]:
     return out
 
 
-def _check_reduction(plan: Plan, kind: str, sent: Iterable[int]) -> None:
-    """Every offset's partial must be sent once and flow, hop by hop, to offset 0."""
+def _check_reduction(plan: Plan, kind: str, sent: Iterable[int], fed: Iterable[int]) -> None:
+    """Every fed offset's partial must be sent once and flow, hop by hop, to offset 0; the offsets
+    it passes through are sent too, and nothing else is (the whole ring unless the plan is pruned)."""
     size = plan.ring_size(RING_OF[kind])
-    if set(sent) != set(range(1, size)):
-        raise PlanError(f"partials {kind} never sent: {sorted(set(range(1, size)) - set(sent))}")
+    sent = set(sent)
     direction = {t.src: t.direction for t in plan.transfers if t.kind == kind}
-    for off in range(1, size):
+    alive = set()
+    for off in sorted(fed):
+        if off not in direction:
+            raise PlanError(f"partials {kind} never sent: {sorted(set(fed) - sent)}")
         # the chain from `off` must keep its direction until it reaches the owner
         cur, d = off, direction[off]
+        alive.add(off)
         for _ in range(size):
             cur = (cur + d) % size
             if cur == 0:
                 break
             if direction.get(cur) != d:
                 raise PlanError(f"reduction {kind}: the partial from offset {off} turns at offset {cur}")
+            alive.add(cur)
         else:  # pragma: no cover - impossible for a ring
             raise PlanError(f"reduction {kind}: the partial from offset {off} never reaches its owner")
+    if sent != alive:
+        raise PlanError(f"reduction {kind}: partials sent from offsets {sorted(sent - alive)} that nothing feeds")
