@@ -127,8 +127,10 @@ def check_inputs(q, k, v, mesh, layout: str, softmax_scale) -> None:
     resolve_scale(softmax_scale, q.shape[3])
 
 
-def plans_for(q, k, mesh, causal: bool, layout: str, partial_dtype, planner: str) -> Tuple[Plan, Plan]:
-    """The cached (forward, backward) plans for these inputs on ``mesh`` (greedy: tuned for its cluster)."""
+def plans_for(q, k, mesh, causal: bool, layout: str, partial_dtype, planner: str,
+              chains: str = "auto") -> Tuple[Plan, Plan]:
+    """The cached (forward, backward) plans for these inputs on ``mesh`` (greedy: tuned for its
+    cluster; ``chains="both-ways"`` for the full plans that documents prune)."""
     s_dim = seq_dim(layout)
     b_dim = 1 - s_dim
     acc = lse_dtype(q.dtype)
@@ -141,7 +143,7 @@ def plans_for(q, k, mesh, causal: bool, layout: str, partial_dtype, planner: str
     # a2a+mesh: consecutive super-ranks are u CP ranks apart
     stride = getattr(mesh, "stride", 1) * getattr(mesh, "ulysses", 1)
     return build_plans(mesh.shape.a, mesh.shape.b, planner, cluster=cluster, workload=w, stride=stride,
-                       max_live=getattr(mesh, "max_live", None))
+                       max_live=getattr(mesh, "max_live", None), chains=chains)
 
 
 class _MeshAttention(torch.autograd.Function):
@@ -226,7 +228,8 @@ def _prepare(q, k, v, mesh, causal, softmax_scale, layout, kernel, plans, partia
         s_dim = seq_dim(layout)
         mq, mk = (torch.empty(u * x.shape[s_dim], x.shape[1 - s_dim], x.shape[2] * m // u, x.shape[3],
                               dtype=x.dtype, device="meta") for x, m in ((q, 1), (k, r)))
-        plans = plans_for(mq, mk, mesh, causal, "sbhd", partial_dtype, planner)
+        plans = plans_for(mq, mk, mesh, causal, "sbhd", partial_dtype, planner,
+                          "both-ways" if isinstance(spec, Documents) else "auto")
     elif (plans[0].a, plans[0].b, plans[1].a, plans[1].b) != (mesh.shape.a, mesh.shape.b) * 2:
         raise ValueError(f"plans are for {plans[0].a}x{plans[0].b}, the mesh is {mesh.shape}")
     mask = None

@@ -161,7 +161,8 @@ def virtual_mesh_attention(
     lv = a2a_in([replicate_kv(x, r) for x in shard(vs)], FORWARD, "a2a-KV")
     if plans is None:
         fake = type("VirtualMesh", (), {"shape": mesh_shape, "cluster": None, "stride": 1, "ulysses": u})()
-        plans = plans_for(lq[0], lk[0], fake, causal, "sbhd", partial_dtype, "greedy")
+        plans = plans_for(lq[0], lk[0], fake, causal, "sbhd", partial_dtype, "greedy",
+                          "both-ways" if docs is not None else "auto")
     sub_blocks = None
     if docs is not None:  # pruned plans; every super-rank's own calls per block
         mask = DocumentMask(docs, n_mesh, causal)

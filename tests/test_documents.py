@@ -112,7 +112,7 @@ def test_pruned_plans_validate_and_move_less(n):
     rng = random.Random(n)
     dims = ChunkDims(1, 16 * n, 4, 2, 8, torch.float32)
     for a, b in valid_shapes(n):
-        full = build_plans(a, b)
+        full = build_plans(a, b, chains="both-ways")
         for cu in document_sets(n, rng):
             keep = DocumentMask(Documents(tuple(cu)), n, True).needed(MeshShape(a, b))
             for plan in full:

@@ -139,6 +139,27 @@ def test_grouped_plans_run_packed_sequences_block_by_block(a, b):
         assert err < 1e-12, name
 
 
+@pytest.mark.parametrize("a,b", [(1, 6), (2, 4)])
+def test_grouped_plans_pruned_for_documents(a, b):
+    """Documents on the ordinary layout with grouped plans: pruning drops blocks from grouped
+    computes and shrinks slabs to the offsets still received (here into several runs); each kept
+    block runs as its sub-blocks from where the slab keeps its pieces; exact against float64."""
+    n = a * b
+    plans, _ = _grouped_plans(a, b, True, 4, 2, split_gathers=True, split_reductions=True)
+    cu = [0] + list(range(4, 16 * n, 8)) + [16 * n]  # S = 16n: pieces of 8, each document across one boundary
+    g = torch.Generator().manual_seed(n)
+    q, k, v, do = (torch.randn(cu[-1], x, D, generator=g, dtype=torch.float64) for x in (4, 2, 2, 4))
+    ref = packed_reference(q, k, v, do, cu)
+    res = virtual_mesh_attention(*(x[None] for x in (q, k, v)), MeshShape(a, b), dout=do[None], plans=plans,
+                                 kernel="torch", cu_seqlens=torch.tensor(cu, dtype=torch.int32))
+    pruned = res["plans"]
+    assert any(len(p.blocks) < a * b for p in pruned)
+    assert any(0 < sum(hi - lo + 1 for lo, hi in p.slabs) < sum(hi - lo + 1 for lo, hi in full.slabs)
+               for p, full in zip(pruned, plans))
+    for name, err in relative_errors({x: res[x][0] for x in ref}, ref).items():
+        assert err < 1e-12, name
+
+
 def test_validator_counts_slab_memory_and_rejects_bad_groups():
     # 1 x 4 forward: KV offsets 1..3 in one slab, all blocks of the one Q chunk in two computes
     gathers = [Transfer("kv", 1, 0), Transfer("kv", 1, 1), Transfer("kv", 1, 2)]

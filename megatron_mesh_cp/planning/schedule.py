@@ -25,6 +25,8 @@ from .replay import replay
 __all__ = ["in_order_plan", "build_plans", "PLANNERS", "default_cluster", "DEFAULT_WORKLOAD"]
 
 PLANNERS = ("greedy", "in-order")
+#: how ``build_plans`` may direct the gather and reduction chains
+CHAINS = ("auto", "one-way", "both-ways")
 #: Used when a caller plans without saying what it runs (e.g. validating shapes).
 DEFAULT_WORKLOAD = Workload(seq_local=4096, heads=32, kv_heads=8, head_dim=128)
 
@@ -90,11 +92,13 @@ def build_plans(
 
     ``greedy`` plans for ``workload`` on ``cluster`` (CP ranks ``stride`` GPUs apart, i.e. the TP
     size) within ``max_live`` live chunks; ``chains="one-way"`` keeps every ring one-directional
-    (how Ring-Attention is usually run), ``"auto"`` also tries splitting chains both ways.
+    (how Ring-Attention is usually run), ``"auto"`` also tries splitting chains both ways, and
+    ``"both-ways"`` only splits them (every offset within half a ring of its owner: what plans
+    pruned for documents want, as a document reaches its neighbours on both sides).
     ``in-order`` is the naive baseline.
     """
-    if chains not in ("auto", "one-way"):
-        raise ValueError(f"chains must be 'auto' or 'one-way', got {chains!r}")
+    if chains not in CHAINS:
+        raise ValueError(f"chains must be one of {', '.join(CHAINS)}, got {chains!r}")
     if planner not in PLANNERS:
         raise ValueError(f"unknown planner {planner!r}; choose one of {', '.join(PLANNERS)}")
     if planner == "in-order":
@@ -117,7 +121,7 @@ def _greedy_plans(a, b, cluster, workload, stride, max_live, max_inflight, chain
         scored = []
         errors = []
         grouped = grouping_pays(workload, cluster, phase == BACKWARD)
-        for cfg in CONFIGS if chains == "auto" else CONFIGS[:1]:
+        for cfg in _chain_configs(chains):
             if cfg.group and not grouped:
                 continue
             cfg = replace(cfg, max_inflight=max_inflight, max_live=max_live)
@@ -142,6 +146,13 @@ def _greedy_plans(a, b, cluster, workload, stride, max_live, max_inflight, chain
         Plan(fwd.phase, a, b, fwd.ops, name=fwd.name, meta=fwd.meta + meta, slabs=fwd.slabs),
         Plan(bwd.phase, a, b, bwd.ops, name=bwd.name, meta=bwd.meta + meta, slabs=bwd.slabs),
     )
+
+
+def _chain_configs(chains: str):
+    if chains == "auto":
+        return CONFIGS
+    split = chains == "both-ways"
+    return tuple(c for c in CONFIGS if c.split_gathers == c.split_reductions == split)
 
 
 def _minimum_budget(a, b, phase, cost, max_inflight) -> int:
