@@ -54,3 +54,17 @@ def test_launcher_dry_run_fails_naming_the_unset_variable(tmp_path):
     assert res.returncode == 2, res.stderr[-2000:]
     assert "environment variable" in res.stderr and "is not set" in res.stderr
     assert "TOKENIZER_MODEL is not set" in res.stderr and "DATA_PATH is not set" in res.stderr
+
+
+def test_false_maps_onto_megatrons_negating_flag_or_is_refused(tmp_path):
+    """``false`` is never a silent default: off by default -> nothing; a ``--no-...`` flag exists ->
+    that flag; a switch on by default with no way to turn it off -> an error."""
+    switches = {"fp16": (False, None), "create_attention_mask_in_dataloader": (True, "--no-create-attention-mask-in-dataloader"),
+                "always_on": (True, None)}
+    path = _cfg(tmp_path, "fp16: false\ncreate_attention_mask_in_dataloader: false\n")
+    assert config_to_argv(path, {}, switches=switches) == ["--no-create-attention-mask-in-dataloader"]
+    with pytest.raises(ConfigError, match="always_on: false cannot be passed to Megatron"):
+        config_to_argv(_cfg(tmp_path, "always_on: false\n"), {}, switches=switches)
+    # and Megatron's own parser has that flag
+    assert config_to_argv(_cfg(tmp_path, "create_attention_mask_in_dataloader: false\nbf16: false\n"), {}) == [
+        "--no-create-attention-mask-in-dataloader"]

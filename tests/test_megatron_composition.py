@@ -12,6 +12,11 @@ Several features share one run to keep CI short (a run is launched only when a t
 * PP 2 x CP 2, mesh 1x2 (the non-interleaved 1F1B schedule);
 * DP 2 x CP 2, mesh 2x1, distributed optimizer + overlapped grad reduce.
 
+Every run masks documents (Megatron's ``--reset-attention-mask --reset-position-ids --eod-mask-loss``
+on the stdlib corpus cut into documents of 40 bytes, several per sequence): the baselines through
+Megatron's dense mask, the mesh runs from the EOD tokens with pruned plans (one sequence per
+micro-batch, per-token loss so unequal loss-token counts across CP ranks weigh as at CP = 1).
+
 Resuming a distributed-optimizer checkpoint is not run here: without apex or TE, megatron-core
 0.19.2's DistributedOptimizer.state_dict asserts on the not-yet-stepped torch Adam while building
 the state dict to load into (distrib_optimizer.py:839), with or without CP. The resume passes
@@ -32,11 +37,15 @@ pytest.importorskip("megatron.training", reason="megatron-core >= 0.17 (Python 3
 from megatron_runs import run_bad_args, train, write_config  # noqa: E402
 
 ITERS = 10
-MESH = dict(context_parallel_size=2, context_parallel_algo="mesh")
-TP2 = dict(tensor_model_parallel_size=2, train_iters=ITERS)
-PP2 = dict(pipeline_model_parallel_size=2, num_layers=4, micro_batch_size=1, train_iters=ITERS)
+#: document masking, for the baselines (Megatron's dense mask) and the mesh runs alike
+DOCS = dict(reset_attention_mask=True, reset_position_ids=True, eod_mask_loss=True, calculate_per_token_loss=True,
+            micro_batch_size=1, global_batch_size=2)
+DOC_DATA = ["--stdlib-doc-bytes", "40"]
+MESH = dict(context_parallel_size=2, context_parallel_algo="mesh", create_attention_mask_in_dataloader=False)
+TP2 = dict(DOCS, tensor_model_parallel_size=2, train_iters=ITERS)
+PP2 = dict(DOCS, pipeline_model_parallel_size=2, num_layers=4, train_iters=ITERS)
 VPP = dict(PP2, num_layers_per_virtual_pipeline_stage=1)
-DP2 = dict(use_distributed_optimizer=True, overlap_grad_reduce=True, micro_batch_size=1, train_iters=ITERS)
+DP2 = dict(DOCS, use_distributed_optimizer=True, overlap_grad_reduce=True, train_iters=ITERS)
 SELECTIVE = dict(recompute_granularity="selective", recompute_modules=["core_attn"])
 FULL = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
 SP = dict(sequence_parallel=True, spec=["sp_norm_spec", "gpt_mesh_sp_spec"])
@@ -75,7 +84,7 @@ class Runs:
             if "save_interval" in overrides:
                 overrides = dict(overrides, save=str(self.work / f"{name}.ckpt"))
             try:
-                self.done[name] = train(self.work, name, nproc, timeout=900, **overrides)
+                self.done[name] = train(self.work, name, nproc, extra=DOC_DATA, timeout=900, **overrides)
             except AssertionError as exc:  # a failed run fails every test that uses it, once
                 self.done[name] = exc
         if isinstance(self.done[name], AssertionError):
@@ -106,20 +115,21 @@ def test_mesh_composes_with_megatron_feature(runs, name):
     print(f"[matrix] {name} vs {MATRIX[name]}: max rel loss diff {dl:.2e}, max rel grad diff {dg:.2e}")
     assert dl <= 1e-5 and dg <= 1e-5, (name, dl, dg)
     assert got["attention_calls"] > 0 and got["mesh_shape"] == RUNS[name][1]["mesh_shape"]
+    assert got["packed_attention_calls"] == got["attention_calls"]  # every call masked documents
     assert ref["losses"][-1][1] < ref["losses"][0][1]  # it learns
 
 
 def test_recompute_reruns_mesh_attention_in_the_backward(runs):
-    """Selective recompute runs each mesh forward twice per layer and step (forward + recompute)."""
+    """Selective recompute runs each mesh forward twice per layer and micro-batch (forward + recompute)."""
     sel, plain = runs["tp2_cp2_sel"], runs["tp2_cp2_sp"]
-    assert sel["attention_calls"] == 2 * plain["attention_calls"] == 2 * 2 * ITERS
+    assert sel["attention_calls"] == 2 * plain["attention_calls"] == 2 * 2 * 2 * ITERS  # 2 layers, 2 micro-batches
 
 
 def test_checkpoint_resume_matches_straight_run(runs):
     straight = runs["tp2_cp2_sel"]
     ckpt = Path(straight["grads_path"]).parent / "tp2_cp2_sel.ckpt"
     assert (ckpt / "iter_0000005").is_dir() and (ckpt / "iter_0000010").is_dir()
-    resumed = train(ckpt.parent, "tp2_cp2_resume", 4, timeout=900, **dict(RUNS["tp2_cp2_sel"][1], load=str(ckpt),
+    resumed = train(ckpt.parent, "tp2_cp2_resume", 4, extra=DOC_DATA, timeout=900, **dict(RUNS["tp2_cp2_sel"][1], load=str(ckpt),
                                                                           ckpt_step=5, save=None, save_interval=None,
                                                                           no_load_rng=True))
     assert [it for it, _ in resumed["losses"]] == list(range(6, ITERS + 1))

@@ -118,7 +118,65 @@ def apply_mesh_args(args, argv: Optional[Sequence[str]] = None):
     """
     args = _apply_cp_algo(args, argv)
     _check_packed_data(args)
+    _check_document_masking(args)
     return args
+
+
+def _check_document_masking(args) -> None:
+    """``--reset-attention-mask`` (documents end at EOD tokens, Megatron's GPTDataset): honoured by
+    mesh CP through the launcher (each micro-batch's EOD boundaries, unpadded, pruned plans) and by
+    Megatron's local attention at CP = 1 (its dense mask); refused wherever it would be dropped."""
+    SETTINGS.documents = ""
+    cp = int(_get(args, "context_parallel_size", 1) or 1)
+    algo = _get(args, "context_parallel_algo") or (_as_list(_get(args, "cp_comm_type")) or ["p2p"])[0]
+    if cp > 1 and algo in MESH_ALGORITHMS and _get(args, "eod_mask_loss", False) \
+            and not _get(args, "calculate_per_token_loss", False):
+        raise MeshArgumentError(
+            "--eod-mask-loss with CP > 1 needs --calculate-per-token-loss: masking the EOD tokens leaves the CP ranks "
+            "unequal numbers of loss tokens, and Megatron's default per-rank mean would weight them unequally (the "
+            "gradients would not be those of CP = 1)")
+    if not _get(args, "reset_attention_mask", False):
+        return
+    dense = bool(_get(args, "create_attention_mask_in_dataloader", True))
+    if cp > 1 and algo in MESH_ALGORITHMS:
+        if not SETTINGS.launcher:
+            raise MeshArgumentError(
+                "--reset-attention-mask under mesh CP needs megatron-mesh-cp's launcher (scripts/pretrain_gpt_mesh.py or "
+                "mesh-cp-pretrain), whose get_batch hands each micro-batch's EOD document boundaries to the attention; "
+                "stock pretrain_gpt.py's get_batch does not, and the documents would be ignored")
+        if dense:
+            raise MeshArgumentError(
+                "--reset-attention-mask with --create-attention-mask-in-dataloader (the default) builds a dense "
+                "S x S mask per sample that mesh CP never reads (4 TiB at 1M tokens); pass "
+                "--no-create-attention-mask-in-dataloader: mesh CP takes the documents from the EOD tokens")
+        mbs = int(_get(args, "micro_batch_size", 1) or 1)
+        if mbs != 1:
+            raise MeshArgumentError(
+                f"--reset-attention-mask under mesh CP runs one sequence per micro-batch (each has its own documents); "
+                f"use --micro-batch-size 1 (got {mbs}) and reach the global batch by gradient accumulation")
+        if _get(args, "mesh_packed_data", False):
+            raise MeshArgumentError("--reset-attention-mask and --mesh-packed-data are two ways to mask documents; "
+                                    "pass one of them")
+        SETTINGS.documents = "eod"
+        return
+    if not SETTINGS.launcher:  # Megatron's own paths without mesh CP are Megatron's
+        return
+    if cp > 1:
+        raise MeshArgumentError(
+            f"--reset-attention-mask with --context-parallel-algo {algo}: Transformer Engine's causal attention ignores "
+            "Megatron's dense document mask, so documents would attend across each other; use "
+            "--context-parallel-algo mesh or a2a+mesh (document masking from the EOD tokens)")
+    if not dense:
+        raise MeshArgumentError(
+            "--reset-attention-mask at CP = 1 with --no-create-attention-mask-in-dataloader: no attention would see the "
+            "documents (at CP = 1 Megatron's local attention reads the dataloader's dense mask); drop "
+            "--no-create-attention-mask-in-dataloader, or run mesh CP (CP > 1)")
+    from .attention import _te_attention
+
+    if _te_attention() is not None:
+        raise MeshArgumentError(
+            "--reset-attention-mask at CP = 1 would run Transformer Engine's attention, whose causal mask ignores "
+            "Megatron's dense document mask; run mesh CP (CP > 1), or --transformer-impl local without TE")
 
 
 def _check_packed_data(args) -> None:

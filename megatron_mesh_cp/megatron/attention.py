@@ -11,7 +11,9 @@ It has Megatron's core-attention contract (constructor and forward as ``DotProdu
   else to Megatron's local ``DotProductAttention``.
 
 Packed sequences (``packed_seq_params`` with ``qkv_format="thd"``, documents padded to a multiple
-of 2·CP and split per document as ``get_batch_on_this_cp_rank`` does) run under both.
+of 2·CP and split per document as ``get_batch_on_this_cp_rank`` does) run under both, and so do
+documents on the ordinary layout (``qkv_format="sbhd"`` with ``cu_seqlens_q`` = global offsets of
+documents of any length, what the launcher passes for ``--reset-attention-mask``).
 Combinations mesh CP does not support fail at construction (or, for per-call inputs such as an
 attention bias, before any communication) with a message naming the fix.
 """
@@ -175,11 +177,15 @@ class MeshCoreAttention(MegatronModule):
         **kwargs,
     ) -> torch.Tensor:
         if not self.use_mesh:
+            if getattr(packed_seq_params, "qkv_format", None) == "sbhd":
+                raise ValueError("documents in qkv_format 'sbhd' (the launcher's --reset-attention-mask) are read only "
+                                 "by mesh CP; use --context-parallel-algo mesh or a2a+mesh")
             return self.inner(
                 query, key, value, attention_mask, attn_mask_type=attn_mask_type,
                 attention_bias=attention_bias, packed_seq_params=packed_seq_params, **kwargs,
             )
         packed = self._packed(packed_seq_params) if packed_seq_params is not None else {}
+        thd = packed.pop("thd", False)
         if attention_bias is not None:
             raise ValueError("mesh CP does not support an attention bias; drop it or use another --context-parallel-algo")
         mask = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
@@ -189,23 +195,34 @@ class MeshCoreAttention(MegatronModule):
         # implied by the mask type and not read
         out = mesh_attention(
             query, key, value, self.mesh, causal=mask == AttnMaskType.causal, softmax_scale=self.softmax_scale,
-            layout="thd" if packed else "sbhd", kernel=SETTINGS.kernel, partial_dtype=SETTINGS.partial_dtype,
+            layout="thd" if thd else "sbhd", kernel=SETTINGS.kernel, partial_dtype=SETTINGS.partial_dtype,
             planner=SETTINGS.planner, deterministic=SETTINGS.deterministic, check_finite=SETTINGS.check_finite,
             **packed,
         )
-        if packed:  # [t, h, d] -> [t, h*d], as TE returns for thd
+        if thd:  # [t, h, d] -> [t, h*d], as TE returns for thd
             SETTINGS.count_call(query.unsqueeze(1), key.unsqueeze(1), self.mesh.size, training=torch.is_grad_enabled(),
                                 packed=True)
             return out.reshape(out.shape[0], -1)
-        SETTINGS.count_call(query, key, self.mesh.size, training=torch.is_grad_enabled())
+        SETTINGS.count_call(query, key, self.mesh.size, training=torch.is_grad_enabled(), packed=bool(packed))
         s, b = out.shape[0], out.shape[1]
         return out.reshape(s, b, -1)
 
     def _packed(self, params) -> dict:
-        """mesh_attention's packed-sequence arguments from Megatron's PackedSeqParams (self-attention:
-        q and kv must list the same documents; a per-sample CP group is hybrid CP, which mesh is not)."""
-        if getattr(params, "qkv_format", None) != "thd":
-            raise ValueError(f"mesh CP runs packed sequences in qkv_format 'thd', not {params.qkv_format!r}")
+        """mesh_attention's document arguments from Megatron's PackedSeqParams (self-attention: q and
+        kv must list the same documents; a per-sample CP group is hybrid CP, which mesh is not).
+        ``thd``: packed, padded per 2·CP; ``sbhd``: documents of any length on the ordinary layout."""
+        fmt = getattr(params, "qkv_format", None)
+        if fmt == "sbhd":
+            cu = params.cu_seqlens_q
+            if cu is None or params.cu_seqlens_q_padded is not None or params.cu_seqlens_kv_padded is not None:
+                raise ValueError("documents in qkv_format 'sbhd' take cu_seqlens_q (global offsets) and no padded "
+                                 "offsets; padded documents go in qkv_format 'thd'")
+            kv = params.cu_seqlens_kv
+            if kv is not None and kv is not cu and packed_spec(kv) != packed_spec(cu):
+                raise ValueError("mesh CP documents are self-attention: cu_seqlens_kv must equal cu_seqlens_q")
+            return {"cu_seqlens": cu}
+        if fmt != "thd":
+            raise ValueError(f"mesh CP takes documents in qkv_format 'thd' (padded) or 'sbhd', not {fmt!r}")
         group = getattr(params, "cp_group", None)
         if group is not None and torch.distributed.get_process_group_ranks(group) != self.mesh.cp_ranks:
             raise ValueError("packed_seq_params.cp_group differs from the mesh's CP group (hybrid CP); mesh CP needs "
@@ -216,4 +233,4 @@ class MeshCoreAttention(MegatronModule):
         if not same and packed_spec(*kv) != packed_spec(*q):  # host copies, read once per tensor
             raise ValueError("mesh CP packed sequences are self-attention: cu_seqlens_kv(_padded) must equal "
                              "cu_seqlens_q(_padded)")
-        return {"cu_seqlens": q[0], "cu_seqlens_padded": q[1]}
+        return {"cu_seqlens": q[0], "cu_seqlens_padded": q[1], "thd": True}

@@ -1,7 +1,9 @@
 """Flat YAML launcher configs -> Megatron command-line flags, with strict environment substitution.
 
-``name: value`` becomes ``--name value``; ``true`` -> ``--name``; ``false``/``null`` -> omitted; a list
--> ``--name v1 v2 ...``. ``$VAR`` / ``${VAR}`` in strings are substituted by the standard library's
+``name: value`` becomes ``--name value``; ``true`` -> ``--name``; ``null`` -> omitted; a list
+-> ``--name v1 v2 ...``; ``false`` -> omitted where Megatron's default is already off, the negating flag
+where Megatron has one (``create_attention_mask_in_dataloader: false`` ->
+``--no-create-attention-mask-in-dataloader``), else a :class:`ConfigError` (never a silent default). ``$VAR`` / ``${VAR}`` in strings are substituted by the standard library's
 ``string.Template.substitute``: an unset variable is a :class:`ConfigError` naming the variable and
 the key, never a literal ``${VAR}`` or an empty string (``$$`` is a literal ``$``). A string for a
 flag that takes several values in Megatron's own parser (``nargs='*'``/``'+'``, e.g. ``data_path``
@@ -41,6 +43,29 @@ def multi_value_flags() -> FrozenSet[str]:
                      if a.nargs in ("*", "+") or (isinstance(a.nargs, int) and a.nargs > 1) for s in a.option_strings)
 
 
+@lru_cache(maxsize=1)
+def _switches() -> Mapping[str, tuple]:
+    """dest -> (default, the option string that turns it off or None) for Megatron's and our switches."""
+    out = {}
+    for a in megatron_parser()._actions:
+        if isinstance(a, argparse._StoreFalseAction):
+            out[a.dest] = (True, a.option_strings[0])
+        elif a.dest not in out:
+            out[a.dest] = (a.default, None)
+    return out
+
+
+def _false_tokens(key: str, path: str, switches: Optional[Mapping[str, tuple]]) -> List[str]:
+    """``key: false``: nothing where the switch is off by default, its negating flag where there is one."""
+    default, off = (switches if switches is not None else _switches()).get(str(key), (None, None))
+    if off is not None:
+        return [off]
+    if not default:
+        return []
+    raise ConfigError(f"{path}: {key}: false cannot be passed to Megatron (its default is {default!r} and it has "
+                      f"no flag turning it off); drop the key or give a value")
+
+
 def _substitute(value: str, key: str, path: str, env: Mapping[str, str]) -> str:
     try:
         return Template(value).substitute(env)
@@ -53,8 +78,9 @@ def _substitute(value: str, key: str, path: str, env: Mapping[str, str]) -> str:
 
 
 def config_to_argv(path: str, env: Optional[Mapping[str, str]] = None,
-                   multi: Optional[FrozenSet[str]] = None) -> List[str]:
-    """The Megatron flags a flat YAML config stands for (``env`` defaults to ``os.environ``)."""
+                   multi: Optional[FrozenSet[str]] = None, switches: Optional[Mapping[str, tuple]] = None) -> List[str]:
+    """The Megatron flags a flat YAML config stands for (``env`` defaults to ``os.environ``;
+    ``multi`` / ``switches`` default to what Megatron's parser says)."""
     import yaml
 
     env = os.environ if env is None else env
@@ -66,7 +92,7 @@ def config_to_argv(path: str, env: Optional[Mapping[str, str]] = None,
     errors: List[str] = []
     for key, value in cfg.items():
         try:
-            argv += _flag_tokens(key, value, path, env, multi)
+            argv += _false_tokens(key, path, switches) if value is False else _flag_tokens(key, value, path, env, multi)
         except ConfigError as exc:
             errors.append(str(exc))
     if errors:  # every problem at once, not one per attempt
@@ -76,7 +102,7 @@ def config_to_argv(path: str, env: Optional[Mapping[str, str]] = None,
 
 def _flag_tokens(key, value, path: str, env: Mapping[str, str], multi: Optional[FrozenSet[str]]) -> List[str]:
     flag = "--" + str(key).replace("_", "-")
-    if value is None or value is False:
+    if value is None:
         return []
     if value is True:
         return [flag]

@@ -4,6 +4,8 @@ Each ``.py`` file of the running interpreter's standard library (sorted, so the 
 deterministic for a given Python) becomes one document of byte tokens 0..255 followed by the
 end-of-document token 256; the result is written in Megatron's indexed-dataset format with
 megatron.core's own ``IndexedDatasetBuilder``. Use ``--tokenizer-type NullTokenizer --vocab-size 257``.
+``doc_bytes`` cuts every file into documents of at most that many bytes (each with its EOD), so a
+short training sequence holds several documents (document-masking tests and demos).
 """
 
 from __future__ import annotations
@@ -23,8 +25,9 @@ EOD = 256
 VOCAB_SIZE = 257
 
 
-def build_stdlib_corpus(prefix: str, max_bytes: int = 8 << 20) -> str:
-    """Write ``prefix.bin`` / ``prefix.idx`` (at most ``max_bytes`` of source); returns ``prefix``."""
+def build_stdlib_corpus(prefix: str, max_bytes: int = 8 << 20, doc_bytes: Optional[int] = None) -> str:
+    """Write ``prefix.bin`` / ``prefix.idx`` (at most ``max_bytes`` of source; files cut into documents
+    of at most ``doc_bytes`` when given); returns ``prefix``."""
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
     root = Path(sysconfig.get_paths()["stdlib"])
@@ -37,8 +40,10 @@ def build_stdlib_corpus(prefix: str, max_bytes: int = 8 << 20) -> str:
         if not data.strip():
             continue
         tokens = np.frombuffer(data, dtype=np.uint8).astype(np.int64)
-        builder.add_item(torch.from_numpy(np.append(tokens, EOD)))
-        builder.end_document()
+        step = doc_bytes or len(tokens)
+        for at in range(0, len(tokens), step):
+            builder.add_item(torch.from_numpy(np.append(tokens[at:at + step], EOD)))
+            builder.end_document()
         total += len(data)
         if total >= max_bytes:
             break
@@ -48,14 +53,15 @@ def build_stdlib_corpus(prefix: str, max_bytes: int = 8 << 20) -> str:
     return prefix
 
 
-def ensure_stdlib_corpus(prefix: str, local_rank: Optional[int] = None, timeout_s: float = 600) -> str:
+def ensure_stdlib_corpus(prefix: str, local_rank: Optional[int] = None, timeout_s: float = 600,
+                         doc_bytes: Optional[int] = None) -> str:
     """Build the corpus once per machine (local rank 0); other ranks wait for it to appear."""
     local_rank = int(os.environ.get("LOCAL_RANK", "0")) if local_rank is None else local_rank
     Path(prefix).parent.mkdir(parents=True, exist_ok=True)
     if os.path.exists(f"{prefix}.idx"):
         return prefix
     if local_rank == 0:
-        return build_stdlib_corpus(prefix)
+        return build_stdlib_corpus(prefix, doc_bytes=doc_bytes)
     deadline = time.time() + timeout_s
     while not os.path.exists(f"{prefix}.idx"):
         if time.time() > deadline:

@@ -13,7 +13,10 @@ switches (``--context-parallel-algo mesh --mesh-shape AxB|auto``...) and a few l
 * ``--dry-run`` -- resolve and validate the arguments (mesh shape included), print them, start nothing.
 
 ``--mesh-packed-data`` trains on packed sequences (documents padded to a multiple of 2·CP, THD
-under mesh CP, a block-diagonal mask at CP = 1; :mod:`.packing`).
+under mesh CP, a block-diagonal mask at CP = 1; :mod:`.packing`). Megatron's own
+``--reset-attention-mask`` (documents end at EOD tokens) runs under mesh CP unpadded: each
+micro-batch's document boundaries are read from its tokens here and handed to the attention
+(``PackedSeqParams(qkv_format="sbhd")``); at CP = 1 Megatron's local attention reads its dense mask.
 
 Without ``--data-path`` (and without ``--mock-data``) it trains on the Python standard library's
 sources, byte-level (``megatron_mesh_cp.megatron.data``). On a machine without CUDA it runs on gloo
@@ -41,7 +44,8 @@ __all__ = ["main", "cli", "config_to_argv", "parse_megatron_args"]
 
 log = logging.getLogger("megatron_mesh_cp")
 
-LAUNCHER_FLAGS = ("--config", "--summary-json", "--plot-loss", "--dump-grads", "--data-cache-dir", "--gpu-memory-gib")
+LAUNCHER_FLAGS = ("--config", "--summary-json", "--plot-loss", "--dump-grads", "--data-cache-dir", "--gpu-memory-gib",
+                  "--stdlib-doc-bytes")
 _LOSSES: List[List[float]] = []
 
 
@@ -200,11 +204,13 @@ def _get_batch(data_iterator):
     from megatron.core.utils import get_batch_on_this_cp_rank, get_batch_on_this_tp_rank
     from megatron.training import get_args
 
+    from .settings import SETTINGS
+
     args = get_args()
     if getattr(args, "mesh_packed_data", False):
         return _get_packed_batch(data_iterator, args)
     keys = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids")
-    batch = {}
+    batch, raw = {}, None
     if mpu.get_tensor_model_parallel_rank() == 0:
         raw = next(data_iterator)
         batch = {k: (raw[k].cuda(non_blocking=True) if raw.get(k) is not None else None) for k in keys}
@@ -219,8 +225,32 @@ def _get_batch(data_iterator):
             pipeline_model_parallel_size=args.pipeline_model_parallel_size,
             is_pipeline_first_stage=mpu.is_pipeline_first_stage(), is_pipeline_last_stage=mpu.is_pipeline_last_stage(),
         )
+    params = _documents(raw["tokens"] if raw is not None else None, args) if SETTINGS.documents == "eod" else None
     batch = get_batch_on_this_cp_rank(batch, is_hybrid_cp=False, cp_group=mpu.get_context_parallel_group())
-    return [batch.get(k) for k in keys] + [None]
+    return [batch.get(k) for k in keys] + [params]
+
+
+def _documents(tokens, args):
+    """--reset-attention-mask under mesh CP: this micro-batch's documents (ending at EOD tokens, as
+    Megatron's dense mask has them) as global offsets, read on the first TP rank and broadcast to
+    the others, for every pipeline stage (the attention of every layer needs them)."""
+    from megatron.core import mpu
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.training import get_tokenizer
+
+    from ..runtime.documents import documents_from_eod
+
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    cu = documents_from_eod(tokens[0].to(device), get_tokenizer().eod) if tokens is not None else None
+    if args.tensor_model_parallel_size > 1:
+        group, src = mpu.get_tensor_model_parallel_group(), mpu.get_tensor_model_parallel_src_rank()
+        count = torch.tensor([cu.numel() if cu is not None else 0], dtype=torch.int64, device=device)
+        torch.distributed.broadcast(count, src, group=group)
+        if cu is None:
+            cu = torch.empty(int(count.item()), dtype=torch.int32, device=device)
+        torch.distributed.broadcast(cu, src, group=group)
+    s = args.seq_length
+    return PackedSeqParams(qkv_format="sbhd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=s, max_seqlen_kv=s)
 
 
 def _loss_func(loss_mask, output_tensor):
@@ -278,15 +308,19 @@ def _launcher_options(argv: Sequence[str]):
     p.add_argument("--gpu-memory-gib", type=float, default=float(os.environ.get("MESH_CP_GPU_MEMORY_GIB", "0")) or None,
                    help="the dry run's memory warning threshold (default: this GPU's memory, else 80)")
     p.add_argument("--data-cache-dir", default=os.environ.get("MESH_CP_DATA_DIR", str(Path.home() / ".cache" / "megatron-mesh-cp")))
+    p.add_argument("--stdlib-doc-bytes", type=int, default=None,
+                   help="the built-in stdlib corpus: cut every file into documents of at most this many bytes "
+                        "(default: one document per file)")
     return p.parse_known_args(list(argv))
 
 
-def _default_data(argv: List[str], cache_dir: str) -> List[str]:
+def _default_data(argv: List[str], cache_dir: str, doc_bytes: Optional[int] = None) -> List[str]:
     if _has(argv, "--data-path") or _has(argv, "--mock-data") or _has(argv, "--yaml-cfg"):
         return argv
     from .data import VOCAB_SIZE, ensure_stdlib_corpus
 
-    prefix = ensure_stdlib_corpus(os.path.join(cache_dir, f"stdlib-py{sys.version_info[0]}{sys.version_info[1]}_text_document"))
+    name = f"stdlib-py{sys.version_info[0]}{sys.version_info[1]}" + (f"-docs{doc_bytes}" if doc_bytes else "")
+    prefix = ensure_stdlib_corpus(os.path.join(cache_dir, f"{name}_text_document"), doc_bytes=doc_bytes)
     extra = ["--data-path", prefix, "--data-cache-path", os.path.join(cache_dir, "index-cache")]
     if not _has(argv, "--tokenizer-type"):
         extra += ["--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB_SIZE)]
@@ -330,10 +364,24 @@ def _print_resolved(args, gpu_gib: Optional[float]) -> None:
              f"CP algorithm {algo}" + (f", mesh shape {args.mesh_shape}" if algo in ("mesh", "a2a+mesh") else "")
              + f"; seq {args.seq_length}, {args.num_layers} layers, heads {args.num_attention_heads}"
              f"/{args.num_query_groups if args.group_query_attention else args.num_attention_heads} kv")
+    log.info(f"document masking: {_masking(args)}")
     if gpu_gib is None:
         gpu_gib = torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available() else 80.0
     for level, line in report(args, gpu_gib):
         getattr(log, level)(line)
+
+
+def _masking(args) -> str:
+    """The document masking a run does, in words (the dry run prints it)."""
+    from .settings import SETTINGS
+
+    if getattr(args, "mesh_packed_data", False):
+        return f"packed THD (--mesh-packed-data), every document padded to a multiple of {args.mesh_pack_multiple}"
+    if SETTINGS.documents == "eod":
+        return "from EOD (--reset-attention-mask), unpadded; blocks and chunks no document needs are pruned"
+    if getattr(args, "reset_attention_mask", False):
+        return "from EOD (--reset-attention-mask), Megatron's dense mask (CP = 1)"
+    return "none (attention crosses document boundaries)"
 
 
 def _print_summary(s: Dict) -> None:
@@ -355,7 +403,7 @@ def _reference_run(argv: List[str], out_json: str) -> Dict:
     import socket
 
     drop = {"--context-parallel-algo", "--mesh-shape", "--hierarchical-context-parallel-sizes", "--cp-comm-type",
-            "--context-parallel-size"}
+            "--context-parallel-size", "--no-create-attention-mask-in-dataloader"}  # CP = 1 reads the dense mask
     clean, skip = [], False
     for a in argv:
         if skip:
@@ -444,6 +492,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     configure_logging(None if rank in (0, world - 1) else "WARNING")
     raw = list(sys.argv[1:] if argv is None else argv)
     opts, rest = _launcher_options(raw)
+    from .settings import SETTINGS
+
+    SETTINGS.launcher = True  # this get_batch hands --reset-attention-mask's documents to the attention
     try:
         megatron_argv = (config_to_argv(opts.config) if opts.config else []) + rest
     except ConfigError as exc:
@@ -457,7 +508,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     stdlib = False
     if not opts.dry_run and not ({"-h", "--help"} & set(megatron_argv)):
         given = len(megatron_argv)
-        megatron_argv = _default_data(megatron_argv, opts.data_cache_dir)
+        megatron_argv = _default_data(megatron_argv, opts.data_cache_dir, opts.stdlib_doc_bytes)
         stdlib = len(megatron_argv) > given
     from .arguments import MeshArgumentError
 
