@@ -464,7 +464,10 @@ def _plot(summary: Dict, ref: Dict, path: str) -> None:
     plt.close(fig)
 
 
-def _data_label(args, stdlib: bool) -> str:
+def _data_label(args, stdlib: bool, doc_bytes: Optional[int] = None) -> str:
+    if stdlib and getattr(args, "reset_attention_mask", False):
+        cut = f"documents of <= {doc_bytes} bytes" if doc_bytes else "files as documents"
+        return f"the Python stdlib's sources ({cut}, masked at EOD)"
     if stdlib and getattr(args, "mesh_packed_data", False):
         cut = f" of <= {args.mesh_pack_doc_tokens} bytes" if args.mesh_pack_doc_tokens else ""
         return f"the Python stdlib's sources packed (documents{cut}, padded to {args.mesh_pack_multiple})"
@@ -540,7 +543,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 
     last = torch.distributed.get_rank() == torch.distributed.get_world_size() - 1
     summary = _summary(args, opts, started)
-    summary["data"] = _data_label(args, stdlib)
+    summary["data"] = _data_label(args, stdlib, opts.stdlib_doc_bytes)
     if last:
         _print_summary(summary)
         if opts.summary_json:
