@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 import numbers
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Optional, Tuple, Union
 
 import torch
@@ -32,7 +33,7 @@ import torch
 from .planning.cluster import Workload
 from .planning.schedule import build_plans, default_cluster
 from .runtime.agree import agree, any_rank, plan_digest
-from .runtime.documents import DocumentMask, Documents, documents_of
+from .runtime.documents import DocumentMask, Documents, check_window, documents_of
 from .runtime.execute import Executor
 from .runtime.hybrid import UlyssesIn, UlyssesOut
 from .runtime.kernels import BlockKernel, lse_dtype, select_kernel
@@ -104,8 +105,8 @@ def check_inputs(q, k, v, mesh, layout: str, softmax_scale) -> None:
             f"local sequence lengths differ: q {q.shape[s_dim]}, k {k.shape[s_dim]}, v {v.shape[s_dim]} "
             f"(layout {layout!r}: sequence is dim {s_dim}); self-attention needs equal lengths"
         )
-    if k.shape[2:] != v.shape[2:]:
-        raise ValueError(f"k and v must have the same heads and head dim, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if k.shape[2] != v.shape[2]:
+        raise ValueError(f"k and v must have the same heads, got {tuple(k.shape)} and {tuple(v.shape)}")
     if q.shape[3] != k.shape[3]:
         raise ValueError(f"q head dim {q.shape[3]} differs from k/v head dim {k.shape[3]}")
     h, hk = q.shape[2], k.shape[2]
@@ -146,38 +147,93 @@ def plans_for(q, k, mesh, causal: bool, layout: str, partial_dtype, planner: str
                        max_live=getattr(mesh, "max_live", None), chains=chains)
 
 
+@dataclass(frozen=True)
+class _Call:
+    """What one mesh call runs with, besides its tensors (made once per agreed signature)."""
+
+    mesh: object
+    causal: bool
+    scale: float
+    kernel: BlockKernel
+    plans: Tuple[Plan, Plan]
+    partial_dtype: Optional[torch.dtype]
+    check_finite: bool
+    varlen: object = None  # packed THD: the batch's Varlen
+    sub_blocks: object = None  # documents / windows: this rank's kernel calls per block
+    max_logit: bool = False
+
+
+@dataclass(frozen=True)
+class _Variant:
+    """A call's attention variant: sliding window (as given), sink (shape, dtype, device of the
+    tensor), whether the max logit is asked for. Part of the call signature."""
+
+    window: Optional[tuple] = None
+    sink: Optional[tuple] = None
+    max_logit: bool = False
+
+    @classmethod
+    def of(cls, window, sink, max_logit) -> "_Variant":
+        """From the user's arguments (``TypeError`` if they cannot be a signature)."""
+        w = None if window is None else tuple(window)
+        hash(w)
+        sk = None if sink is None else ((tuple(sink.shape), sink.dtype, sink.device) if isinstance(sink, torch.Tensor)
+                                        else ("not a tensor", type(sink).__name__))
+        return cls(w, sk, bool(max_logit))
+
+
+def _check_sink(variant: _Variant, q) -> None:
+    if variant.sink is None:
+        return
+    h = q.shape[2]
+    if variant.sink != ((h,), torch.float32, q.device):
+        raise ValueError(f"sink must be an fp32 tensor [{h}] (one logit per local query head) on {q.device}, got "
+                         f"{variant.sink}")
+
+
 class _MeshAttention(torch.autograd.Function):
-    """Sequence-major ([s, b, h, d]) in and out; lse out as [b, h, s] fp32."""
+    """Sequence-major ([s, b, h, d]) in and out; lse out as [b, h, s] fp32 (the sink included);
+    with ``call.max_logit`` also this rank's max logit [h] (not reduced)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, mesh, causal, scale, kernel, plans, partial_dtype, check_finite, varlen=None,
-                sub_blocks=None):
+    def forward(ctx, q, k, v, sink, call: _Call):
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        ex = Executor(plans[0], mesh.comm(), kernel, causal=causal, scale=scale,
-                      tensors={"q": q, "k": k, "v": v}, partial_dtype=partial_dtype,
-                      buffers=getattr(mesh, "buffers", None), varlen=varlen, sub_blocks=sub_blocks)
-        out, lse = ex.run()
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.mesh, ctx.causal, ctx.scale, ctx.kernel, ctx.plans = mesh, causal, scale, kernel, plans
-        ctx.partial_dtype, ctx.check_finite, ctx.varlen, ctx.sub_blocks = partial_dtype, check_finite, varlen, sub_blocks
+        ex = Executor(call.plans[0], call.mesh.comm(), call.kernel, causal=call.causal, scale=call.scale,
+                      tensors={"q": q, "k": k, "v": v}, partial_dtype=call.partial_dtype,
+                      buffers=getattr(call.mesh, "buffers", None), varlen=call.varlen, sub_blocks=call.sub_blocks,
+                      sink=None if sink is None else sink.detach(), max_logit=call.max_logit)
+        out, lse, *top = ex.run()
+        ctx.save_for_backward(q, k, v, out, lse, sink)
+        ctx.call = call
         lse_out = lse.permute(1, 2, 0).contiguous()
-        ctx.mark_non_differentiable(lse_out)
-        return out, lse_out
+        ctx.mark_non_differentiable(lse_out, *top)
+        return (out, lse_out, *top)
 
     @staticmethod
-    def backward(ctx, dout, _dlse):
-        q, k, v, out, lse = ctx.saved_tensors
+    def backward(ctx, dout, _dlse, *_dtop):
+        q, k, v, out, lse, sink = ctx.saved_tensors
+        call = ctx.call
         dout = dout.contiguous()
-        if ctx.check_finite:
-            _check_finite(ctx.mesh, "the output gradient", dout)
+        if call.check_finite:
+            _check_finite(call.mesh, "the output gradient", dout)
         acc = lse_dtype(q.dtype)
         delta = (dout.to(acc) * out.to(acc)).sum(dim=-1)
         tensors = {"q": q, "k": k, "v": v, "out": out, "lse": lse, "dout": dout, "delta": delta}
-        ex = Executor(ctx.plans[1], ctx.mesh.comm(), ctx.kernel, causal=ctx.causal, scale=ctx.scale,
-                      tensors=tensors, partial_dtype=ctx.partial_dtype, buffers=getattr(ctx.mesh, "buffers", None),
-                      varlen=ctx.varlen, sub_blocks=ctx.sub_blocks)
+        ex = Executor(call.plans[1], call.mesh.comm(), call.kernel, causal=call.causal, scale=call.scale,
+                      tensors=tensors, partial_dtype=call.partial_dtype, buffers=getattr(call.mesh, "buffers", None),
+                      varlen=call.varlen, sub_blocks=call.sub_blocks)
         dq, dk, dv = ex.run()
-        return dq, dk, dv, None, None, None, None, None, None, None, None, None
+        dsink = None
+        if sink is not None and ctx.needs_input_grad[3]:  # the sink is a key of value 0: -sum P_sink * delta
+            dsink = sink_grad(sink, lse, delta)
+        return dq, dk, dv, dsink, None
+
+
+def sink_grad(sink: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    """The sink logits' gradient from this rank's rows: ``-sum_rows exp(sink - lse) * delta`` per
+    head (``lse`` the final one, sink included; ``delta = rowsum(dout * out)``, both ``[s, b, h]``)."""
+    p = torch.exp(sink.to(lse.dtype) - lse)
+    return -(p * delta.to(lse.dtype)).sum(dim=(0, 1)).to(sink.dtype)
 
 
 def _agreed_calls(mesh) -> "OrderedDict":
@@ -188,7 +244,7 @@ def _agreed_calls(mesh) -> "OrderedDict":
 
 
 def _call_key(q, k, v, mesh, causal, softmax_scale, layout, kernel, plans, partial_dtype, planner, check_finite,
-              deterministic, spec=None):
+              deterministic, spec=None, variant: Optional[_Variant] = None):
     """What a call's validation, planning and agreement depend on (None: not even tensors)."""
     try:
         tensors = tuple((tuple(x.shape), x.dtype, x.device) for x in (q, k, v))
@@ -198,15 +254,21 @@ def _call_key(q, k, v, mesh, causal, softmax_scale, layout, kernel, plans, parti
     plan_ids = None if plans is None else tuple(id(p) for p in plans)
     return (tensors, bool(causal), scale, layout, kernel if isinstance(kernel, str) else id(kernel), plan_ids,
             partial_dtype, planner, id(getattr(mesh, "cluster", None)), getattr(mesh, "stride", 1), bool(check_finite),
-            bool(deterministic), spec)
+            bool(deterministic), spec, variant)
 
 
 def _prepare(q, k, v, mesh, causal, softmax_scale, layout, kernel, plans, partial_dtype, planner, deterministic,
-             spec=None):
+             spec=None, variant: _Variant = _Variant()):
     """Local validation and planning: ``(kernel, scale, plans, mask)``; ``ValueError`` naming the fix.
-    ``spec``: packed THD documents (PackedSpec) or documents on the ordinary layout (Documents)."""
+    ``spec``: packed THD documents (PackedSpec) or documents on the ordinary layout (Documents);
+    ``variant``: sliding window, sink, max logit."""
     check_inputs(q, k, v, mesh, layout, softmax_scale)
     n = getattr(mesh, "ulysses", 1) * mesh.shape.n
+    window = check_window(variant.window, causal)
+    _check_sink(variant, q)
+    if window is not None and isinstance(spec, PackedSpec):
+        raise ValueError("a sliding window with packed THD (padded) documents is not built; pass the documents as "
+                         "cu_seqlens on the ordinary layout (layout 'bshd'/'sbhd'), which takes windows")
     if isinstance(spec, PackedSpec):
         spec.check(q.shape[seq_dim(layout)] * n, n)
         if not causal:
@@ -218,7 +280,11 @@ def _prepare(q, k, v, mesh, causal, softmax_scale, layout, kernel, plans, partia
         if batch != 1:
             raise ValueError(f"document masking (cu_seqlens with layout {layout!r}) takes one sequence per call, got "
                              f"batch {batch}; run one sequence per micro-batch (Megatron: --micro-batch-size 1)")
-    blk = select_kernel(kernel, q, k, deterministic=deterministic, packed=spec is not None)
+    blk = select_kernel(kernel, q, k, deterministic=deterministic, packed=spec is not None, v=v)
+    if window is not None:
+        blk.check_window(q)
+    if variant.max_logit:
+        blk.check_max_logit(q)
     scale = resolve_scale(softmax_scale, q.shape[-1])
     if partial_dtype is not None and (not isinstance(partial_dtype, torch.dtype) or not partial_dtype.is_floating_point):
         raise ValueError(f"partial_dtype must be a floating torch.dtype or None, got {partial_dtype!r}")
@@ -229,19 +295,20 @@ def _prepare(q, k, v, mesh, causal, softmax_scale, layout, kernel, plans, partia
         mq, mk = (torch.empty(u * x.shape[s_dim], x.shape[1 - s_dim], x.shape[2] * m // u, x.shape[3],
                               dtype=x.dtype, device="meta") for x, m in ((q, 1), (k, r)))
         plans = plans_for(mq, mk, mesh, causal, "sbhd", partial_dtype, planner,
-                          "both-ways" if isinstance(spec, Documents) else "auto")
+                          "both-ways" if isinstance(spec, Documents) or window is not None else "auto")
     elif (plans[0].a, plans[0].b, plans[1].a, plans[1].b) != (mesh.shape.a, mesh.shape.b) * 2:
         raise ValueError(f"plans are for {plans[0].a}x{plans[0].b}, the mesh is {mesh.shape}")
     mask = None
-    if isinstance(spec, Documents):  # the blocks no document spans leave the plans (one pass each)
-        mask = DocumentMask(spec, mesh.shape.n, causal)
+    if isinstance(spec, Documents) or window is not None:  # blocks nothing attends to leave the plans
+        mask = DocumentMask(spec if isinstance(spec, Documents) else None, mesh.shape.n, causal, window,
+                            total=q.shape[seq_dim(layout)] * n)
         keep = mask.needed(mesh.shape)
         plans = (prune(plans[0], keep), prune(plans[1], keep))
     return blk, scale, plans, mask
 
 
 def _signature(q, k, mesh, causal, layout, partial_dtype, check_finite, deterministic, prepared,
-               spec: Optional[PackedSpec] = None) -> dict:
+               spec: Optional[PackedSpec] = None, variant: Optional[_Variant] = None) -> dict:
     """The fields every rank of the CP group must agree on (None where this rank could not tell)."""
     blk, scale, plans = prepared[:3] if prepared else (None, None, None)
     dims = [None] * 5
@@ -258,6 +325,7 @@ def _signature(q, k, mesh, causal, layout, partial_dtype, check_finite, determin
         "cu_seqlens_padded": spec.cu_padded if isinstance(spec, PackedSpec) else None,
         "cu_seqlens": spec.cu_real if isinstance(spec, PackedSpec) else None,
         "documents": spec.cu if isinstance(spec, Documents) else None,
+        "attention variant": repr(variant),
     }
 
 
@@ -296,6 +364,9 @@ def mesh_attention(
     check_finite: bool = False,
     cu_seqlens: Optional[torch.Tensor] = None,
     cu_seqlens_padded: Optional[torch.Tensor] = None,
+    window: Optional[Tuple[int, int]] = None,
+    sink: Optional[torch.Tensor] = None,
+    return_max_logit: bool = False,
 ):
     """Context-parallel attention over ``mesh`` (a :class:`~megatron_mesh_cp.MeshGroups`).
 
@@ -324,22 +395,37 @@ def mesh_attention(
     end: zero output rows, lse = -inf). The offsets are read to the host once per tensor object
     and agreed across the CP group once per new batch. lse is ``[h, t_local]``.
 
+    Documents of any length on the ordinary layout: ``cu_seqlens`` alone (global offsets, int32,
+    0 .. S) with ``bshd``/``sbhd`` and batch 1; a token sees its own document only. ``window`` =
+    (left, right): query i sees key j iff i - left <= j <= i + right (-1: unbounded; causal: right
+    0), flash-attn's ``window_size``. Both run the pruned plans (blocks nothing sees are not
+    computed, chunks nothing needs are not sent).
+
+    ``sink``: fp32 ``[h]`` learnable sink logits (gpt-oss): every row's softmax denominator gains
+    exp(sink_h); its gradient on this rank covers this rank's rows (reduce it over the CP group like
+    any parameter's; Megatron does). ``return_max_logit``: also return the fp32 ``[h]`` maximum of
+    ``scale * q.k`` over every allowed pair of the whole sequence, the same on every rank (one tiny
+    all-reduce). Returns ``out``, then ``lse`` if asked, then the max logit if asked.
+
     Every rank of the CP group must make the same call: the first call with a new signature
     checks that with one small collective on ``mesh.cp_group`` and raises the same ``ValueError``
     on every rank otherwise (agree.py); input errors found on one rank are raised on all.
     """
     _check_mesh(mesh)
-    spec, packed_error = None, None
+    spec, packed_error, variant = None, None, None
     try:
+        variant = _Variant.of(window, sink, return_max_logit)
         if layout == "thd" or cu_seqlens_padded is not None:
             q, k, v, spec = _as_packed(q, k, v, layout, cu_seqlens, cu_seqlens_padded)
             layout = "sbhd"
         elif cu_seqlens is not None:  # documents on the ordinary layout
             spec = documents_of(cu_seqlens)
+    except TypeError:
+        packed_error = ValueError(f"window must be a pair of ints >= -1 (left, right; -1 = unbounded), got {window!r}")
     except ValueError as exc:
         packed_error = exc
     key = None if packed_error else _call_key(q, k, v, mesh, causal, softmax_scale, layout, kernel, plans,
-                                              partial_dtype, planner, check_finite, deterministic, spec)
+                                              partial_dtype, planner, check_finite, deterministic, spec, variant)
     calls = _agreed_calls(mesh)
     prepared = calls.get(key) if key is not None else None
     if prepared is None:
@@ -347,11 +433,12 @@ def mesh_attention(
         try:
             if error is None:
                 prepared = _prepare(q, k, v, mesh, causal, softmax_scale, layout, kernel, plans, partial_dtype,
-                                    planner, deterministic, spec)
+                                    planner, deterministic, spec, variant)
         except ValueError as exc:
             error = exc
         if getattr(mesh, "cp_group", None) is not None:
-            fields = _signature(q, k, mesh, causal, layout, partial_dtype, check_finite, deterministic, prepared, spec)
+            fields = _signature(q, k, mesh, causal, layout, partial_dtype, check_finite, deterministic, prepared, spec,
+                                variant)
             agree("mesh attention", fields, mesh.cp_group, _comm_device(mesh), error)
         if error is not None:  # only without a CP group: agree() raised it on every rank otherwise
             raise error
@@ -381,8 +468,14 @@ def mesh_attention(
         q, k, v = UlyssesIn.apply(q, k, v, mesh, kv_repeats(q.shape[2], k.shape[2], u), lay)
     elif lay is not None:  # packed: the batch's half-major order (packed.py)
         q, k, v = (lay.into_mesh(x) for x in (q, k, v))
-    out, lse = _MeshAttention.apply(q, k, v, mesh, bool(causal), scale, blk, plans, partial_dtype, bool(check_finite),
-                                    lay.varlen if lay is not None else None, sub_blocks)
+    call = _Call(mesh, bool(causal), scale, blk, plans, partial_dtype, bool(check_finite),
+                 lay.varlen if lay is not None else None, sub_blocks, bool(return_max_logit))
+    slot = mesh.position % u
+    if sink is not None and u > 1:  # this member's head group (ulysses.heads_to_members)
+        sink = sink.view(u, -1)[slot]
+    out, lse, *top = _MeshAttention.apply(q, k, v, sink, call)
+    if top:
+        top = _all_max_logit(mesh, top[0], u, slot)
     if u > 1:
         out, lse = UlyssesOut.apply(out, lse, mesh, bool(return_lse), lay)
     elif lay is not None:
@@ -397,7 +490,24 @@ def mesh_attention(
         lse = lse[0] if return_lse else lse
     if layout == "bshd":
         out = out.transpose(0, 1).contiguous()
-    return (out, lse) if return_lse else out
+    return (out,) + ((lse,) if return_lse else ()) + tuple(top) if (return_lse or return_max_logit) else out
+
+
+def _all_max_logit(mesh, top: torch.Tensor, u: int, slot: int) -> list:
+    """This rank's max logit of its (inner) heads -> all local heads' max over the CP group."""
+    import torch.distributed as dist
+
+    if u > 1:  # the other members hold the other head groups
+        full = torch.full((u, top.numel()), float("-inf"), dtype=top.dtype, device=top.device)
+        full[slot] = top
+        top = full.flatten()
+    group = getattr(mesh, "cp_group", None)
+    if group is not None:
+        device = _comm_device(mesh)
+        x = top.to(device)
+        dist.all_reduce(x, op=dist.ReduceOp.MAX, group=group)
+        top = x.to(top.device)
+    return [top]
 
 
 def _as_packed(q, k, v, layout, cu_seqlens, cu_seqlens_padded):

@@ -7,7 +7,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-__all__ = ["reference_attention", "packed_reference_attention", "packed_reference", "relative_errors"]
+__all__ = ["reference_attention", "packed_reference_attention", "packed_reference", "relative_errors", "variant_reference"]
 
 
 def reference_attention(
@@ -84,3 +84,45 @@ def relative_errors(got: Dict[str, torch.Tensor], ref: Dict[str, torch.Tensor]) 
             x, r = x[finite], r[finite]
         errors[name] = float((x - r).norm() / r.norm())
     return errors
+
+
+def variant_reference(q, k, v, dout, cu_seqlens=None, *, causal: bool = True, window=None, sink=None,
+                      softmax_scale: Optional[float] = None) -> Dict[str, torch.Tensor]:
+    """Dense attention on ``[t, h, d]`` tensors (v may have its own head dim) with every variant:
+    documents ``cu_seqlens`` (None: one), a sliding ``window`` (left, right; -1 unbounded: query i
+    sees key j iff i - left <= j <= i + right), a learnable ``sink`` ``[h]`` (an extra key of value 0
+    and logit sink_h in every row's softmax). Returns out, lse (sink included), the max logit ``[h]``
+    over the allowed pairs and, for ``dout``, dq, dk, dv and dsink. Explicit math, any dtype."""
+    t, h, d = q.shape
+    group = h // k.shape[1]
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
+    qr, kr, vr = (x.detach().clone().requires_grad_(True) for x in (q, k, v))
+    sr = None if sink is None else sink.detach().clone().to(q.dtype).requires_grad_(True)
+    pos = torch.arange(t, device=q.device)
+    keep = torch.ones(t, t, dtype=torch.bool, device=q.device)
+    if cu_seqlens is not None:
+        cu = torch.as_tensor(cu_seqlens, device=q.device).long().flatten()
+        doc = torch.searchsorted(cu[1:], pos, right=True)
+        keep &= doc[:, None] == doc[None, :]
+    diff = pos[None, :] - pos[:, None]  # key - query
+    if causal:
+        keep &= diff <= 0
+    if window is not None:
+        left, right = window
+        keep &= ((diff >= -left) | (left < 0)) & ((diff <= right) | (right < 0))
+    kh = kr.transpose(0, 1).repeat_interleave(group, dim=0)
+    vh = vr.transpose(0, 1).repeat_interleave(group, dim=0)
+    scores = (torch.matmul(qr.transpose(0, 1), kh.transpose(-1, -2)) * scale).masked_fill(~keep, float("-inf"))
+    top = scores.detach().amax(dim=(1, 2))
+    if sr is not None:  # the sink column: logit sink_h, value 0
+        scores = torch.cat([scores, sr.view(h, 1, 1).expand(h, t, 1)], dim=-1)
+        vh = torch.cat([vh, vh.new_zeros(h, 1, vh.shape[-1])], dim=1)
+    lse = torch.logsumexp(scores, dim=-1)
+    out = torch.matmul(torch.softmax(scores, dim=-1), vh).transpose(0, 1)
+    result = {"out": out.detach(), "lse": lse.detach(), "max_logit": top}
+    if dout is not None:
+        out.backward(dout)
+        result.update(dq=qr.grad, dk=kr.grad, dv=vr.grad)
+        if sr is not None:
+            result["dsink"] = sr.grad
+    return result

@@ -21,7 +21,7 @@ import torch
 
 from .attention import plans_for
 from .runtime.comm import Traffic, VirtualHub
-from .runtime.documents import DocumentMask, documents_of
+from .runtime.documents import DocumentMask, check_window, documents_of
 from .runtime.execute import run_virtual
 from .runtime.kernels import BlockKernel, lse_dtype, select_kernel
 from .runtime.layout import seq_dim, zigzag_gather, zigzag_shard
@@ -89,6 +89,9 @@ def virtual_mesh_attention(
     deterministic: bool = False,
     cu_seqlens: Optional[torch.Tensor] = None,
     cu_seqlens_padded: Optional[torch.Tensor] = None,
+    window: Optional[Tuple[int, int]] = None,
+    sink: Optional[torch.Tensor] = None,
+    return_max_logit: bool = False,
 ) -> Dict[str, object]:
     """Full-sequence ``q, k, v`` (and ``dout`` for a backward) -> gathered results.
 
@@ -96,10 +99,12 @@ def virtual_mesh_attention(
     Returns ``{"out", "lse" ([b, h, s]), "dq", "dk", "dv" (with dout), "traffic" (per CP rank)}``.
     Packed: ``layout="thd"`` (q ``[t, h, d]``), causal, the documents' offsets as in
     :func:`~megatron_mesh_cp.attention.mesh_attention`; lse is ``[h, t]``, padding rows give 0 and -inf.
-    Documents on the ordinary layout: ``cu_seqlens`` alone with ``bshd``/``sbhd`` (batch 1);
-    ``result["plans"]`` then holds the pruned (forward, backward) plans that ran.
+    Documents on the ordinary layout: ``cu_seqlens`` alone with ``bshd``/``sbhd`` (batch 1); a
+    sliding ``window`` (left, right) as in ``mesh_attention``; ``result["plans"]`` then holds the
+    pruned (forward, backward) plans that ran. ``sink`` (fp32 ``[h]``) adds ``result["dsink"]`` (with
+    ``dout``); ``return_max_logit`` adds ``result["max_logit"]`` (fp32 ``[h]``).
     """
-    from .attention import plans_for
+    from .attention import plans_for, sink_grad
 
     u, mesh_shape = _split_shape(shape)
     n_mesh = mesh_shape.n
@@ -131,7 +136,12 @@ def virtual_mesh_attention(
         docs.check(qs.shape[0])
         if qs.shape[1] != 1:
             raise ValueError(f"document masking takes one sequence (batch 1), got batch {qs.shape[1]}")
-    blk = select_kernel(kernel, qs, ks, deterministic=deterministic, packed=thd or docs is not None)
+    window = check_window(window, causal)
+    if window is not None and thd:
+        raise ValueError("a sliding window with packed THD (padded) documents is not built")
+    blk = select_kernel(kernel, qs, ks, deterministic=deterministic, packed=thd or docs is not None, v=vs)
+    if window is not None:
+        blk.check_window(qs)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     traffic = [Traffic() for _ in range(n)]
 
@@ -162,31 +172,39 @@ def virtual_mesh_attention(
     if plans is None:
         fake = type("VirtualMesh", (), {"shape": mesh_shape, "cluster": None, "stride": 1, "ulysses": u})()
         plans = plans_for(lq[0], lk[0], fake, causal, "sbhd", partial_dtype, "greedy",
-                          "both-ways" if docs is not None else "auto")
+                          "both-ways" if docs is not None or window is not None else "auto")
     sub_blocks = None
-    if docs is not None:  # pruned plans; every super-rank's own calls per block
-        mask = DocumentMask(docs, n_mesh, causal)
+    if docs is not None or window is not None:  # pruned plans; every super-rank's own calls per block
+        mask = DocumentMask(docs, n_mesh, causal, window, total=qs.shape[0])
         keep = mask.needed(mesh_shape)
         plans = (prune(plans[0], keep), prune(plans[1], keep))
         sub_blocks = [mask.rank_parts(mesh_shape, G, q.device) for G in range(n_mesh)]
     # CP rank g = super-rank G * u + slot j; each slot runs its own a x b mesh over the super-ranks
     slots = [list(range(j, n, u)) for j in range(u)]
 
-    def run(plan, per_rank):
+    if return_max_logit:
+        blk.check_max_logit(qs)
+    sinks = None if sink is None else [sink.view(u, -1)[j] for j in range(u)]  # per slot: its head group
+
+    def run(plan, per_rank, forward=False):
         results: List[object] = [None] * n
-        for ranks in slots:
+        for j, ranks in enumerate(slots):
             hub = VirtualHub(mesh_shape)
+            extra = dict(sinks=None if sinks is None else [sinks[j]] * len(ranks), max_logit=return_max_logit) \
+                if forward else {}
             res, counts = run_virtual(plan, mesh_shape, [per_rank[g] for g in ranks], blk, causal=causal,
                                       scale=scale, hub=hub, partial_dtype=partial_dtype,
-                                      varlen=lay.varlen if lay is not None else None, sub_blocks=sub_blocks)
+                                      varlen=lay.varlen if lay is not None else None, sub_blocks=sub_blocks, **extra)
             for g, x, t in zip(ranks, res, counts):
                 results[g] = x
                 for (p, c), nbytes in t.sent.items():
                     traffic[g].add(p, c, nbytes, t.received[(p, c)])
         return results
 
-    res = run(plans[0], [dict(q=lq[g], k=lk[g], v=lv[g]) for g in range(n)])
+    res = run(plans[0], [dict(q=lq[g], k=lk[g], v=lv[g]) for g in range(n)], forward=True)
     result: Dict[str, object] = {}
+    if return_max_logit:  # slot j's ranks hold head group j; the max over every rank of each head
+        result["max_logit"] = torch.stack([torch.stack([res[g][2] for g in ranks]).amax(0) for ranks in slots]).flatten()
     out = gather(a2a_out([x[0] for x in res], FORWARD, "a2a-O"))
     lse = gather(a2a_out([x[1] for x in res], FORWARD, "a2a-LSE"))  # [s, b, h]
     if pad is not None:  # padding rows: no output, lse = -inf (packed.py)
@@ -201,10 +219,15 @@ def virtual_mesh_attention(
         ldo = a2a_in(shard(dout.contiguous()), BACKWARD, "a2a-dO")
         acc = lse_dtype(q.dtype)
         per = []
+        dsink = None if sink is None else torch.zeros(u, sink.numel() // u, dtype=sink.dtype, device=sink.device)
         for g in range(n):
-            o, lse_g = res[g]
+            o, lse_g = res[g][:2]
             delta = (ldo[g].to(acc) * o.to(acc)).sum(-1)
             per.append(dict(q=lq[g], k=lk[g], v=lv[g], out=o, lse=lse_g, dout=ldo[g], delta=delta))
+            if dsink is not None:
+                dsink[g % u] += sink_grad(sinks[g % u], lse_g, delta)
+        if dsink is not None:
+            result["dsink"] = dsink.flatten()
         grads = run(plans[1], per)
         for i, (name, cat) in enumerate((("dq", "a2a-dQ"), ("dk", "a2a-dKV"), ("dv", "a2a-dKV"))):
             local = a2a_out([x[i] for x in grads], BACKWARD, cat)
@@ -213,6 +236,6 @@ def virtual_mesh_attention(
             g = gather(local)
             result[name] = g[:, 0] if thd else g if layout == "sbhd" else g.transpose(0, 1)
     result["traffic"] = traffic
-    if docs is not None:
+    if sub_blocks is not None:
         result["plans"] = plans
     return result

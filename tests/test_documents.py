@@ -42,13 +42,31 @@ def document_sets(n, rng):
     return out
 
 
-def dense_mask(cu, n, i, j, causal):
-    """The definition: (local row, local key) of block (i, j) kept iff same document (and key <= query)."""
+def dense_mask(cu, n, i, j, causal, window=None):
+    """The definition: (local row, local key) of block (i, j) kept iff same document (and key <= query;
+    and query - left <= key <= query + right for a window)."""
     total = cu[-1]
     doc = torch.searchsorted(torch.tensor(cu[1:]), torch.arange(total), right=True)
     qi, kj = zigzag_positions(total, n, i), zigzag_positions(total, n, j)
     keep = doc[qi][:, None] == doc[kj][None, :]
-    return keep & (kj[None, :] <= qi[:, None]) if causal else keep
+    diff = kj[None, :] - qi[:, None]
+    if causal:
+        keep &= diff <= 0
+    if window is not None:
+        left, right = window
+        keep &= ((diff >= -left) | (left < 0)) & ((diff <= right) | (right < 0))
+    return keep
+
+
+def band(rows, keys, causal, window):
+    """What a kernel call computes: bottom-right aligned window (flash-attn / TE semantics)."""
+    r, c = torch.arange(rows)[:, None], torch.arange(keys)[None, :]
+    left, right = window if window is not None else (-1, -1)
+    if causal:
+        assert rows == keys  # causal calls are square
+        right = 0
+    d = c - r - (keys - rows)
+    return (((d >= -left) | (left < 0)) & ((d <= right) | (right < 0))).long()
 
 
 def mask_of(sub_blocks, size):
@@ -57,35 +75,43 @@ def mask_of(sub_blocks, size):
     for s in sub_blocks:
         rows, cols = s.rows, s.cols
         if s.lens is None:
-            part = torch.ones(rows.stop - rows.start, cols.stop - cols.start, dtype=torch.int64)
-            hits[rows, cols] += part.tril() if s.causal else part
+            hits[rows, cols] += band(rows.stop - rows.start, cols.stop - cols.start, s.causal, s.window)
             continue
-        assert (rows, cols) == (slice(0, size), slice(0, size))  # varlen: the whole own block, square runs
-        at = 0
+        assert rows == cols  # varlen: square runs
+        at = rows.start
         for x in s.lens:
-            part = torch.ones(x, x, dtype=torch.int64)
-            hits[at:at + x, at:at + x] += part.tril() if s.causal else part
+            hits[at:at + x, at:at + x] += band(x, x, s.causal, s.window)
             at += x
-        assert at == size
+        assert at == rows.stop
+        assert s.pairs == sum(int(band(x, x, s.causal, s.window).sum()) for x in s.lens)
     return hits
+
+
+WINDOWS = [None, (7, 0), (3, -1), (4, 4), (2, 9), (0, 0), (30, 5)]
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 5])
 def test_sub_blocks_are_the_dense_mask(n):
+    """Every block's kernel calls compute exactly the pairs of the definition, each once, with and
+    without documents and windows; nonempty() says which blocks have any."""
     rng = random.Random(n)
-    for cu in document_sets(n, rng):
+    for cu in document_sets(n, rng) + [[0, 8 * 2 * n]]:
         for causal in (True, False):
-            mask = DocumentMask(Documents(tuple(cu)), n, causal)
-            ne = mask.nonempty()
-            for i in range(n):
-                for j in range(n):
-                    want = dense_mask(cu, n, i, j, causal)
-                    hits = mask_of(mask.block(i, j), want.shape[0])
-                    assert hits.max() <= 1, (cu, i, j)  # no pair computed twice
-                    assert torch.equal(hits.bool(), want), (cu, n, i, j, causal)
-                    assert bool(ne[i, j]) == bool(want.any()), (cu, n, i, j, causal)
-                    if causal and i != j:
-                        assert len(mask.block(i, j)) <= 1  # one document at most reaches across chunks
+            for window in WINDOWS + [(3 * (cu[-1] // (2 * n)), 0)]:
+                if causal and window is not None and window[1] > 0:
+                    continue
+                mask = DocumentMask(Documents(tuple(cu)), n, causal, window=window)
+                ne = mask.nonempty()
+                for i in range(n):
+                    for j in range(n):
+                        want = dense_mask(cu, n, i, j, causal, window)
+                        hits = mask_of(mask.block(i, j), want.shape[0])
+                        assert hits.max() <= 1, (cu, i, j)  # no pair computed twice
+                        assert torch.equal(hits.bool(), want.bool()), (cu, n, i, j, causal, window)
+                        assert bool(ne[i, j]) == bool(want.any()), (cu, n, i, j, causal, window)
+                        assert sum(s.pairs for s in mask.block(i, j)) == int(want.sum())
+                        if causal and i != j and window is None:
+                            assert len(mask.block(i, j)) <= 1  # one document at most reaches across chunks
 
 
 def test_needed_blocks_are_the_union_over_ranks():

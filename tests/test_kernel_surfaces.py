@@ -26,7 +26,7 @@ def fresh_registry(monkeypatch):
 
 def _through_executor(monkeypatch, name, shape, causal, heads, **kw):
     kern = K.get_kernel(name, "cuda", **kw)
-    monkeypatch.setattr(type(kern), "check", lambda self, q, k: None)  # CPU tensors stand in for CUDA ones
+    monkeypatch.setattr(type(kern), "check", lambda self, q, k, v=None: None)  # CPU tensors stand in for CUDA ones
     fake_kernels.assert_exact_through_executor(kern, shape, causal, heads, torch.float16)
     return kern
 
@@ -135,7 +135,7 @@ def test_deterministic_reaches_the_kernel_from_the_public_api(monkeypatch, caplo
     q = torch.randn(1, 32, 4, 16, dtype=torch.float16)
     for det in (False, True):
         kern = K.get_kernel("te", "cuda", deterministic=det)
-        monkeypatch.setattr(type(kern), "check", lambda self, q, k: None)
+        monkeypatch.setattr(type(kern), "check", lambda self, q, k, v=None: None)
         virtual_mesh_attention(q, q, q, (2, 2), dout=q, kernel="te", deterministic=det)
         assert fake_kernels.SEEN["deterministic"] is det
 
@@ -179,7 +179,7 @@ def test_megatron_start_up_checks_the_kernel_for_the_model(monkeypatch):
 
 def _packed_through_executor(monkeypatch, name, shape, heads, **kw):
     kern = K.get_kernel(name, "cuda", **kw)
-    monkeypatch.setattr(type(kern), "check", lambda self, q, k: None)  # CPU tensors stand in for CUDA ones
+    monkeypatch.setattr(type(kern), "check", lambda self, q, k, v=None: None)  # CPU tensors stand in for CUDA ones
     monkeypatch.setattr(type(kern), "check_varlen", lambda self, q: None)
     fake_kernels.assert_packed_through_executor(kern, shape, heads, torch.float16)
     return kern

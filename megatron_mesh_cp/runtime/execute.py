@@ -36,7 +36,7 @@ from .buffers import BufferPool
 from .comm import RingComm, VirtualHub
 from .kernels import BlockKernel, Varlen, lse_dtype
 from .layout import BlockSlices, KernelCall, block_case, kernel_calls, slab_piece
-from .merge import merge_into
+from .merge import merge_into, merge_sink
 from .packed import packed_slices
 from .plan import FORWARD, ChunkDims, Compute, Free, Plan, Transfer, payload
 from .topology import MeshShape
@@ -93,8 +93,14 @@ class Executor:
         buffers: Optional[BufferPool] = None,
         varlen: Optional[Varlen] = None,
         sub_blocks: Optional[Dict[Tuple[int, int], tuple]] = None,
+        sink: Optional[torch.Tensor] = None,
+        max_logit: bool = False,
     ) -> None:
         self.plan, self.comm, self.kernel = plan, comm, kernel
+        self.sink = sink  # forward: [h] sink logits, merged into the final partial (merge.merge_sink)
+        # forward: the largest scale * q.k of every head over the pairs this rank computed
+        self.max_logit = torch.full((tensors["q"].shape[2],), float("-inf"), dtype=torch.float32,
+                                    device=tensors["q"].device) if max_logit else None
         self.varlen = varlen
         # documents: (q offset, kv offset) -> this rank's calls ((rows, cols, causal, varlen), ...)
         self.sub_blocks = sub_blocks
@@ -106,7 +112,7 @@ class Executor:
         q, k = tensors["q"], tensors["k"]
         self.device = q.device
         self.acc_dtype = lse_dtype(q.dtype)
-        self.dims = ChunkDims.of(q, k, self.acc_dtype, partial_dtype)
+        self.dims = ChunkDims.of(q, k, self.acc_dtype, partial_dtype, tensors["v"])
         self.bufs = self.pool.arena(plan, self.dims, self.device)
         self._pending: List[Tuple[int, int, object]] = []  # (lo, hi, handle): sends reading pool bytes
         self._deaths: List[Tuple[int, int, object]] = []  # (lo, hi, CUDA event): reads of dead tensors
@@ -150,13 +156,17 @@ class Executor:
     def finish(self):
         """Fold the last partials into the rank's own chunk; wait for outstanding sends.
 
-        Returns fresh tensors (never pool buffers): forward ``(out, lse [s, b, h])``, backward
-        ``(dq, dk, dv)``.
+        Returns fresh tensors (never pool buffers): forward ``(out, lse [s, b, h])`` (the sink merged
+        in, if any; plus the max logit ``[h]`` when asked), backward ``(dq, dk, dv)``.
         """
         dt = self.t["q"].dtype
         if self.plan.phase == FORWARD:
             out, lse = self._folded("o", 0)
+            if self.sink is not None:
+                merge_sink(out, lse, self.sink)
             result = (out.to(dt, copy=True), lse.clone())
+            if self.max_logit is not None:
+                result += (self.max_logit,)
         else:
             (dq,) = self._folded("dq", 0)
             dk, dv = self._folded("dkv", 0)
@@ -318,7 +328,7 @@ class Executor:
 
     def _parts(self, qo: int, call: KernelCall):
         """``(k, v, parts)``: the keys the call reads and its kernel calls ``(rows, cols, causal,
-        varlen)``, cols relative to ``k``. Outside a slab ``k`` is the whole chunk; in a slab, the
+        varlen, window)``, cols relative to ``k``. Outside a slab ``k`` is the whole chunk; in a slab, the
         call's pieces side by side (for one masked block: its first piece, then its second if it
         reads it, so the chunk's rows are the same range of ``k``). Waits for the chunks."""
         for ko in call.kvs:
@@ -332,17 +342,22 @@ class Executor:
         if self.sub_blocks is not None:
             return k, v, self.sub_blocks[(qo, call.kvs[0])]
         if self.varlen is not None:
-            return k, v, [(s.q_rows, s.kv_cols, s.causal, self.varlen) for s in packed_slices(call.case, self.seq)]
+            return k, v, [(s.q_rows, s.kv_cols, s.causal, self.varlen, None) for s in packed_slices(call.case, self.seq)]
         sl = BlockSlices.of(call.case, self.seq)
-        return k, v, [(sl.q_rows, sl.kv_cols if call.slab is None else slice(None), sl.causal, None)]
+        return k, v, [(sl.q_rows, sl.kv_cols if call.slab is None else slice(None), sl.causal, None, None)]
 
     def _forward_call(self, qo: int, call: KernelCall) -> None:
         (q,) = self._chunk("q", qo)
         k, v, parts = self._parts(qo, call)
         acc_out, acc_lse = self._partial("o", qo)
-        for rows, cols, causal, varlen in parts:
-            vl = {} if varlen is None else {"varlen": varlen}  # passed to the kernel only when masked
-            out, lse = self.kernel.forward(q[rows], k[cols], v[cols], causal=causal, scale=self.scale, **vl)
+        for rows, cols, causal, varlen, window in parts:
+            vl = _masked(varlen, window)
+            if self.max_logit is not None:
+                vl["return_max_logit"] = True
+                out, lse, top = self.kernel.forward(q[rows], k[cols], v[cols], causal=causal, scale=self.scale, **vl)
+                torch.maximum(self.max_logit, top, out=self.max_logit)
+            else:
+                out, lse = self.kernel.forward(q[rows], k[cols], v[cols], causal=causal, scale=self.scale, **vl)
             merge_into(acc_out[rows], acc_lse[rows], out, lse.permute(2, 0, 1), scratch=self._scratch)
 
     def _backward_call(self, qo: int, call: KernelCall) -> None:
@@ -353,11 +368,11 @@ class Executor:
         out = self.stand_ins[qo]
         m = self.seq // 2
         one = self.varlen is not None or self.sub_blocks is not None  # one block: cols are its chunk's rows
-        for rows, cols, causal, varlen in parts:
-            vl = {} if varlen is None else {"varlen": varlen}
+        for rows, cols, causal, varlen, window in parts:
+            vl = _masked(varlen, window)
             lkey = (qo, rows.start, rows.stop, varlen is not None)
             if lkey not in self.kernel_lse:  # once per chunk and row range, not per block
-                self.kernel_lse[lkey] = self.kernel.lse_for_backward(lse[rows], **vl)
+                self.kernel_lse[lkey] = self.kernel.lse_for_backward(lse[rows], **_masked(varlen, None))
             dq, dk, dv = self.kernel.backward(
                 dout[rows], q[rows], k[cols], v[cols], out[rows], self.kernel_lse[lkey],
                 causal=causal, scale=self.scale, **vl,
@@ -374,6 +389,16 @@ class Executor:
                 acc_k, acc_v = self._partial("dkv", ko)
                 acc_k[piece * m: (piece + 1) * m].add_(dk[at * m: (at + 1) * m])
                 acc_v[piece * m: (piece + 1) * m].add_(dv[at * m: (at + 1) * m])
+
+
+def _masked(varlen, window) -> dict:
+    """The mask arguments a kernel call gets only when it has them (kernels without them keep working)."""
+    out = {}
+    if varlen is not None:
+        out["varlen"] = varlen
+    if window is not None:
+        out["window"] = window
+    return out
 
 
 def _pieces(chunk: List[torch.Tensor]) -> List[torch.Tensor]:
@@ -394,17 +419,20 @@ def run_virtual(
     partial_dtype: Optional[torch.dtype] = None,
     varlen: Optional[Varlen] = None,
     sub_blocks: Optional[Sequence[Dict[Tuple[int, int], tuple]]] = None,
+    sinks: Optional[Sequence[torch.Tensor]] = None,
+    max_logit: bool = False,
 ):
     """Run ``plan`` for all ranks of ``shape`` in this process, op by op in lockstep.
 
     ``per_rank[g]`` holds rank g's executor tensors (sequence-major), ``sub_blocks[g]`` its masked
-    blocks' calls (documents). Returns ``(results, traffic)``.
+    blocks' calls (documents, windows), ``sinks[g]`` its heads' sink logits. Returns ``(results, traffic)``.
     """
     hub = hub or VirtualHub(shape)
     execs = [
         Executor(plan, hub.ranks[g], kernel, causal=causal, scale=scale, tensors=per_rank[g],
                  partial_dtype=partial_dtype, buffers=hub.ranks[g].buffers, varlen=varlen,
-                 sub_blocks=None if sub_blocks is None else sub_blocks[g])
+                 sub_blocks=None if sub_blocks is None else sub_blocks[g], sink=None if sinks is None else sinks[g],
+                 max_logit=max_logit)
         for g in range(shape.n)
     ]
     for op in plan.ops:

@@ -116,7 +116,7 @@ def buffer_lives(plan: Plan, dims: ChunkDims) -> List[Life]:
                         for j, spec in enumerate(_acc_specs(plan.phase, kind, dims)):
                             birth(("acc", kind, off, j), spec, i)
             if not fwd and op.q and ("stand_in", op.q) not in born:
-                birth(("stand_in", op.q), TensorSpec("", (dims.seq, dims.batch, dims.heads, dims.head_dim), dims.dtype), i)
+                birth(("stand_in", op.q), TensorSpec("", (dims.seq, dims.batch, dims.heads, dims.dv), dims.dtype), i)
         elif isinstance(op, Free):
             slab = plan.slab_of(op.offset) if op.kind == "kv" else None
             if slab is not None:
@@ -127,8 +127,8 @@ def buffer_lives(plan: Plan, dims: ChunkDims) -> List[Life]:
             if op.kind == "q":
                 death(("stand_in", op.offset), i)
     if fwd:  # merges of the output partials: one scratch per rank of tensor, for the whole run
-        b, s, h, _, d = dims[:5]
-        for dim, shape in ((4, (s, b, h, d)), (3, (s, b, h))):
+        b, s, h = dims[:3]
+        for dim, shape in ((4, (s, b, h, dims.dv)), (3, (s, b, h))):
             lives.append(Life(("scratch", dim), TensorSpec("", shape, dims.acc_dtype), 0, end))
     lives += [Life(role, spec, start, end) for role, (start, spec) in born.items()]
     return lives

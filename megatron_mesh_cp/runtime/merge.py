@@ -8,6 +8,10 @@ rows combine exactly as
 
 Rows a partial never touched carry ``lse = -inf`` and ``out = 0``; merging two untouched rows
 keeps them untouched (the NaN that ``sigmoid(-inf - -inf)`` would produce is mapped to 0).
+
+A learnable attention sink (gpt-oss) is one more partial: output 0, lse = the head's sink logit,
+merged once into the final result (:func:`merge_sink`), so every row's softmax denominator gains
+exp(sink) exactly once whatever the blocks and merges before it.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from typing import Callable, Optional
 
 import torch
 
-__all__ = ["merge_into", "empty_partial"]
+__all__ = ["merge_into", "merge_sink", "empty_partial"]
 
 
 def empty_partial(like: torch.Tensor, dtype: torch.dtype):
@@ -49,3 +53,11 @@ def merge_into(
     diff.mul_(w.unsqueeze(-1))
     acc_out.sub_(diff)
     torch.logaddexp(acc_lse, lse, out=acc_lse)
+
+
+def merge_sink(acc_out: torch.Tensor, acc_lse: torch.Tensor, sink: torch.Tensor) -> None:
+    """Merge the sink partial (output 0, lse = ``sink`` per head, the last dim of ``acc_lse``)
+    into the final ``(acc_out [..., h, d], acc_lse [..., h])`` in place."""
+    total = torch.logaddexp(acc_lse, sink.to(acc_lse.dtype))
+    acc_out.mul_(torch.exp(acc_lse - total).unsqueeze(-1))
+    acc_lse.copy_(total)

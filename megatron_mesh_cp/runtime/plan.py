@@ -167,7 +167,8 @@ class Plan:
 
 
 class ChunkDims(NamedTuple):
-    """Sizes of one rank's local chunk (tensors are sequence-major: [seq, batch, heads, head_dim])."""
+    """Sizes of one rank's local chunk (tensors are sequence-major: [seq, batch, heads, head_dim]);
+    ``v_head_dim``: the head dim of V, O and their gradients where it differs from Q/K's (MLA)."""
 
     batch: int
     seq: int
@@ -177,12 +178,19 @@ class ChunkDims(NamedTuple):
     dtype: torch.dtype
     acc_dtype: torch.dtype = torch.float32
     partial_dtype: Optional[torch.dtype] = None  # partials on the wire; None = acc_dtype
+    v_head_dim: Optional[int] = None  # None: head_dim
+
+    @property
+    def dv(self) -> int:
+        return self.head_dim if self.v_head_dim is None else self.v_head_dim
 
     @classmethod
-    def of(cls, q: torch.Tensor, k: torch.Tensor, acc_dtype: torch.dtype, partial_dtype=None) -> "ChunkDims":
-        """From sequence-major q ``[s, b, h, d]`` and k ``[s, b, h_kv, d]``."""
+    def of(cls, q: torch.Tensor, k: torch.Tensor, acc_dtype: torch.dtype, partial_dtype=None,
+           v: Optional[torch.Tensor] = None) -> "ChunkDims":
+        """From sequence-major q ``[s, b, h, d]``, k ``[s, b, h_kv, d]`` (and v ``[s, b, h_kv, dv]``)."""
         s, b, h, d = q.shape
-        return cls(b, s, h, k.shape[2], d, q.dtype, acc_dtype, partial_dtype)
+        dv = v.shape[3] if v is not None and v.shape[3] != d else None
+        return cls(b, s, h, k.shape[2], d, q.dtype, acc_dtype, partial_dtype, dv)
 
 
 class TensorSpec(NamedTuple):
@@ -209,24 +217,24 @@ def payload(phase: str, kind: str, dims: ChunkDims) -> List[TensorSpec]:
     cannot drift apart. (A KV chunk goes on the wire as its two zigzag pieces, so each can land
     where the receiver keeps it -- apart, in a slab; the bytes are these.)
     """
-    b, s, h, hk, d, dt, acc, part = dims
+    b, s, h, hk, d, dt, acc, part = dims[:8]
     part = part or acc
-    q = (s, b, h, d)
-    kv = (s, b, hk, d)
+    q, o = (s, b, h, d), (s, b, h, dims.dv)  # O, dO: V's head dim
+    k, v = (s, b, hk, d), (s, b, hk, dims.dv)
     rows = (s, b, h)
     if kind == "q":
         specs = [TensorSpec("Q", q, dt)]
         if phase == BACKWARD:  # dO, delta = rowsum(dO * O), lse: what the kernel backward needs
-            specs += [TensorSpec("dO", q, dt), TensorSpec("dO", rows, acc), TensorSpec("dO", rows, acc)]
+            specs += [TensorSpec("dO", o, dt), TensorSpec("dO", rows, acc), TensorSpec("dO", rows, acc)]
         return specs
     if kind == "kv":
-        return [TensorSpec("KV", kv, dt), TensorSpec("KV", kv, dt)]
+        return [TensorSpec("KV", k, dt), TensorSpec("KV", v, dt)]
     if kind == "o":
-        return [TensorSpec("O", q, part), TensorSpec("O", rows, acc)]  # lse stays fp32
+        return [TensorSpec("O", o, part), TensorSpec("O", rows, acc)]  # lse stays fp32
     if kind == "dq":
         return [TensorSpec("dQ", q, part)]
     if kind == "dkv":
-        return [TensorSpec("dKV", kv, part), TensorSpec("dKV", kv, part)]
+        return [TensorSpec("dKV", k, part), TensorSpec("dKV", v, part)]
     raise PlanError(f"unknown payload kind {kind!r}")
 
 

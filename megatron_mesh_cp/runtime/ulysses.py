@@ -143,14 +143,14 @@ def ulysses_traffic(u: int, dims: ChunkDims, phase: str, return_lse: bool = Fals
     r = kv_repeats(dims.heads, dims.kv_heads, u)
     item = _itemsize(dims.dtype)
 
-    def moved(heads: int, itemsize: int) -> int:  # u - 1 of the u head groups leave the rank
-        return (u - 1) * dims.seq * dims.batch * (heads // u) * dims.head_dim * itemsize
+    def moved(heads: int, itemsize: int, head_dim: int = dims.head_dim) -> int:  # u - 1 of u head groups leave
+        return (u - 1) * dims.seq * dims.batch * (heads // u) * head_dim * itemsize
 
-    q = moved(dims.heads, item)
-    kv = 2 * moved(dims.kv_heads * r, item)
+    q, o = moved(dims.heads, item), moved(dims.heads, item, dims.dv)  # O, dO: V's head dim (MLA)
+    kv = moved(dims.kv_heads * r, item) + moved(dims.kv_heads * r, item, dims.dv)
     if phase == FORWARD:
-        out = {(FORWARD, "a2a-Q"): q, (FORWARD, "a2a-KV"): kv, (FORWARD, "a2a-O"): q}
+        out = {(FORWARD, "a2a-Q"): q, (FORWARD, "a2a-KV"): kv, (FORWARD, "a2a-O"): o}
         if return_lse:
             out[(FORWARD, "a2a-LSE")] = (u - 1) * dims.seq * dims.batch * (dims.heads // u) * _itemsize(dims.acc_dtype)
         return out
-    return {(BACKWARD, "a2a-dO"): q, (BACKWARD, "a2a-dQ"): q, (BACKWARD, "a2a-dKV"): kv}
+    return {(BACKWARD, "a2a-dO"): o, (BACKWARD, "a2a-dQ"): q, (BACKWARD, "a2a-dKV"): kv}

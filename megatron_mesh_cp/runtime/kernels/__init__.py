@@ -84,22 +84,23 @@ def get_kernel(kernel: Union[str, BlockKernel, None] = "auto", device: Optional[
 
 
 def select_kernel(kernel: Union[str, BlockKernel, None], q: torch.Tensor, k: torch.Tensor,
-                  *, deterministic: bool = False, packed: bool = False) -> BlockKernel:
+                  *, deterministic: bool = False, packed: bool = False, v=None) -> BlockKernel:
     """The backend that will run blocks of ``q`` / ``k`` (sequence-major or batch-major alike: only
     device, dtype and head dim matter), checked against them; raises ``ValueError`` naming the fix.
 
     ``auto`` takes the first backend (te, flash, torch) that is importable and accepts the inputs,
     and logs the choice with the reason each earlier backend was skipped. ``packed``: the inputs
     are packed sequences (THD), so the backend must also run varlen blocks (``check_varlen``).
+    ``v``: its head dim is checked too (MLA: it may differ from q/k's).
     """
     if kernel not in (None, "auto"):
         blk = get_kernel(kernel, q.device, deterministic=deterministic)
-        blk.check(q, k)
+        blk.check(q, k, v)
         if packed:
             blk.check_varlen(q)
         return blk
     sig = (q.device.type, getattr(q.device, "index", None), q.dtype, tuple(q.shape[1:]), k.shape[2], bool(deterministic),
-           bool(packed))
+           bool(packed), None if v is None else v.shape[-1])
     if sig in _AUTO:
         return _AUTO[sig]
     order = list(_BACKENDS) if q.device.type == "cuda" else ["torch"]
@@ -110,7 +111,7 @@ def select_kernel(kernel: Union[str, BlockKernel, None], q: torch.Tensor, k: tor
             continue
         try:
             blk = _instance(name, **_options(name, deterministic))
-            blk.check(q, k)
+            blk.check(q, k, v)
             if packed:
                 blk.check_varlen(q)
         except ValueError as exc:

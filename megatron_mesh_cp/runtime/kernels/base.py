@@ -66,12 +66,17 @@ class BlockKernel:
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float,
-        varlen: Optional[Varlen] = None,
+        varlen: Optional[Varlen] = None, window: Optional[Tuple[int, int]] = None,
     ) -> Tuple[torch.Tensor, torch.Tensor]:
         """Return ``out`` ``[sq, b, h, d]`` (dtype of q) and ``lse`` ``[b, h, sq]`` (fp32).
 
         With ``varlen`` (packed sequences; batch 1) attention stays inside each document, causal
         per document when ``causal``; only kernels whose :meth:`check_varlen` passes get one.
+        ``window`` = (left, right): query row r sees key c iff ``r + (sk - sq) - left <= c <= r + (sk -
+        sq) + right`` (-1: unbounded; flash-attn's and TE's ``window_size``, bottom-right aligned;
+        per document with ``varlen``); only kernels whose :meth:`check_window` passes get one.
+        ``return_max_logit=True`` (only for kernels whose :meth:`check_max_logit` passes) also
+        returns, third, the fp32 ``[h]`` maximum of ``scale * q.k`` over the pairs the call computed.
         """
         raise NotImplementedError
 
@@ -87,6 +92,7 @@ class BlockKernel:
         causal: bool,
         scale: float,
         varlen: Optional[Varlen] = None,
+        window: Optional[Tuple[int, int]] = None,
     ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Return ``dq, dk, dv`` for this block given the final ``out`` / ``lse`` of the Q rows.
 
@@ -104,13 +110,26 @@ class BlockKernel:
         """
         return lse_sbh.permute(1, 2, 0)
 
-    def check(self, q: torch.Tensor, k: torch.Tensor) -> None:
-        """Raise ``ValueError`` (naming an alternative) if this backend cannot run these inputs."""
+    def check(self, q: torch.Tensor, k: torch.Tensor, v: Optional[torch.Tensor] = None) -> None:
+        """Raise ``ValueError`` (naming an alternative) if this backend cannot run these inputs
+        (``v`` given: its head dim too, which may differ from q/k's under MLA)."""
 
     def check_varlen(self, q: torch.Tensor) -> None:
         """Raise ``ValueError`` (naming an alternative) unless this backend runs packed (THD)
         blocks of inputs like ``q``; backends that can override it."""
         raise ValueError(f"the {self.name} attention kernel cannot run packed sequences (THD, varlen); "
+                         "use --mesh-kernel te or flash on GPU, torch on CPU")
+
+    def check_max_logit(self, q: torch.Tensor) -> None:
+        """Raise ``ValueError`` (naming an alternative) unless this backend's forward can return the
+        max logit (``return_max_logit=True``) for inputs like ``q``."""
+        raise ValueError(f"the {self.name} attention kernel cannot return the max logit; use --mesh-kernel te "
+                         "(Transformer Engine >= 2.10) on GPU, torch on CPU")
+
+    def check_window(self, q: torch.Tensor) -> None:
+        """Raise ``ValueError`` (naming an alternative) unless this backend runs sliding-window
+        blocks (``window=``) of inputs like ``q``; backends that can override it."""
+        raise ValueError(f"the {self.name} attention kernel has no sliding window; "
                          "use --mesh-kernel te or flash on GPU, torch on CPU")
 
     @classmethod

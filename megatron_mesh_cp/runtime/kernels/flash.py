@@ -117,30 +117,39 @@ class _Surface:
         self._bind(self.fwd_sig, _FIXED, f"{self.label} _flash_attn_forward")
         self._bind(self.bwd_sig, _FIXED, f"{self.label} _flash_attn_backward")
 
-    def forward(self, q, k, v, causal: bool, scale: float, out: Optional[torch.Tensor]):
-        vals = dict(_FIXED, q=q, k=k, v=v, softmax_scale=scale, causal=causal, out=out)
+    def forward(self, q, k, v, causal: bool, scale: float, out: Optional[torch.Tensor], window=None):
+        vals = dict(_FIXED, q=q, k=k, v=v, softmax_scale=scale, causal=causal, out=out, **_window_args(window))
         res = self.fwd(**self._bind(self.fwd_sig, vals, self.label))
         return res[0], res[self.lse_index]
 
-    def backward(self, dout, q, k, v, out, lse, dq, dk, dv, causal: bool, scale: float, deterministic: bool):
+    def backward(self, dout, q, k, v, out, lse, dq, dk, dv, causal: bool, scale: float, deterministic: bool,
+                 window=None):
         vals = dict(_FIXED, dout=dout, q=q, k=k, v=v, out=out, softmax_lse=lse, dq=dq, dk=dk, dv=dv,
-                    softmax_scale=scale, causal=causal, is_causal=causal, deterministic=deterministic)
+                    softmax_scale=scale, causal=causal, is_causal=causal, deterministic=deterministic,
+                    **_window_args(window))
         self.bwd(**self._bind(self.bwd_sig, vals, self.label))
 
-    def forward_varlen(self, q, k, v, varlen: Varlen, causal: bool, scale: float):
+    def forward_varlen(self, q, k, v, varlen: Varlen, causal: bool, scale: float, window=None):
         """[t, h, d] tensors of one packed sub-block -> (out [t, h, d], lse [h, t])."""
         vals = dict(_FIXED, q=q, k=k, v=v, cu_seqlens_q=varlen.cu, cu_seqlens_k=varlen.cu, max_seqlen_q=varlen.max_len,
-                    max_seqlen_k=varlen.max_len, softmax_scale=scale, causal=causal)
+                    max_seqlen_k=varlen.max_len, softmax_scale=scale, causal=causal, **_window_args(window))
         res = self.vfwd(**self._bind(self.vfwd_sig, vals, self.label))
         return res[0], res[self.lse_index]
 
     def backward_varlen(self, dout, q, k, v, out, lse, dq, dk, dv, varlen: Varlen, causal: bool, scale: float,
-                        deterministic: bool):
+                        deterministic: bool, window=None):
         vals = dict(_FIXED, dout=dout, q=q, k=k, v=v, out=out, softmax_lse=lse, dq=dq, dk=dk, dv=dv,
                     cu_seqlens_q=varlen.cu, cu_seqlens_k=varlen.cu, max_seqlen_q=varlen.max_len,
                     max_seqlen_k=varlen.max_len, softmax_scale=scale, causal=causal, is_causal=causal,
-                    deterministic=deterministic)
+                    deterministic=deterministic, **_window_args(window))
         self.vbwd(**self._bind(self.vbwd_sig, vals, self.label))
+
+
+def _window_args(window) -> Dict:
+    """The window in every form's spelling (a tuple before 2.7 and in early FA3, two ints after)."""
+    if window is None:
+        return {}
+    return dict(window_size=tuple(window), window_size_left=window[0], window_size_right=window[1])
 
 
 #: values for the parameters every form may declare (None: an absent optional tensor / length)
@@ -235,21 +244,30 @@ class FlashKernel(BlockKernel):
                              "use --mesh-kernel te, or install flash-attn >= 2.6")
         check_cuda_half(f"the flash kernel ({s.label}, varlen)", q, s.min_sm)
 
-    def check(self, q: torch.Tensor, k: torch.Tensor) -> None:
+    def check(self, q: torch.Tensor, k: torch.Tensor, v=None) -> None:
         s = self._surface(q.device)
+        if v is not None and v.shape[-1] != q.shape[-1]:
+            d, dv = q.shape[-1], v.shape[-1]
+            # FA3 (hopper/flash_api.cpp, builds since 2025-01) takes a value head dim of its own in these
+            # ranges; FA2 and the first FA3 form take one head dim
+            mla = s.label == "flash-attn 3" and s.min_sm == 8 and (128 < d <= 192 and 96 < dv <= 128 or d <= 64 and dv <= 512)
+            if not mla or dv % 8:
+                raise ValueError(f"{s.label} cannot run a value head dim {dv} with query/key head dim {d} (MLA); "
+                                 "use --mesh-kernel te")
         if self.deterministic and not s.deterministic_ok:
             raise ValueError(f"{s.label} has no deterministic backward; drop deterministic mode or use --mesh-kernel torch")
         check_cuda_half(f"the flash kernel ({s.label})", q, s.min_sm,
                         " or install flash-attn 2" if s.label == "flash-attn 3" else "")
 
-    def forward(self, q, k, v, *, causal: bool, scale: float, varlen: Optional[Varlen] = None):
+    def forward(self, q, k, v, *, causal: bool, scale: float, varlen: Optional[Varlen] = None, window=None):
         check_square(q, k, causal)
         if varlen is not None:  # batch 1: [t, 1, h, d] views -> [t, h, d]
-            o, lse = self._varlen_surface(q.device).forward_varlen(q[:, 0], k[:, 0], v[:, 0], varlen, causal, scale)
+            o, lse = self._varlen_surface(q.device).forward_varlen(q[:, 0], k[:, 0], v[:, 0], varlen, causal, scale,
+                                                                   window)
             return o.unsqueeze(1), lse.unsqueeze(0)
         s = self._surface(q.device)
         out = torch.empty_like(q) if s.takes_out else None  # sequence-major; FA3 writes through the view
-        o, lse = s.forward(_bshd(q), _bshd(k), _bshd(v), causal, scale, None if out is None else _bshd(out))
+        o, lse = s.forward(_bshd(q), _bshd(k), _bshd(v), causal, scale, None if out is None else _bshd(out), window)
         return (out if out is not None else _bshd(o)), lse
 
     def lse_for_backward(self, lse_sbh: torch.Tensor, varlen: Optional[Varlen] = None):
@@ -264,14 +282,15 @@ class FlashKernel(BlockKernel):
             self._grads[key] = torch.empty(like.shape, dtype=like.dtype, device=like.device)
         return self._grads[key]
 
-    def backward(self, dout, q, k, v, out, lse, *, causal: bool, scale: float, varlen: Optional[Varlen] = None):
+    def backward(self, dout, q, k, v, out, lse, *, causal: bool, scale: float, varlen: Optional[Varlen] = None,
+                 window=None):
         check_square(q, k, causal)
         dq, dk, dv = self._buffer("dq", q), self._buffer("dk", k), self._buffer("dv", v)
         if varlen is not None:
             self._varlen_surface(q.device).backward_varlen(
                 dout[:, 0], q[:, 0], k[:, 0], v[:, 0], out[:, 0], lse, dq[:, 0], dk[:, 0], dv[:, 0], varlen, causal,
-                scale, self.deterministic)
+                scale, self.deterministic, window)
             return dq, dk, dv
         self._surface(q.device).backward(_bshd(dout), _bshd(q), _bshd(k), _bshd(v), _bshd(out), lse,
-                                         _bshd(dq), _bshd(dk), _bshd(dv), causal, scale, self.deterministic)
+                                         _bshd(dq), _bshd(dk), _bshd(dv), causal, scale, self.deterministic, window)
         return dq, dk, dv

@@ -99,7 +99,7 @@ class TEKernel(BlockKernel):
             return False
         return torch.cuda.is_available()
 
-    def _supported(self, q, k, causal: bool, deterministic: bool, thd: bool = False) -> bool:
+    def _supported(self, q, k, causal: bool, deterministic: bool, thd: bool = False, dv: Optional[int] = None) -> bool:
         """Whether TE's own selection offers the F16 arbitrary-seqlen fused backend for training
         on these inputs (batch, heads, head dim, dtype, mask, determinism, layout; this GPU and cuDNN)."""
         sq, b, h, d = q.shape
@@ -107,7 +107,7 @@ class TEKernel(BlockKernel):
         mask = ("padding_causal" if causal else "padding") if thd else ("causal" if causal else "no_mask")
         values = dict(qkv_type=torch.Tensor, qkv_dtype=q.dtype, qkv_layout="thd_thd_thd" if thd else "sbhd_sbhd_sbhd",
                       batch_size=b, num_heads=h, num_gqa_groups=(k.shape[2] if k is not None else h), max_seqlen_q=sq,
-                      max_seqlen_kv=(k.shape[0] if k is not None else sq), head_dim_qk=d, head_dim_v=d,
+                      max_seqlen_kv=(k.shape[0] if k is not None else sq), head_dim_qk=d, head_dim_v=dv or d,
                       attn_mask_type=mask,
                       window_size=_window(causal), attention_dropout=0.0, context_parallel=False,
                       deterministic=deterministic, is_training=True, fp8=False)
@@ -115,15 +115,17 @@ class TEKernel(BlockKernel):
         available, backend = res[-1], (res[2] if len(res) == 5 else res[3])  # 2.0-2.1: 5-tuple; 2.2+: 6-tuple
         return bool(available[1]) and backend == self._backend
 
-    def check(self, q: torch.Tensor, k: torch.Tensor) -> None:
+    def check(self, q: torch.Tensor, k: torch.Tensor, v=None) -> None:
         check_cuda_half("the te kernel (TE fused attention)", q, 8)
         major, minor = torch.cuda.get_device_capability(q.device)
-        key = (q.dtype, tuple(q.shape[1:]), k.shape[2], major, minor)
+        dv = v.shape[-1] if v is not None else None
+        key = (q.dtype, tuple(q.shape[1:]), k.shape[2], dv, major, minor)
         if key not in self._checked:
             why = ""
-            if not self._supported(q, k, True, self.deterministic):
-                what = f"{str(q.dtype)[6:]}, {q.shape[2]} heads ({k.shape[2]} kv), head dim {q.shape[-1]}, training"
-                if self.deterministic and self._supported(q, k, True, False):
+            if not self._supported(q, k, True, self.deterministic, dv=dv):
+                what = (f"{str(q.dtype)[6:]}, {q.shape[2]} heads ({k.shape[2]} kv), head dim {q.shape[-1]}"
+                        + (f" (value head dim {dv})" if dv not in (None, q.shape[-1]) else "") + ", training")
+                if self.deterministic and self._supported(q, k, True, False, dv=dv):
                     why = (f"Transformer Engine has no deterministic fused-attention backward for {what} on "
                            f"sm{major}{minor} with this cuDNN; drop deterministic mode (--deterministic-mode) "
                            "or use --mesh-kernel torch")
@@ -146,9 +148,9 @@ class TEKernel(BlockKernel):
         if self._checked[key]:
             raise ValueError(self._checked[key])
 
-    def _thd_common(self, causal: bool, scale: float, params) -> Dict:
+    def _thd_common(self, causal: bool, scale: float, params, window=None) -> Dict:
         kw = dict(attn_scale=scale, dropout=0.0, fast_zero_fill=True, qkv_layout="thd_thd_thd", attn_bias_type="no_bias",
-                  attn_mask_type="padding_causal" if causal else "padding", window_size=_window(causal),
+                  attn_mask_type="padding_causal" if causal else "padding", window_size=window or _window(causal),
                   deterministic=self.deterministic, o_format="thd", do_format="thd", dqkv_layout="thd_thd_thd")
         return {key: val for key, val in kw.items() if key in params}
 
@@ -164,11 +166,11 @@ class TEKernel(BlockKernel):
             hit = self._rows[id(varlen)] = (varlen, doc.to(varlen.cu.device), off.to(varlen.cu.device))
         return hit[1], hit[2]
 
-    def _forward_thd(self, q, k, v, causal: bool, scale: float, varlen: Varlen):
+    def _forward_thd(self, q, k, v, causal: bool, scale: float, varlen: Varlen, window=None):
         cu, m = varlen.cu, varlen.max_len
         out, aux = self._fwd(True, m, m, cu, cu, q[:, 0], k[:, 0], v[:, 0], q.dtype, self._backend,
                              cu_seqlens_q_padded=cu, cu_seqlens_kv_padded=cu,
-                             **self._thd_common(causal, scale, self._fwd_params))[:2]
+                             **self._thd_common(causal, scale, self._fwd_params, window))[:2]
         stats = aux[0]
         if stats.dim() == 3:  # [t, h, 1] (cuDNN >= 9.6)
             lse = stats[..., 0].T
@@ -187,7 +189,7 @@ class TEKernel(BlockKernel):
         buf[doc, :, off, 0] = lse_sbh[:, 0]
         return buf
 
-    def _backward_thd(self, dout, q, k, v, out, stats, causal: bool, scale: float, varlen: Varlen):
+    def _backward_thd(self, dout, q, k, v, out, stats, causal: bool, scale: float, varlen: Varlen, window=None):
         dev = str(q.device)
         if dev not in self._rng:
             self._rng[dev] = torch.zeros(2, dtype=torch.int64, device=q.device)
@@ -197,7 +199,7 @@ class TEKernel(BlockKernel):
             args.append(self._dtype[q.dtype])
         args += [[stats, self._rng[dev]], self._backend]
         grads = self._bwd(*args, cu_seqlens_q_padded=cu, cu_seqlens_kv_padded=cu,
-                          **self._thd_common(causal, scale, self._bwd_params))
+                          **self._thd_common(causal, scale, self._bwd_params, window))
         return grads[0].unsqueeze(1), grads[1].unsqueeze(1), grads[2].unsqueeze(1)
 
     def _cu_seqlens(self, batch: int, seq: int, device: torch.device) -> torch.Tensor:
@@ -206,22 +208,22 @@ class TEKernel(BlockKernel):
             self._cu[key] = torch.arange(0, (batch + 1) * seq, seq, dtype=torch.int32, device=device)
         return self._cu[key]
 
-    def _common(self, causal: bool, scale: float, params) -> Dict:
+    def _common(self, causal: bool, scale: float, params, window=None) -> Dict:
         kw = dict(attn_scale=scale, dropout=0.0, fast_zero_fill=True, qkv_layout="sbhd_sbhd_sbhd",
                   attn_bias_type="no_bias", attn_mask_type="causal" if causal else "no_mask",
-                  window_size=_window(causal), deterministic=self.deterministic,
+                  window_size=window or _window(causal), deterministic=self.deterministic,
                   o_format="sbhd", do_format="sbhd", dqkv_layout="sbhd_sbhd_sbhd")  # the last three: TE 2.15+
         return {key: val for key, val in kw.items() if key in params}
 
-    def forward(self, q, k, v, *, causal: bool, scale: float, varlen: Optional[Varlen] = None):
+    def forward(self, q, k, v, *, causal: bool, scale: float, varlen: Optional[Varlen] = None, window=None):
         check_square(q, k, causal)
         if varlen is not None:
-            return self._forward_thd(q, k, v, causal, scale, varlen)
+            return self._forward_thd(q, k, v, causal, scale, varlen, window)
         sq, b = q.shape[0], q.shape[1]
         sk = k.shape[0]
         out, aux = self._fwd(
             True, sq, sk, self._cu_seqlens(b, sq, q.device), self._cu_seqlens(b, sk, q.device),
-            q, k, v, q.dtype, self._backend, **self._common(causal, scale, self._fwd_params),
+            q, k, v, q.dtype, self._backend, **self._common(causal, scale, self._fwd_params, window),
         )[:2]
         stats = aux[0]  # [b, h, sq, 1]
         return out, stats.reshape(stats.shape[0], stats.shape[1], sq)
@@ -231,10 +233,11 @@ class TEKernel(BlockKernel):
             return self._stats_thd(lse_sbh, varlen)
         return lse_sbh.permute(1, 2, 0).unsqueeze(-1).contiguous()  # [b, h, sq, 1]
 
-    def backward(self, dout, q, k, v, out, lse, *, causal: bool, scale: float, varlen: Optional[Varlen] = None):
+    def backward(self, dout, q, k, v, out, lse, *, causal: bool, scale: float, varlen: Optional[Varlen] = None,
+                 window=None):
         check_square(q, k, causal)
         if varlen is not None:
-            return self._backward_thd(dout, q, k, v, out, lse, causal, scale, varlen)
+            return self._backward_thd(dout, q, k, v, out, lse, causal, scale, varlen, window)
         sq, b = q.shape[0], q.shape[1]
         sk = k.shape[0]
         dev = str(q.device)
@@ -245,5 +248,5 @@ class TEKernel(BlockKernel):
         if self._dqkv_dtype:
             args.append(self._dtype[q.dtype])
         args += [[lse, self._rng[dev]], self._backend]
-        grads = self._bwd(*args, **self._common(causal, scale, self._bwd_params))
+        grads = self._bwd(*args, **self._common(causal, scale, self._bwd_params, window))
         return grads[0], grads[1], grads[2]

@@ -9,9 +9,10 @@
 
 The ops take ``[b, h, s, d]`` views of our sequence-major tensors; no input is copied.
 
-Packed sequences (THD) run on CPU only: the CPU op takes an additive mask, so a packed block is
-one call with a block-diagonal (per-document, causal) mask, made once per batch and mask kind --
-exact, and dense (O(rows^2) mask memory, fine for CPU-sized blocks). On CUDA use te or flash.
+Packed sequences (THD) and sliding windows run on CPU only: the CPU op takes an additive mask, so a
+packed or windowed block is one call with a block-diagonal (per-document, causal, windowed) mask,
+made once per batch and mask kind -- exact, and dense (O(rows^2) mask memory, fine for CPU-sized
+blocks). On CUDA use te or flash.
 
 The CUDA flash backward decides dense vs varlen by whether ``cum_seq_q`` is *defined*
 (``attention_backward.cu``, ``_flash_attention_backward``); the dense forward returns undefined
@@ -60,25 +61,72 @@ class TorchKernel(BlockKernel):
         self._consts = {}  # per device: the (unused, dropout-free) philox seed and offset
         self._masks: "OrderedDict[tuple, tuple]" = OrderedDict()  # packed blocks' masks, per batch
 
-    def check(self, q: torch.Tensor, k: torch.Tensor) -> None:
+    def check(self, q: torch.Tensor, k: torch.Tensor, v=None) -> None:
         if q.device.type not in ("cpu", "cuda"):
             raise ValueError(f"the torch kernel runs on cpu or cuda, not {q.device.type}")
+        if v is not None and v.shape[-1] != q.shape[-1] and q.device.type != "cpu":
+            raise ValueError(f"the torch kernel runs a value head dim ({v.shape[-1]}) other than the query/key head dim "
+                             f"({q.shape[-1]}, MLA) on CPU only; use --mesh-kernel te on GPU")
 
     def check_varlen(self, q: torch.Tensor) -> None:
         if q.device.type != "cpu":
             raise ValueError("the torch attention kernel runs packed sequences (THD) on CPU only; "
                              "use --mesh-kernel te or flash on GPU")
 
-    def _mask(self, varlen: Varlen, causal: bool, dtype: torch.dtype) -> torch.Tensor:
-        """Additive ``[s, s]`` mask: 0 inside a document (and at or below the diagonal if causal),
-        -inf elsewhere; built once per batch, mask kind and dtype."""
-        key = (id(varlen), causal, dtype)
+    def check_window(self, q: torch.Tensor) -> None:
+        if q.device.type != "cpu":
+            raise ValueError("the torch attention kernel runs sliding windows on CPU only; use --mesh-kernel te or "
+                             "flash on GPU")
+
+    def check_max_logit(self, q: torch.Tensor) -> None:
+        if q.device.type != "cpu":
+            raise ValueError("the torch attention kernel returns the max logit on CPU only; use --mesh-kernel te "
+                             "(Transformer Engine >= 2.10) on GPU")
+
+    def _max_logit(self, q, k, scale, causal, mask) -> torch.Tensor:
+        """fp32 ``[h]``: the largest ``scale * q.k`` of every head over the call's unmasked pairs
+        (an explicit product: the CPU op does not return it)."""
+        self.check_max_logit(q)
+        acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+        kk = k.repeat_interleave(q.shape[2] // k.shape[2], dim=2)
+        scores = torch.einsum("qbhd,kbhd->bhqk", q.to(acc), kk.to(acc)) * scale
+        if mask is not None:
+            scores = scores + mask.to(acc)
+        elif causal:
+            keep = torch.ones(q.shape[0], k.shape[0], dtype=torch.bool, device=q.device).tril()
+            scores = scores.masked_fill(~keep, float("-inf"))
+        return scores.amax(dim=(0, 2, 3)).float()
+
+    def _check_masked(self, q, varlen) -> None:
+        if varlen is not None:
+            self.check_varlen(q)
+        else:
+            self.check_window(q)
+
+    def _mask(self, varlen: Optional[Varlen], causal: bool, dtype: torch.dtype, window=None, sq: int = 0,
+              sk: int = 0) -> torch.Tensor:
+        """Additive ``[sq, sk]`` mask: 0 inside a document (and at or below the diagonal if causal,
+        inside the window if one is given, bottom-right aligned), -inf elsewhere; built once per
+        batch (or block shape), mask kind and dtype."""
+        key = (id(varlen), causal, dtype, window, sq, sk)
         hit = self._masks.get(key)
         if hit is None or hit[0] is not varlen:
-            doc = torch.repeat_interleave(torch.arange(len(varlen.lens)), torch.tensor(varlen.lens, dtype=torch.long))
-            keep = doc[:, None] == doc[None, :]
+            if varlen is not None:
+                doc = torch.repeat_interleave(torch.arange(len(varlen.lens)), torch.tensor(varlen.lens, dtype=torch.long))
+                keep = doc[:, None] == doc[None, :]
+                start = torch.cumsum(torch.tensor((0,) + varlen.lens[:-1]), 0)[doc]
+                r = c = torch.arange(doc.numel()) - start  # position inside the document (square)
+                d = c[None, :] - r[:, None]
+            else:
+                keep = torch.ones(sq, sk, dtype=torch.bool)
+                d = torch.arange(sk)[None, :] - torch.arange(sq)[:, None] - (sk - sq)
+            left, right = window if window is not None else (-1, -1)
             if causal:
-                keep &= torch.ones_like(keep).tril()
+                right = 0
+            if left >= 0:
+                keep &= d >= -left
+            if right >= 0:
+                keep &= d <= right
             mask = torch.zeros(keep.shape, dtype=dtype).masked_fill_(~keep, float("-inf"))
             hit = self._masks[key] = (varlen, mask)
             while len(self._masks) > 8:
@@ -92,21 +140,35 @@ class TorchKernel(BlockKernel):
     def _path(self, q: torch.Tensor) -> str:
         return cuda_path(q) if self._is_cuda(q) else "cpu"
 
-    def forward(self, q, k, v, *, causal: bool, scale: float,
-                varlen: Optional[Varlen] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, q, k, v, *, causal: bool, scale: float, varlen: Optional[Varlen] = None, window=None,
+                return_max_logit: bool = False):
         check_square(q, k, causal)
         path = self._path(q)
-        if varlen is not None:
-            self.check_varlen(q)
+        mask = None
+        if v.shape[-1] != q.shape[-1]:  # MLA on CPU: the op wants one head dim; zero columns change nothing
+            self.check(q, k, v)
+            res = self.forward(*_one_head_dim(q, k, v), causal=causal, scale=scale, varlen=varlen, window=window,
+                               return_max_logit=return_max_logit)
+            return (res[0][..., :v.shape[-1]],) + tuple(res[1:])
+        if varlen is not None or window is not None:
+            self._check_masked(q, varlen)
+            mask = self._mask(varlen, causal, q.dtype, window, q.shape[0], k.shape[0])
             out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(
-                _bhsd(q), _bhsd(k), _bhsd(v), 0.0, False, attn_mask=self._mask(varlen, causal, q.dtype), scale=scale
+                _bhsd(q), _bhsd(k), _bhsd(v), 0.0, False, attn_mask=mask, scale=scale
             )
-            return _sbhd(out), lse
-        if path == "cpu":
+        elif path == "cpu":
             out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(
                 _bhsd(q), _bhsd(k), _bhsd(v), 0.0, causal, scale=scale
             )
-            return _sbhd(out), lse
+        else:
+            if return_max_logit:
+                self.check_max_logit(q)
+            return self._forward_cuda(q, k, v, causal, scale, path)
+        if return_max_logit:
+            return _sbhd(out), lse, self._max_logit(q, k, scale, causal, mask)
+        return _sbhd(out), lse
+
+    def _forward_cuda(self, q, k, v, causal: bool, scale: float, path: str):
         if path == "flash":
             kk, vv = self._kv(q, k, v)
             try:
@@ -157,14 +219,23 @@ class TorchKernel(BlockKernel):
         buf[..., :sq] = lse
         return buf[..., :sq]
 
-    def backward(self, dout, q, k, v, out, lse, *, causal: bool, scale: float, varlen: Optional[Varlen] = None):
+    def backward(self, dout, q, k, v, out, lse, *, causal: bool, scale: float, varlen: Optional[Varlen] = None,
+                 window=None):
         check_square(q, k, causal)
         path = self._path(q)
-        if varlen is not None:
-            self.check_varlen(q)
+        d, dv = q.shape[-1], v.shape[-1]
+        if dv != d:  # MLA on CPU, as in forward; the zero columns' gradients are dropped
+            self.check(q, k, v)
+            qq, kk, vv = _one_head_dim(q, k, v)
+            width = vv.shape[-1]
+            grads = self.backward(_pad_last(dout, width), qq, kk, vv, _pad_last(out, width), lse, causal=causal,
+                                  scale=scale, varlen=varlen, window=window)
+            return grads[0][..., :d], grads[1][..., :d], grads[2][..., :dv]
+        if varlen is not None or window is not None:
+            self._check_masked(q, varlen)
             dq, dk, dv = _aten._scaled_dot_product_flash_attention_for_cpu_backward(
                 _bhsd(dout), _bhsd(q), _bhsd(k), _bhsd(v), _bhsd(out), lse, 0.0, False,
-                attn_mask=self._mask(varlen, causal, q.dtype), scale=scale
+                attn_mask=self._mask(varlen, causal, q.dtype, window, q.shape[0], k.shape[0]), scale=scale
             )
             return _sbhd(dq), _sbhd(dk), _sbhd(dv)
         if path == "cpu":
@@ -189,6 +260,19 @@ class TorchKernel(BlockKernel):
                 [True, True, True, False], causal, scale=scale,
             )
         return _sbhd(dq), _fold_heads(dk, hk), _fold_heads(dv, hk)
+
+
+def _pad_last(x: torch.Tensor, width: int) -> torch.Tensor:
+    """``x`` with zero columns appended to its last dim up to ``width`` (itself if already there)."""
+    if x.shape[-1] == width:
+        return x
+    return torch.cat([x, x.new_zeros(x.shape[:-1] + (width - x.shape[-1],))], dim=-1)
+
+
+def _one_head_dim(q, k, v):
+    """q, k, v padded with zero columns to one head dim (max of q/k's and v's)."""
+    width = max(q.shape[-1], v.shape[-1])
+    return _pad_last(q, width), _pad_last(k, width), _pad_last(v, width)
 
 
 def _expand(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
