@@ -99,7 +99,8 @@ class TEKernel(BlockKernel):
             return False
         return torch.cuda.is_available()
 
-    def _supported(self, q, k, causal: bool, deterministic: bool, thd: bool = False, dv: Optional[int] = None) -> bool:
+    def _supported(self, q, k, causal: bool, deterministic: bool, thd: bool = False, dv: Optional[int] = None,
+                   window=None) -> bool:
         """Whether TE's own selection offers the F16 arbitrary-seqlen fused backend for training
         on these inputs (batch, heads, head dim, dtype, mask, determinism, layout; this GPU and cuDNN)."""
         sq, b, h, d = q.shape
@@ -109,8 +110,9 @@ class TEKernel(BlockKernel):
                       batch_size=b, num_heads=h, num_gqa_groups=(k.shape[2] if k is not None else h), max_seqlen_q=sq,
                       max_seqlen_kv=(k.shape[0] if k is not None else sq), head_dim_qk=d, head_dim_v=dv or d,
                       attn_mask_type=mask,
-                      window_size=_window(causal), attention_dropout=0.0, context_parallel=False,
-                      deterministic=deterministic, is_training=True, fp8=False)
+                      window_size=window or _window(causal), attention_dropout=0.0, context_parallel=False,
+                      deterministic=deterministic, is_training=True, fp8=False,
+                      bottom_right_diagonal=True if window is not None else None)
         res = self._select(self._params(**{key: val for key, val in values.items() if key in fields}))
         available, backend = res[-1], (res[2] if len(res) == 5 else res[3])  # 2.0-2.1: 5-tuple; 2.2+: 6-tuple
         return bool(available[1]) and backend == self._backend
@@ -136,6 +138,29 @@ class TEKernel(BlockKernel):
         if self._checked[key]:
             raise ValueError(self._checked[key])
 
+    def check_window(self, q: torch.Tensor) -> None:
+        """Windows need TE's ``bottom_right_diagonal`` (2.12+): our window calls are rectangles whose
+        window is aligned to the bottom-right corner, which older TE does not let us ask for; and TE's
+        selection must offer the fused backend for a causal and a two-sided window."""
+        if not {"bottom_right_diagonal"} <= self._fwd_params & self._bwd_params:
+            raise ValueError("this Transformer Engine cannot align a sliding window to the bottom-right corner "
+                             "(bottom_right_diagonal: TE >= 2.12); upgrade TE or use --mesh-kernel flash")
+        major, minor = torch.cuda.get_device_capability(q.device)
+        key = ("window", q.dtype, tuple(q.shape[1:]), major, minor)
+        if key not in self._checked:
+            ok = self._supported(q, q, True, self.deterministic, window=(64, 0)) and \
+                self._supported(q, q, False, self.deterministic, window=(64, 64))
+            self._checked[key] = "" if ok else (
+                f"Transformer Engine has no fused-attention backend for sliding windows with {str(q.dtype)[6:]}, head "
+                f"dim {q.shape[-1]} on sm{major}{minor} with this cuDNN; use --mesh-kernel flash")
+        if self._checked[key]:
+            raise ValueError(self._checked[key])
+
+    def check_max_logit(self, q: torch.Tensor) -> None:
+        if "return_max_logit" not in self._fwd_params:
+            raise ValueError("this Transformer Engine cannot return the max logit (return_max_logit: TE >= 2.10); "
+                             "upgrade TE")
+
     def check_varlen(self, q: torch.Tensor) -> None:
         check_cuda_half("the te kernel (TE fused attention, thd)", q, 8)
         major, minor = torch.cuda.get_device_capability(q.device)
@@ -151,6 +176,7 @@ class TEKernel(BlockKernel):
     def _thd_common(self, causal: bool, scale: float, params, window=None) -> Dict:
         kw = dict(attn_scale=scale, dropout=0.0, fast_zero_fill=True, qkv_layout="thd_thd_thd", attn_bias_type="no_bias",
                   attn_mask_type="padding_causal" if causal else "padding", window_size=window or _window(causal),
+                  bottom_right_diagonal=True if window is not None else None,
                   deterministic=self.deterministic, o_format="thd", do_format="thd", dqkv_layout="thd_thd_thd")
         return {key: val for key, val in kw.items() if key in params}
 
@@ -166,17 +192,20 @@ class TEKernel(BlockKernel):
             hit = self._rows[id(varlen)] = (varlen, doc.to(varlen.cu.device), off.to(varlen.cu.device))
         return hit[1], hit[2]
 
-    def _forward_thd(self, q, k, v, causal: bool, scale: float, varlen: Varlen, window=None):
+    def _forward_thd(self, q, k, v, causal: bool, scale: float, varlen: Varlen, window=None, **top):
         cu, m = varlen.cu, varlen.max_len
-        out, aux = self._fwd(True, m, m, cu, cu, q[:, 0], k[:, 0], v[:, 0], q.dtype, self._backend,
-                             cu_seqlens_q_padded=cu, cu_seqlens_kv_padded=cu,
-                             **self._thd_common(causal, scale, self._fwd_params, window))[:2]
+        res = self._fwd(True, m, m, cu, cu, q[:, 0], k[:, 0], v[:, 0], q.dtype, self._backend,
+                        cu_seqlens_q_padded=cu, cu_seqlens_kv_padded=cu,
+                        **self._thd_common(causal, scale, self._fwd_params, window), **top)
+        out, aux = res[:2]
         stats = aux[0]
         if stats.dim() == 3:  # [t, h, 1] (cuDNN >= 9.6)
             lse = stats[..., 0].T
         else:  # [b, h, max_seqlen, 1]
             doc, off = self._row_index(varlen)
             lse = stats[doc, :, off, 0].T
+        if top:
+            return out.unsqueeze(1), lse.unsqueeze(0), res[2].float()
         return out.unsqueeze(1), lse.unsqueeze(0)
 
     def _stats_thd(self, lse_sbh: torch.Tensor, varlen: Varlen) -> torch.Tensor:
@@ -212,21 +241,26 @@ class TEKernel(BlockKernel):
         kw = dict(attn_scale=scale, dropout=0.0, fast_zero_fill=True, qkv_layout="sbhd_sbhd_sbhd",
                   attn_bias_type="no_bias", attn_mask_type="causal" if causal else "no_mask",
                   window_size=window or _window(causal), deterministic=self.deterministic,
+                  bottom_right_diagonal=True if window is not None else None,
                   o_format="sbhd", do_format="sbhd", dqkv_layout="sbhd_sbhd_sbhd")  # the last three: TE 2.15+
         return {key: val for key, val in kw.items() if key in params}
 
-    def forward(self, q, k, v, *, causal: bool, scale: float, varlen: Optional[Varlen] = None, window=None):
+    def forward(self, q, k, v, *, causal: bool, scale: float, varlen: Optional[Varlen] = None, window=None,
+                return_max_logit: bool = False):
         check_square(q, k, causal)
+        top = {"return_max_logit": True} if return_max_logit else {}
         if varlen is not None:
-            return self._forward_thd(q, k, v, causal, scale, varlen, window)
+            return self._forward_thd(q, k, v, causal, scale, varlen, window, **top)
         sq, b = q.shape[0], q.shape[1]
         sk = k.shape[0]
-        out, aux = self._fwd(
+        res = self._fwd(
             True, sq, sk, self._cu_seqlens(b, sq, q.device), self._cu_seqlens(b, sk, q.device),
-            q, k, v, q.dtype, self._backend, **self._common(causal, scale, self._fwd_params, window),
-        )[:2]
+            q, k, v, q.dtype, self._backend, **self._common(causal, scale, self._fwd_params, window), **top,
+        )
+        out, aux = res[:2]
         stats = aux[0]  # [b, h, sq, 1]
-        return out, stats.reshape(stats.shape[0], stats.shape[1], sq)
+        lse = stats.reshape(stats.shape[0], stats.shape[1], sq)
+        return (out, lse, res[2].float()) if return_max_logit else (out, lse)  # TE's max logit: [h], O's dtype
 
     def lse_for_backward(self, lse_sbh: torch.Tensor, varlen: Optional[Varlen] = None):
         if varlen is not None:
