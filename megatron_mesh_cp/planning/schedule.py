@@ -151,8 +151,9 @@ def _greedy_plans(a, b, cluster, workload, stride, max_live, max_inflight, chain
 def _chain_configs(chains: str):
     if chains == "auto":
         return CONFIGS
-    split = chains == "both-ways"
-    return tuple(c for c in CONFIGS if c.split_gathers == c.split_reductions == split)
+    if chains == "one-way":  # how Ring-Attention is run (TE's p2p): one direction, ungrouped
+        return CONFIGS[:1]
+    return tuple(c for c in CONFIGS if c.split_gathers and c.split_reductions)
 
 
 def _minimum_budget(a, b, phase, cost, max_inflight) -> int:
