@@ -47,8 +47,9 @@ def main(argv=None) -> int:
         "documents: attention masked at document boundaries (--docs or --doc-lengths); --doc-layout says how they run")
     pk.add_argument(
         "--doc-layout", choices=("unpadded", "padded"), default=None,
-        help="unpadded (default with documents): each algorithm as it runs documents -- ours (mesh, mesh:AxB, mesh-naive, passq, "
-             "a2a+mesh, a2a+mesh:UxAxB and ring-pruned, our Ring 1xn, always shown) unpadded on the ordinary layout "
+        help="unpadded (default with documents): each algorithm as it runs documents -- ours (mesh, mesh:AxB, "
+             "mesh-naive, passq, a2a+mesh, a2a+mesh:UxAxB and ring-pruned, our Ring 1xn, always shown) unpadded on the "
+             "ordinary layout "
              "with pruned plans (an empty block is not computed, a chunk nobody needs is not sent); TE's ring and "
              "usp (and ulysses, allgather) as THD, every document padded to a multiple of 2*cp and every chunk "
              "sent; both from the same draws, each filling --seq. padded: every algorithm on the padded THD "

@@ -100,8 +100,9 @@ def why(diags):
     for title, heads, algo, d in diags:
         if algo != "a2a+mesh":
             continue
-        out.append(f"* {title}, {heads}: a2a+mesh {d['shape']} keeps {d['kept']} tile blocks and sends {d['share']:.0%} "
-                   f"of its full plans' bytes; its busiest rank's blocks take {d['max'] * 1e3:.1f} ms of the "
+        out.append(f"* {title}, {heads}: a2a+mesh {d['shape']} keeps {d['kept']} tile blocks and sends "
+                   f"{d['share']:.0%} of its full plans' bytes; its busiest rank's blocks take "
+                   f"{d['max'] * 1e3:.1f} ms of the "
                    f"{d['step'] * 1e3:.1f} ms step, the mean rank's {d['mean'] * 1e3:.1f} ms "
                    f"({d['max'] / d['mean']:.2f}x).")
     return out
@@ -131,8 +132,8 @@ def document_section(cluster, packing, docs, title):
         for algo in ("ring-pruned", "mesh", "a2a+mesh"):
             diags.append((title, heads, algo, diagnose(algo, res[algo], wd, cluster)))
         print(f"{title} kv={kv} done", flush=True)
-    out += ["a2a+mesh vs USP (simulated): " + "; ".join(f"{h} **{v:.2f}x** (issue target >= {t:g}x: "
-                                                         f"{'met' if v >= t else 'not met'})" for h, v, t in verdict), ""]
+    out += ["a2a+mesh vs USP (simulated): " + "; ".join(
+        f"{h} **{v:.2f}x** (issue target >= {t:g}x: {'met' if v >= t else 'not met'})" for h, v, t in verdict), ""]
     head = ("| heads | algorithm | shape | tile blocks kept (SPMD) | Q / KV offsets kept | blocks a rank computes "
             "(mean) | bytes vs the full plans | block seconds per rank: busiest / mean (fwd+bwd, ms) "
             "| busiest rank's blocks / step |")

@@ -16,8 +16,8 @@ more concurrent channels cost more; every kernel call pays a call overhead and a
 pass (:meth:`Workload.call_time`; a grouped compute that runs several blocks in one call pays them
 once) beside its blocks' work (:meth:`Workload.block_times`, which prices a packed sequence's blocks
 by their work inside documents: ``packing``; unpadded ``documents``: each block's own calls, and a
-rank waits only for the chunks of the blocks it runs). A ring hop uses its own link (on a PCIe node it crosses each switch
-uplink once per direction, so rings do not contend on the host bridge; all-to-alls do, see
+rank waits only for the chunks of the blocks it runs). A ring hop uses its own link (on a PCIe node it
+crosses each switch uplink once per direction, so rings do not contend on the host bridge; all-to-alls do, see
 ``baselines``).
 
 All ranks advance together op by op (vectorised over ranks), so n = 256 replays in milliseconds.
@@ -36,7 +36,8 @@ import torch
 
 from .cluster import Cluster, Workload, workload_dims
 from ..runtime.layout import BlockCase, kernel_calls
-from ..runtime.plan import BACKWARD, FORWARD, ChunkDims, Compute, Free, Plan, Transfer, payload, slab_containing, RING_OF
+from ..runtime.plan import (BACKWARD, FORWARD, ChunkDims, Compute, Free, Plan, Transfer, payload, slab_containing,
+                            RING_OF)
 
 __all__ = ["PhaseResult", "replay"]
 
