@@ -13,7 +13,8 @@ from dataclasses import replace
 
 from .planning.baselines import ALGORITHMS, compare, format_packed_table, format_table, plot_timelines
 from .planning.cluster import Workload, load_cluster
-from .planning.packing import DISTRIBUTIONS, parse_doc_range, parse_tokens, read_packing, sample_packing
+from .planning.doc_baselines import compare_documents, document_sets, format_documents_table
+from .planning.packing import DISTRIBUTIONS, parse_doc_range, parse_tokens
 
 __all__ = ["main"]
 
@@ -38,22 +39,34 @@ def main(argv=None) -> int:
     p.add_argument("--no-causal", action="store_true")
     p.add_argument("--partial-dtype", choices=("fp32", "bf16"), default="fp32",
                    help="wire dtype of partial O/dQ/dKV (all ring-style algorithms alike)")
-    p.add_argument("--algos", default="ring,usp,mesh", help=f"comma list of {','.join(ALGORITHMS)} or mesh:AxB")
+    p.add_argument("--algos", default="ring,usp,mesh", help=f"comma list of {','.join(ALGORITHMS)}, mesh:AxB, usp:U "
+                   "or a2a+mesh:UxAxB (ring-pruned: with unpadded documents only)")
     p.add_argument("--plot", default=None, metavar="FILE.png", help="draw one rank's timeline per algorithm")
     p.add_argument("--max-live", type=int, default=None, help="memory budget (live chunks) for mesh plans")
-    pk = p.add_argument_group("packed sequences (THD): documents masked from each other, each padded to a "
-                              "multiple of 2*cp and split per document (Megatron/TE); same bytes, less work per block")
+    pk = p.add_argument_group(
+        "documents: attention masked at document boundaries (--docs or --doc-lengths); --doc-layout says how they run")
+    pk.add_argument(
+        "--doc-layout", choices=("unpadded", "padded"), default=None,
+        help="unpadded (default with documents): each algorithm as it runs documents -- ours (mesh, mesh:AxB, "
+             "mesh-naive, passq, a2a+mesh, a2a+mesh:UxAxB and ring-pruned, our Ring 1xn, always shown) unpadded on the "
+             "ordinary layout "
+             "with pruned plans (an empty block is not computed, a chunk nobody needs is not sent); TE's ring and "
+             "usp (and ulysses, allgather) as THD, every document padded to a multiple of 2*cp and every chunk "
+             "sent; both from the same draws, each filling --seq. padded: every algorithm on the padded THD "
+             "packing (same bytes as unpacked, less work per block), compared with the unpacked sequence")
     src = pk.add_mutually_exclusive_group()
     src.add_argument("--docs", default=None, metavar="LO-HI",
                      help="draw document lengths in LO..HI tokens (e.g. 4K-64K) and pack them into --seq")
     src.add_argument("--doc-lengths", default=None, metavar="FILE",
                      help="document lengths from a text file (token counts), packed in order into --seq")
-    pk.add_argument("--doc-dist", choices=DISTRIBUTIONS, default="loguniform", help="distribution for --docs")
+    pk.add_argument("--doc-dist", choices=DISTRIBUTIONS, default="loguniform",
+                    help="distribution for --docs (powerlaw: heavy-tailed, P(length > x) ~ x^-1/2 on LO..HI)")
     pk.add_argument("--doc-seed", type=int, default=0, help="random seed for --docs")
     pk.add_argument("--kernel-tile", type=int, default=0, metavar="T",
-                    help="price packed blocks in whole TxT kernel tiles per document (flash-style); "
+                    help="price document blocks in whole TxT kernel tiles per document segment (flash-style); "
                          "0 (default): exact unmasked pairs")
-    pk.add_argument("--no-unpacked", action="store_true", help="with --docs/--doc-lengths: skip the unpacked comparison")
+    pk.add_argument("--no-unpacked", action="store_true", help="with --docs/--doc-lengths: skip the comparison with "
+                    "the same layer without documents")
     args = p.parse_args(argv)
     try:
         cluster = load_cluster(args.cluster)
@@ -65,22 +78,31 @@ def main(argv=None) -> int:
             head_dim=args.head_dim, batch=args.batch, causal=not args.no_causal,
             bytes_per_element=cluster.bytes_per_element, partial_bytes=4 if args.partial_dtype == "fp32" else 2,
         )
-        if args.kernel_tile and not (args.docs or args.doc_lengths):
-            raise ValueError("--kernel-tile prices packed blocks; give --docs LO-HI or --doc-lengths FILE with it")
-        if args.docs:
-            lo, hi = parse_doc_range(args.docs)
-            packing = sample_packing(args.seq, lo, hi, args.cp, dist=args.doc_dist, seed=args.doc_seed,
-                                     tile=args.kernel_tile)
-        elif args.doc_lengths:
-            packing = read_packing(args.doc_lengths, args.seq, args.cp, tile=args.kernel_tile)
+        for flag, value in (("--kernel-tile", args.kernel_tile), ("--doc-layout", args.doc_layout)):
+            if value and not (args.docs or args.doc_lengths):
+                raise ValueError(f"{flag} prices documents; give --docs LO-HI or --doc-lengths FILE with it")
+        documents = None
+        if args.docs or args.doc_lengths:
+            packing, documents = document_sets(args.seq, args.cp, path=args.doc_lengths, dist=args.doc_dist,
+                                               lo_hi=parse_doc_range(args.docs) if args.docs else None,
+                                               seed=args.doc_seed, tile=args.kernel_tile)
+            if args.doc_layout == "padded":
+                documents = None
+            elif args.batch != 1:
+                raise ValueError(f"unpadded documents take one sequence (--batch 1), got --batch {args.batch}; "
+                                 "or price the padded THD layout with --doc-layout padded")
         else:
             packing = None
         algos = [a.strip() for a in args.algos.split(",") if a.strip()]
         unpacked = None
         if packing is None or not args.no_unpacked:
-            unpacked = compare(algos, args.cp, cluster, w, tp=args.tp, max_live=args.max_live)
+            plain = algos if packing is None else [a for a in algos if a != "ring-pruned"]  # it needs documents
+            unpacked = compare(plain, args.cp, cluster, w, tp=args.tp, max_live=args.max_live)
         results = unpacked
-        if packing is not None:
+        if documents is not None:
+            results = compare_documents(algos, args.cp, cluster, w, packing, documents, tp=args.tp,
+                                        max_live=args.max_live)
+        elif packing is not None:
             results = compare(algos, args.cp, cluster, replace(w, packing=packing), tp=args.tp, max_live=args.max_live)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -89,12 +111,21 @@ def main(argv=None) -> int:
         f"CP={args.cp}  S={args.seq}  heads={args.heads}/{kv} kv  d={args.head_dim}  "
         f"{'causal' if w.causal else 'full'}  cluster={cluster.name}  tp={args.tp}  partials={args.partial_dtype}"
     )
-    print(caption)
-    if packing is not None:
+    print(f"{caption}  (every figure simulated on the calibrated cost model, none measured)")
+    if documents is not None:
+        print(f"documents, unpadded (mesh family): {documents.describe()}")
+        print(f"documents, padded THD (TE's ring and usp): {packing.describe()}")
+        caption += f"  documents: {len(documents.lengths)} ({documents.label}), unpadded+pruned vs TE padded"
+        print(format_documents_table(results, packing, documents))
+        if unpacked is not None:
+            print("\nthe same layer without documents (one causal sequence):")
+            print(format_table(unpacked))
+    elif packing is not None:
         print(f"packed: {packing.describe()}")
         caption += f"  packed: {len(packing.lengths)} documents ({packing.label})"
-    print(format_table(results))
-    if packing is not None and unpacked is not None:
+    if documents is None:
+        print(format_table(results))
+    if packing is not None and documents is None and unpacked is not None:
         print("\npacked vs unpacked (same chunks and bytes; blocks priced by their work inside documents):")
         print(format_packed_table(unpacked, results))
     if args.plot:

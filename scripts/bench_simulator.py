@@ -2,7 +2,7 @@
 """Simulated figures for docs/performance.md: Ring, USP, mesh and a2a+mesh on the calibrated model.
 
     python scripts/bench_simulator.py [--out docs/performance.md] [--quick]
-    python scripts/bench_simulator.py --packed [--out docs/packing.md]   # only the packed-sequence page
+    python scripts/bench_simulator.py --packed [--out docs/packing.md]   # only the documents page
 
 For n in {16, 64, 128, 256}, S in {128K, 1M}, MHA (32/32) and GQA (32/8), d = 128, causal, on every
 cluster preset: time of each algorithm, the chosen shapes, speed of the best mesh-family algorithm
@@ -10,8 +10,8 @@ vs USP and Ring, bytes vs Ring, exposed communication, peak attention memory per
 calibration moved the n = 256 rows, and the auto choices' planner time at n = 256.
 Partials travel in bf16 for every algorithm here, as Megatron/TE's Ring sends dK/dV; a second
 table repeats n = 256 with fp32 partials (the library's exact default).
-``--packed`` writes only docs/packing.md: the same four algorithms at n = 256, 1M tokens, on packed
-documents of 4K-64K tokens (THD; megatron_mesh_cp/planning/packing.py) against the unpacked sequence.
+``--packed`` writes only docs/packing.md (scripts/bench_documents.py): documents at n = 256, 1M tokens,
+TE's Ring and USP padded (THD), ours unpadded with pruned plans.
 """
 
 from __future__ import annotations
@@ -23,14 +23,11 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-import numpy as np
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from megatron_mesh_cp.planning.autoshape import choose_hybrid_shape, choose_shape  # noqa: E402
 from megatron_mesh_cp.planning.baselines import simulate_algorithm  # noqa: E402
 from megatron_mesh_cp.planning.cluster import Workload, cluster_presets, load_cluster  # noqa: E402
-from megatron_mesh_cp.planning.packing import sample_packing  # noqa: E402
 from megatron_mesh_cp.planning.schedule import _greedy_plans  # noqa: E402
 
 PAPER = (
@@ -106,143 +103,18 @@ def before_after(cluster, n):
     return "\n".join(lines)
 
 
-PACKED = {"n": 256, "seq": 1 << 20, "lo": 4096, "hi": 65536, "dist": "loguniform", "seed": 0, "tile": 128}
-
-
-def _ms(r):
-    return f"{r.time * 1e3:.1f}"
-
-
-def _exp(r):
-    return f"{r.exposed * 1e3:.1f} ({r.exposed / r.time:.0%})"
-
-
-def packed_page(cluster_name="h100-ib400"):
-    """docs/packing.md: Ring, USP, mesh and a2a+mesh on packed documents vs the unpacked sequence."""
-    c = PACKED
-    cluster = load_cluster(cluster_name)
-    n, seq = c["n"], c["seq"]
-    s_loc = seq // n
-    packing = sample_packing(seq, c["lo"], c["hi"], n, dist=c["dist"], seed=c["seed"])
-    tiles = packing.with_tile(c["tile"])
-    t0, cpu0 = time.perf_counter(), time.process_time()
-    sections = []
-    for kv in (32, 8):
-        w = Workload(seq_local=seq // n, heads=32, kv_heads=kv, head_dim=128, partial_bytes=2)
-        rows = []
-        for a in ALGOS:
-            u, p, t = (simulate_algorithm(a, n, cluster, replace(w, packing=x)) for x in (None, packing, tiles))
-            assert p.bytes_sent == u.bytes_sent or p.shape != u.shape  # same plan shape -> same bytes
-            rows.append((a, u, p, t))
-        ring_p, usp_p = rows[0][2], rows[1][2]
-        lines = [
-            "| algorithm | shape: unpacked / packed / packed, tiles | step ms: unpacked / packed / packed, tiles "
-            "| packed: vs Ring / vs USP | compute ms: unpacked / packed / packed, tiles "
-            "| exposed comm ms (share): unpacked / packed / packed, tiles | MiB sent per rank: unpacked / packed |",
-            "|" + "---|" * 7,
-        ]
-        for a, u, p, t in rows:
-            lines.append(
-                f"| {a} | {u.shape} / {p.shape} / {t.shape} | {_ms(u)} / **{_ms(p)}** / {_ms(t)} | "
-                f"{ring_p.time / p.time:.2f}x / {usp_p.time / p.time:.2f}x | "
-                f"{u.compute * 1e3:.1f} / {p.compute * 1e3:.1f} / {t.compute * 1e3:.1f} | "
-                f"{_exp(u)} / **{_exp(p)}** / {_exp(t)} | {u.bytes_sent / 2**20:.0f} / {p.bytes_sent / 2**20:.0f} |"
-            )
-        d = {a: (u, p) for a, u, p, _ in rows}
-        best = lambda i: min(d["mesh"][i], d["a2a+mesh"][i], key=lambda r: r.time)  # noqa: E731
-        steps = ", ".join(f"{a} {_ms(u)} -> {_ms(p)} ms" for a, (u, p) in d.items())
-        shares = ", ".join(f"{a} {u.exposed / u.time:.0%} -> {p.exposed / p.time:.0%}" for a, (u, p) in d.items())
-        summary = (f"Step time unpacked -> packed: {steps}. Best of mesh and a2a+mesh vs USP: "
-                   f"{d['usp'][0].time / best(0).time:.2f}x unpacked, {d['usp'][1].time / best(1).time:.2f}x packed; "
-                   f"vs Ring: {d['ring'][0].time / best(0).time:.2f}x unpacked, "
-                   f"{d['ring'][1].time / best(1).time:.2f}x packed. Exposed communication (share of the step): "
-                   f"{shares}.")
-        sections.append((kv, "\n".join(lines) + "\n\n" + summary))
-        print(f"packed kv={kv} done ({time.perf_counter() - t0:.0f} s)", flush=True)
-    cpu = time.process_time() - cpu0
-    wb = Workload(seq_local=seq // n, heads=32, kv_heads=8, head_dim=128, partial_bytes=2)
-    bt, below = {}, np.tril_indices(n, -1)
-    for label, x in (("unpacked", None), ("packed", packing), ("packed, tiles", tiles)):
-        bt[label] = replace(wb, packing=x).block_times(cluster, False, n)[below].mean() * 1e6
-    work = packing.block_work(n)
-    chunk_real = (lambda r: r[:, :n] + r[:, n:][:, ::-1])(packing.pieces(n)).sum(axis=0)
-    fixed = cluster.block_overhead * 1e6
-    cmd = (f"python -m megatron_mesh_cp.simulate --cp {n} --seq 1M --heads 32 --kv-heads KV --partial-dtype bf16 "
-           f"--cluster {cluster_name} --docs 4K-64K --doc-dist {c['dist']} --doc-seed {c['seed']} "
-           f"--algos ring,usp,mesh,a2a+mesh")
-    out = [
-        "# Packed sequences (THD): simulated",
-        "",
-        f"Generated by `python scripts/bench_simulator.py --packed` on {datetime.date.today()} "
-        f"({cpu:.0f} CPU seconds). **Every figure is the simulator's, on the calibrated cost model "
-        f"of the `{cluster_name}` preset ({cluster.description}); nothing here is a GPU measurement.** "
-        "One row of each table, packed and unpacked, is printed by",
-        "",
-        f"    {cmd}",
-        "",
-        "(KV = 32 or 8; add `--kernel-tile 128` for the tile-counted column).",
-        "",
-        "## What packing changes in the model",
-        "",
-        "Packed documents are partitioned per document, as Megatron/TE do for THD: every document is padded to "
-        "a multiple of 2·CP and split into 2·CP pieces, and rank g keeps pieces g and 2·CP−1−g of each. A rank's "
-        "chunk has as many tokens as unpacked, so **payloads and bytes are unchanged** (the MiB columns). The "
-        "mask removes every pair across documents, so **a block computes only its documents' pairs**: per "
-        "document, causal inside the two pieces on the diagonal, both Q pieces × the first KV piece below it, "
-        "the second Q piece × both KV pieces above it (`megatron_mesh_cp/planning/packing.py`, tested pair for pair "
-        "against the explicit partition and mask). The replay prices every ring or mesh step by its block's "
-        "work, the greedy planner and auto shape plan with the same packed block times, USP's ring and "
-        "a2a+mesh's inner mesh run the same per-document zigzag over the Ulysses groups, and the all-to-alls "
-        "are unchanged. The runtime runs a packed block as its per-document sub-blocks (3 varlen calls on the "
-        "diagonal, 2 off it, each covering every document; `runtime/packed.py`), so a packed block pays the "
-        f"fixed call overhead ({fixed:.0f} us) and the fp32 output correction once per sub-block call.",
-        "",
-        f"Documents: {packing.describe()}. Pieces are {c['lo'] // (2 * n)}-{c['hi'] // (2 * n)} tokens at "
-        f"n = {n}, so a block below the diagonal does on average {work[below].mean() / (s_loc * s_loc / 2):.1%} "
-        f"of its unpacked work. Mean forward time of such a block (GQA): unpacked {bt['unpacked']:.0f} us, packed "
-        f"{bt['packed']:.0f} us (exact pairs), {bt['packed, tiles']:.0f} us ({c['tile']}×{c['tile']} tiles); "
-        f"the {fixed:.0f} us call overhead and the correction pass are paid per varlen call, whatever the mask, so "
-        "at this size the fixed per-block costs outweigh the kernel.",
-        "",
-        f"Padding is not spread evenly: each document is padded by up to 2·CP−1 = {2 * n - 1} tokens at its "
-        f"end, more than a piece, so its last pieces, held as second pieces by the lowest ranks, are padding. "
-        f"Rank 0 holds {chunk_real[0]} real tokens of its {s_loc}, every rank from {int(np.argmax(chunk_real == s_loc))} "
-        "up holds no padding; the replay prices each rank's blocks by their own work, so the slowest "
-        "(unpadded) ranks set the step time.",
-        "",
-        "Two ways of counting a packed block's work bracket a real varlen kernel: *packed* counts exactly the "
-        f"unmasked (q, k) pairs (an ideal kernel); *packed, tiles* counts whole {c['tile']}×{c['tile']} tiles "
-        "per document segment (what flash-style kernels compute, masked or not; pieces of 8-128 tokens fill a "
-        "tile badly).",
-        "",
-        "Reading the tables: packing removes most of the compute but none of the bytes, so whatever "
-        "communication an algorithm hid behind compute comes back as exposed time. Ring, already "
-        "communication-bound, hardly gets faster; USP's ring across nodes becomes exposed; a2a+mesh, which moves "
-        "the fewest bytes and makes few block calls per rank (n/u of them), keeps most of the gain, while pure "
-        "mesh still pays n fixed block costs per rank. Those fixed per-block costs (call overhead, output "
-        "correction) were calibrated on unpacked workloads and dominate packed blocks here, so packed step "
-        "times lean on them more than unpacked ones do.",
-        "",
-        f"Setup as in docs/performance.md: one attention layer, forward + backward, causal, n = {n}, S = 1M "
-        "tokens, 32 query heads, d = 128, batch 1, bf16, partials in bf16 for every algorithm; shapes chosen "
-        "by auto for each workload (packed workloads are planned on their packed costs).",
-        "",
-    ]
-    for kv, tab in sections:
-        out += [f"## {'MHA 32/32' if kv == 32 else 'GQA 32/8'} heads", "", tab, ""]
-    return "\n".join(out)
-
-
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=None, help="default: docs/performance.md (docs/packing.md with --packed)")
     p.add_argument("--quick", action="store_true", help="n in {16, 64} only (a smoke run)")
-    p.add_argument("--packed", action="store_true", help="write only the packed-sequence page (about a minute)")
+    p.add_argument("--packed", action="store_true", help="write only the documents page (docs/packing.md)")
     args = p.parse_args()
-    if args.packed:
+    if args.packed:  # the documents page lives in its own script
+        from bench_documents import documents_page
+
         out = args.out or "docs/packing.md"
         Path(out).parent.mkdir(parents=True, exist_ok=True)
-        Path(out).write_text(packed_page())
+        Path(out).write_text(documents_page())
         print(f"wrote {out}")
         return
     args.out = args.out or "docs/performance.md"

@@ -274,7 +274,7 @@ def test_bad_files_and_mismatched_workloads_name_the_fix(tmp_path):
 
 
 def test_cli_packed_vs_unpacked(capsys, tmp_path):
-    assert main(["--cp", "8", "--seq", "64K", "--docs", "1K-8K", "--doc-seed", "1",
+    assert main(["--cp", "8", "--seq", "64K", "--docs", "1K-8K", "--doc-seed", "1", "--doc-layout", "padded",
                  "--algos", "ring,usp,mesh,a2a+mesh"]) == 0
     out = capsys.readouterr().out
     assert "packed: " in out and "loguniform 1024-8192 tokens, seed 1" in out

@@ -11,7 +11,7 @@ next candidate cannot beat the best simulated time, so the answer is the same as
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Callable, List, Optional, Tuple
 
@@ -20,9 +20,10 @@ from ..runtime.plan import BACKWARD, FORWARD, REDUCE_KINDS, RING_OF, payload, va
 from ..runtime.topology import MeshShape, valid_shapes
 from .cluster import Cluster, Workload, workload_dims
 from .costs import plan_peak_bytes, te_ring_peak_bytes, ulysses_a2a_steps, ulysses_buffer_bytes, ulysses_inner
+from .documents import tile_bound
 from .greedy import GROUP_WIDTH, grouping_pays
 from .replay import replay
-from .schedule import build_plans
+from .schedule import build_plans, document_plans
 
 __all__ = ["ShapeChoice", "HybridChoice", "choose_shape", "choose_hybrid_shape", "ulysses_degrees", "shape_bound",
            "default_budget", "BUDGET_X_RING"]
@@ -67,7 +68,8 @@ def shape_bound(a: int, b: int, cluster: Cluster, w: Workload, stride: int = 1) 
     Rings whose hops are all of one link type share that type's egress; a ring with both kinds of
     hop can at best use both links at once. Compute: every block's kernel work, and per Q chunk at
     least one kernel call for the own KV chunk and one per KV slab where grouped plans are made
-    (the fewest calls any plan makes), a call per block where they are not.
+    (the fewest calls any plan makes), a call per block where they are not. Unpadded documents
+    (pruned plans): the busiest rank's own blocks, and one transfer per offset some rank needs.
     """
     dims = workload_dims(w)
     cases = (BlockCase.DIAG, BlockCase.LOWER, BlockCase.UPPER) if w.causal else (BlockCase.FULL,)
@@ -79,7 +81,10 @@ def shape_bound(a: int, b: int, cluster: Cluster, w: Workload, stride: int = 1) 
     total = 0.0
     for phase in (FORWARD, BACKWARD):
         bwd = phase == BACKWARD
-        if grouping_pays(w, cluster, bwd):
+        hops = {k: (a if RING_OF[k] == "row" else b) - 1 for k in ("q", "kv") + REDUCE_KINDS[phase]}
+        if w.documents is not None:  # pruned plans: the busiest rank's blocks, the offsets some rank needs
+            compute, hops = tile_bound(w, cluster, a, b, bwd)
+        elif grouping_pays(w, cluster, bwd):
             calls = a * (1 + -(-(b - 1) // GROUP_WIDTH))
             compute = (a * b * min(w.kernel_time(cluster, c, bwd) + w.keys_time(cluster, c, bwd) for c in cases)
                        + calls * min(w.call_time(cluster, c, bwd) for c in cases))
@@ -91,7 +96,7 @@ def shape_bound(a: int, b: int, cluster: Cluster, w: Workload, stride: int = 1) 
         comm = 0.0
         for kind in ("q", "kv") + REDUCE_KINDS[phase]:
             ring = RING_OF[kind]
-            nbytes = ((a if ring == "row" else b) - 1) * sum(s.nbytes for s in payload(phase, kind, dims))
+            nbytes = hops[kind] * sum(s.nbytes for s in payload(phase, kind, dims))
             if links[ring] == "mixed":
                 comm = max(comm, nbytes / bw["mixed"])
             else:
@@ -133,9 +138,20 @@ def _search(cands: List[Tuple[tuple, float, Callable[[], Tuple[float, int]]]]):
     return rows, peaks
 
 
-def _mesh_time(a, b, cluster, w, stride, max_live, chains="auto") -> float:
+def _full_plans(a, b, cluster, w, stride, max_live, chains="auto"):
+    """The plans a shape is sized by: for unpadded documents the full plans their pruned ones come
+    from (the pool must fit every batch's documents)."""
+    if w.documents is not None:
+        return build_plans(a, b, cluster=cluster, workload=replace(w, documents=None), stride=stride,
+                           max_live=max_live, chains="both-ways")
+    return build_plans(a, b, cluster=cluster, workload=w, stride=stride, max_live=max_live, chains=chains)
 
-    fwd, bwd = build_plans(a, b, cluster=cluster, workload=w, stride=stride, max_live=max_live, chains=chains)
+
+def _mesh_time(a, b, cluster, w, stride, max_live, chains="auto") -> float:
+    """Simulated forward + backward of the plans that run ``w`` (documents: the pruned plans)."""
+    fwd, bwd = (document_plans(a, b, cluster=cluster, workload=w, stride=stride, max_live=max_live)
+                if w.documents is not None else
+                build_plans(a, b, cluster=cluster, workload=w, stride=stride, max_live=max_live, chains=chains))
     return (replay(fwd, cluster, w, stride=stride, record=None).time
             + replay(bwd, cluster, w, stride=stride, record=None).time)
 
@@ -144,7 +160,7 @@ def _within_budget(a, b, cluster, w, stride, max_live, budget, extra=0) -> Tuple
     """(simulated seconds, peak bytes, live-chunk limit used) of the a x b mesh planned to fit ``budget`` bytes per rank
     (``extra``: bytes held beside the pool, e.g. the all-to-all's); ValueError when it cannot."""
 
-    fwd, bwd = build_plans(a, b, cluster=cluster, workload=w, stride=stride, max_live=max_live)
+    fwd, bwd = _full_plans(a, b, cluster, w, stride, max_live)
     peak = plan_peak_bytes(fwd, bwd, w) + extra
     if peak > budget:  # the largest live-chunk budget whose plans fit (bisection, a few probes)
 
@@ -154,7 +170,7 @@ def _within_budget(a, b, cluster, w, stride, max_live, budget, extra=0) -> Tuple
                 break
             mid = (lo + hi + 1) // 2
             try:
-                f, b_ = build_plans(a, b, cluster=cluster, workload=w, stride=stride, max_live=mid)
+                f, b_ = _full_plans(a, b, cluster, w, stride, mid)
                 p = plan_peak_bytes(f, b_, w) + extra
             except ValueError:
                 p = None
@@ -248,13 +264,14 @@ def choose_hybrid_shape(
         raise ValueError(f"no a2a+mesh shape for CP={n} fits the memory budget ({budget / 2**20:.0f} MiB per rank, "
                          f"max_live={max_live}); raise memory_budget")
     best_t, (u, a, b) = timed[0]
-    ring = _mesh_time(1, n, cluster, workload, stride, None, chains="one-way")  # TE's p2p Ring
+    ring = _mesh_time(1, n, cluster, workload, stride, None, chains="one-way")  # TE's p2p Ring (documents: pruned)
     runner = (f", next {'x'.join(map(str, timed[1][1]))} {timed[1][0] * 1e3:.2f} ms" if len(timed) > 1 else "")
     text = (
         f"mesh_shape=auto (a2a+mesh) -> {u}x{a}x{b} for CP={n} (S/rank={workload.seq_local}, heads "
         f"{workload.heads}/{workload.kv_heads} kv, d={workload.head_dim}, {cluster.name}, stride {stride}): "
         f"simulated {best_t * 1e3:.2f} ms/layer fwd+bwd, peak attention memory {peaks[(u, a, b)][0] / 2**20:.0f} "
-        f"MiB/rank (budget {budget / 2**20:.0f} MiB){runner}, Ring 1x1x{n} {ring * 1e3:.2f} ms "
+        f"MiB/rank (budget {budget / 2**20:.0f} MiB){runner}, {'pruned ' if workload.documents else ''}Ring 1x1x{n} "
+        f"{ring * 1e3:.2f} ms "
         f"({ring / best_t:.2f}x slower)"
     )
     log.info(text)

@@ -23,6 +23,12 @@ holds the union of its ranks' pieces, which is pieces G and 2(n/u)-1-G of every 
 coarser 2(n/u)-piece split (the runtime keeps each document's tokens together after the all-to-all),
 so the inner ring or mesh over the n/u groups is the same per-document zigzag and is priced the same
 way; Ulysses alone and all-gather run one call over whole documents.
+
+Unpadded documents (``documents`` on the workload, the ordinary layout) are run only by our own plans:
+``mesh``, ``mesh:AxB``, ``mesh-naive``, ``passq``, ``a2a+mesh`` (``:UxAxB``) and ``ring-pruned`` (our
+Ring 1 x n) replay the runtime's pruned plans (:func:`~megatron_mesh_cp.planning.schedule.document_plans`)
+with each block priced by its own calls; TE's algorithms and the all-gather / Ulysses baselines refuse
+them (TE pads every document to 2*CP: price them with a ``packing``, see ``doc_baselines``).
 """
 
 from __future__ import annotations
@@ -36,13 +42,15 @@ from .costs import (collective_time, monolithic_time, plan_peak_bytes, te_ring_p
                     ulysses_buffer_bytes, ulysses_inner, whole_sequence_pairs)
 from ..runtime.layout import BlockCase
 from ..runtime.topology import MeshShape
-from .schedule import build_plans
+from .schedule import build_plans, document_plans
 from .replay import PhaseResult, replay
 
-__all__ = ["ALGORITHMS", "SimResult", "simulate_algorithm", "compare", "format_table", "format_packed_table",
-           "plot_timelines"]
+__all__ = ["ALGORITHMS", "PRUNED", "SimResult", "simulate_algorithm", "compare", "check_algorithms", "format_table",
+           "format_packed_table", "plot_timelines"]
 
-ALGORITHMS = ("ring", "passq", "mesh", "mesh-naive", "allgather", "ulysses", "usp", "a2a+mesh")
+ALGORITHMS = ("ring", "passq", "mesh", "mesh-naive", "allgather", "ulysses", "usp", "a2a+mesh", "ring-pruned")
+#: the algorithms (and prefixes) that run unpadded documents: our plans, pruned
+PRUNED = ("passq", "mesh", "mesh-naive", "a2a+mesh", "ring-pruned", "mesh:", "a2a+mesh:")
 
 
 @dataclass
@@ -82,7 +90,11 @@ def _from_phases(algo: str, fwd: PhaseResult, bwd: PhaseResult, shape: str, note
 
 
 def _plan_algo(algo, a, b, cluster, w, stride, planner="greedy", chains="auto", max_live=None, note=""):
-    fwd, bwd = build_plans(a, b, planner, cluster=cluster, workload=w, stride=stride, max_live=max_live, chains=chains)
+    if w.documents is not None:  # the runtime's plans for documents: full, chains both ways, pruned
+        fwd, bwd = document_plans(a, b, planner, cluster=cluster, workload=w, stride=stride, max_live=max_live)
+    else:
+        fwd, bwd = build_plans(a, b, planner, cluster=cluster, workload=w, stride=stride, max_live=max_live,
+                               chains=chains)
     res = _from_phases(algo, replay(fwd, cluster, w, stride=stride), replay(bwd, cluster, w, stride=stride),
                        f"{a}x{b}", note)
     res.peak_bytes = te_ring_peak_bytes(w) if algo == "ring" else plan_peak_bytes(fwd, bwd, w)
@@ -215,6 +227,16 @@ def simulate_algorithm(
     algo: str, n: int, cluster: Cluster, w: Workload, *, tp: int = 1, max_live: Optional[int] = None
 ) -> SimResult:
     """One algorithm's simulated forward+backward of one attention layer on ``n`` CP ranks."""
+    if w.documents is not None and not algo.startswith(PRUNED):
+        raise ValueError(f"{algo} cannot run unpadded documents (TE's THD pads every document to 2*CP and sends "
+                         f"every chunk): price it on the padded packing of the same documents (doc_baselines, "
+                         f"--doc-layout), or use passq, mesh, mesh:AxB, mesh-naive, a2a+mesh, a2a+mesh:UxAxB or "
+                         f"ring-pruned")
+    if algo == "ring-pruned":
+        if w.documents is None:
+            raise ValueError("ring-pruned is our Ring 1xn with plans pruned for unpadded documents; give documents "
+                             "(--docs / --doc-lengths with --doc-layout unpadded) or use ring / mesh:1xN")
+        return _plan_algo("ring-pruned", 1, n, cluster, w, tp)
     if algo == "ring":
         return _plan_algo("ring", 1, n, cluster, w, tp, chains="one-way") if n > 1 else _plan_algo("ring", 1, 1, cluster, w, tp)
     if algo == "passq":
@@ -260,13 +282,18 @@ def simulate_algorithm(
                      "or a2a+mesh:UxAxB")
 
 
-def compare(algos: List[str], n: int, cluster: Cluster, w: Workload, *, tp: int = 1, max_live=None) -> List[SimResult]:
-    """Simulate each algorithm (Ring always included as the reference, first)."""
-    names = ["ring"] + [a for a in algos if a != "ring"]
+def check_algorithms(names: List[str]) -> None:
+    """ValueError naming the choices unless every name is an algorithm of this module."""
     for a in names:
         if a not in ALGORITHMS and not a.startswith(("mesh:", "usp:", "a2a+mesh:")):
             raise ValueError(f"unknown algorithm {a!r}; choose from {', '.join(ALGORITHMS)}, mesh:AxB, usp:U "
                              "or a2a+mesh:UxAxB")
+
+
+def compare(algos: List[str], n: int, cluster: Cluster, w: Workload, *, tp: int = 1, max_live=None) -> List[SimResult]:
+    """Simulate each algorithm (Ring always included as the reference, first)."""
+    names = ["ring"] + [a for a in algos if a != "ring"]
+    check_algorithms(names)
     return [simulate_algorithm(a, n, cluster, w, tp=tp, max_live=max_live) for a in names]
 
 

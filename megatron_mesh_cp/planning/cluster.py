@@ -27,6 +27,7 @@ import torch
 from ..runtime.layout import BlockCase
 from ..runtime.packed import packed_slices
 from ..runtime.plan import ChunkDims
+from .documents import UnpaddedDocuments, block_times as document_block_times
 from .packing import Packing
 
 __all__ = ["Cluster", "Workload", "CALIBRATED", "load_cluster", "cluster_presets", "CLUSTER_DIRS", "workload_dims"]
@@ -159,7 +160,9 @@ class Workload:
     ``packing`` (optional) says the sequence is packed documents (THD): chunk sizes, and so every
     payload, stay the same, but each block only computes the pairs inside each document
     (:mod:`megatron_mesh_cp.planning.packing`); :meth:`block_times` prices every block by that work. Each
-    of the ``batch`` sequences is packed the same way.
+    of the ``batch`` sequences is packed the same way. ``documents`` (optional, batch 1) says the
+    sequence is unpadded documents on the ordinary layout (:mod:`megatron_mesh_cp.planning.documents`):
+    each block is priced as the kernel calls its documents leave, an empty block at 0.
     """
 
     seq_local: int  # tokens per rank (2m)
@@ -171,6 +174,14 @@ class Workload:
     bytes_per_element: int = 2
     partial_bytes: int = 4  # bytes per element of partial O / dQ / dKV on the wire
     packing: Optional[Packing] = None
+    documents: Optional[UnpaddedDocuments] = None
+
+    def __post_init__(self) -> None:
+        if self.packing is not None and self.documents is not None:
+            raise ValueError("a workload is either packed (THD, padded: packing) or unpadded documents "
+                             "(documents), not both")
+        if self.documents is not None and self.batch != 1:
+            raise ValueError(f"unpadded documents take one sequence (batch 1), got batch {self.batch}")
 
     def pair_flops(self, pairs, backward: bool):
         """Attention FLOPs of ``pairs`` (q, k) pairs over all heads and the batch (works on arrays)."""
@@ -241,7 +252,8 @@ class Workload:
         block's real work (:meth:`Packing.block_work`) at the throughput of its case's row count
         (a varlen call spreads all documents' rows over the GPU at once); the call overhead and the
         correction passes are those of the runtime's varlen calls (:meth:`packed_call_costs`): 2-3 per
-        block, whatever the number of documents. Read-only, cached.
+        block, whatever the number of documents. Unpadded documents: the block's own calls
+        (:func:`~megatron_mesh_cp.planning.documents.block_times`), 0 for an empty block. Read-only, cached.
         """
         return _block_times(self, cluster, backward, ranks)
 
@@ -267,6 +279,10 @@ class Workload:
 
 @lru_cache(maxsize=256)
 def _block_times(w: Workload, cluster: Cluster, backward: bool, ranks: int) -> np.ndarray:
+    if w.documents is not None:  # each block's own kernel calls; empty blocks 0
+        out = document_block_times(w, cluster, backward, ranks)
+        out.setflags(write=False)
+        return out
     i, j = np.indices((ranks, ranks))
     if not w.causal:
         cases = np.full((ranks, ranks), BlockCase.FULL, dtype=object)

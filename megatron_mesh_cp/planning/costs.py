@@ -60,6 +60,11 @@ def monolithic_time(cluster: Cluster, w: Workload, rows: int, keys: int, heads: 
 def whole_sequence_pairs(w: Workload, ranks: int) -> Optional[float]:
     """Pairs of attention over the whole packed sequence of ``ranks`` chunks in one call (each document's
     own triangle); None when the workload is not packed."""
+    if w.documents is not None:
+        if w.documents.total != w.seq_local * ranks:
+            raise ValueError(f"the documents span {w.documents.total} tokens but {ranks} CP ranks of {w.seq_local} "
+                             f"tokens hold {w.seq_local * ranks}; the documents must fill the global sequence length")
+        return float(w.documents.sequence_work(w.causal))
     if w.packing is None:
         return None
     w.check_packing(ranks)

@@ -40,10 +40,13 @@ from typing import Tuple
 
 import numpy as np
 
-__all__ = ["Packing", "DISTRIBUTIONS", "parse_tokens", "parse_doc_range", "sample_packing", "read_packing"]
+__all__ = ["Packing", "DISTRIBUTIONS", "parse_tokens", "parse_doc_range", "sample_packing", "read_packing",
+           "length_draws"]
 
-#: Length distributions :func:`sample_packing` draws documents from.
-DISTRIBUTIONS = ("loguniform", "uniform")
+#: Length distributions :func:`sample_packing` draws documents from (``powerlaw``: a heavy tail,
+#: P(length > x) falling as x^-1/2 between LO and HI, so most documents are short and a few very long).
+DISTRIBUTIONS = ("loguniform", "uniform", "powerlaw")
+POWERLAW_ALPHA = 0.5
 
 
 def parse_tokens(text: str) -> int:
@@ -227,39 +230,53 @@ def _fill(lengths, total: int, multiple: int, what: str) -> Tuple[int, ...]:
         out.append(int(x))
         used += p
     if used < total:
-        raise ValueError(f"{what} fill only {used} of {total} tokens after padding each to a multiple of "
-                         f"2*CP = {multiple}; add documents or lower the sequence length")
+        padding = f" after padding each to a multiple of 2*CP = {multiple}" if multiple > 1 else ""
+        raise ValueError(f"{what} fill only {used} of {total} tokens{padding}; add documents or lower the "
+                         "sequence length")
     return tuple(out)
 
 
 def sample_packing(total: int, lo: int, hi: int, cp: int, *, dist: str = "loguniform", seed: int = 0,
                    tile: int = 0) -> Packing:
-    """Documents of lo..hi tokens drawn i.i.d. (log-uniform or uniform, numpy ``default_rng(seed)``),
+    """Documents of lo..hi tokens drawn i.i.d. (:func:`length_draws`),
     padded to multiples of 2*cp and packed in order until ``total`` tokens are full; the last one is cut
     to the space left (so it may be shorter than ``lo``)."""
+    if cp < 1:
+        raise ValueError(f"CP size must be >= 1, got {cp}")
+    multiple = 2 * cp
+    lengths = _fill(length_draws(lo, hi, dist, seed), total, multiple, "the documents")
+    return Packing(lengths, multiple, tile, f"{dist} {lo}-{hi} tokens, seed {seed}")
+
+
+def length_draws(lo: int, hi: int, dist: str, seed: int):
+    """Endless i.i.d. document lengths in lo..hi (numpy ``default_rng(seed)``); the same draws pack
+    padded (:func:`sample_packing`) and unpadded (``planning.documents.sample_documents``)."""
     if lo < 1 or hi < lo:
         raise ValueError(f"document lengths must satisfy 1 <= LO <= HI, got {lo}-{hi}")
     if dist not in DISTRIBUTIONS:
         raise ValueError(f"unknown document length distribution {dist!r}; choose one of {', '.join(DISTRIBUTIONS)}")
-    if cp < 1:
-        raise ValueError(f"CP size must be >= 1, got {cp}")
-    multiple = 2 * cp
     rng = np.random.default_rng(seed)
-
-    def draws():
-        while True:
-            if dist == "uniform":
-                yield int(rng.integers(lo, hi + 1))
-            else:  # log-uniform on [lo, hi + 1), floored: every length in range, short ones more often
-                yield min(hi, int(math.exp(rng.uniform(math.log(lo), math.log(hi + 1)))))
-
-    lengths = _fill(draws(), total, multiple, "the documents")
-    return Packing(lengths, multiple, tile, f"{dist} {lo}-{hi} tokens, seed {seed}")
+    tail = 1.0 - (lo / (hi + 1)) ** POWERLAW_ALPHA
+    while True:
+        if dist == "uniform":
+            yield int(rng.integers(lo, hi + 1))
+        elif dist == "powerlaw":  # inverse CDF of the truncated power law on [lo, hi + 1), floored
+            yield min(hi, int(lo * (1.0 - rng.uniform() * tail) ** (-1.0 / POWERLAW_ALPHA)))
+        else:  # log-uniform on [lo, hi + 1), floored: every length in range, short ones more often
+            yield min(hi, int(math.exp(rng.uniform(math.log(lo), math.log(hi + 1)))))
 
 
 def read_packing(path, total: int, cp: int, *, tile: int = 0) -> Packing:
     """Document lengths from a text file (integers separated by whitespace or commas; ``#`` starts a
     comment), packed in file order into ``total`` tokens like :func:`sample_packing`."""
+    lengths, name = _read_lengths(path)
+    used = _fill(lengths, total, 2 * cp, f"the {len(lengths)} documents of {str(path)!r}")
+    label = name + (f", first {len(used)} of {len(lengths)}" if len(used) < len(lengths) else "")
+    return Packing(used, 2 * cp, tile, label)
+
+
+def _read_lengths(path) -> Tuple[list, str]:
+    """(document lengths, file name) of a document-length file; ValueError naming the fix."""
     p = Path(str(path))
     if not p.is_file():
         raise ValueError(f"document-length file {str(path)!r} does not exist; pass a text file of token counts")
@@ -275,6 +292,4 @@ def read_packing(path, total: int, cp: int, *, tile: int = 0) -> Packing:
         raise ValueError(f"document-length file {str(path)!r}: {bad!r} is not a whole token count") from None
     if min(lengths) < 1:
         raise ValueError(f"document-length file {str(path)!r}: length {min(lengths)} < 1; drop empty documents")
-    used = _fill(lengths, total, 2 * cp, f"the {len(lengths)} documents of {str(path)!r}")
-    label = f"{p.name}" + (f", first {len(used)} of {len(lengths)}" if len(used) < len(lengths) else "")
-    return Packing(used, 2 * cp, tile, label)
+    return lengths, p.name

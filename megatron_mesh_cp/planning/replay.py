@@ -15,8 +15,9 @@ Hiding communication is not free (docs/calibration.md): a block kernel runs slow
 more concurrent channels cost more; every kernel call pays a call overhead and an fp32 correction
 pass (:meth:`Workload.call_time`; a grouped compute that runs several blocks in one call pays them
 once) beside its blocks' work (:meth:`Workload.block_times`, which prices a packed sequence's blocks
-by their work inside documents: ``packing``). A ring hop uses its own link (on a PCIe node it crosses each switch
-uplink once per direction, so rings do not contend on the host bridge; all-to-alls do, see
+by their work inside documents: ``packing``; unpadded ``documents``: each block's own calls, and a
+rank waits only for the chunks of the blocks it runs). A ring hop uses its own link (on a PCIe node it
+crosses each switch uplink once per direction, so rings do not contend on the host bridge; all-to-alls do, see
 ``baselines``).
 
 All ranks advance together op by op (vectorised over ranks), so n = 256 replays in milliseconds.
@@ -35,7 +36,8 @@ import torch
 
 from .cluster import Cluster, Workload, workload_dims
 from ..runtime.layout import BlockCase, kernel_calls
-from ..runtime.plan import BACKWARD, FORWARD, ChunkDims, Compute, Plan, Transfer, payload, slab_containing, RING_OF
+from ..runtime.plan import (BACKWARD, FORWARD, ChunkDims, Compute, Free, Plan, Transfer, payload, slab_containing,
+                            RING_OF)
 
 __all__ = ["PhaseResult", "replay"]
 
@@ -97,7 +99,7 @@ def _block_durations(plan: Plan, w: Workload, cluster: Cluster, backward: bool) 
         if len(op.kvs) == 1:  # one block is one call, in its own buffer or alone in a slab
             out[op] = t[i, js[0]]
             continue
-        if w.packing is not None:  # packed, the executor runs a grouped compute block by block
+        if w.packing is not None or w.documents is not None:  # masked: the executor runs it block by block
             out[op] = sum(t[i, j] for j in js)
             continue
         if w.causal:
@@ -138,6 +140,8 @@ def replay(
     dims = workload_dims(w)
     backward = plan.phase == BACKWARD
     blocks = _block_durations(plan, w, cluster, backward)
+    # unpadded documents: a rank waits only for the chunks of the blocks it runs (none for an empty one)
+    runs = None if w.documents is None else w.documents.nonempty(n, w.causal)
 
     compute_free = np.zeros(n)
     busy = np.zeros(n)
@@ -168,9 +172,16 @@ def replay(
 
     for op in plan.ops:
         if isinstance(op, Compute):
-            start = np.maximum(compute_free, arrival[("q", op.q)])
-            for kv in op.kvs:
-                start = np.maximum(start, arrival[("kv", kv)])
+            if runs is None:
+                start = np.maximum(compute_free, arrival[("q", op.q)])
+                for kv in op.kvs:
+                    start = np.maximum(start, arrival[("kv", kv)])
+            else:
+                i = r * a + (c - op.q) % a
+                ran = [runs[i, ((r - kv) % b) * a + c] for kv in op.kvs]
+                start = np.maximum(compute_free, np.where(np.any(ran, axis=0), arrival[("q", op.q)], 0.0))
+                for kv, x in zip(op.kvs, ran):
+                    start = np.maximum(start, np.where(x, arrival[("kv", kv)], 0.0))
             end = start + blocks[op]
             stretch = np.zeros(n)
             for key, spans in in_flight.items():
@@ -182,6 +193,9 @@ def replay(
             last_compute = (start, compute_free)
             if rec:
                 timeline.append(("compute", float(start[record]), float(compute_free[record]), f"blk {op.q},{'+'.join(map(str, op.kvs))}"))
+        elif isinstance(op, Free):  # the executor's Free waits for the chunk on the compute stream (a
+            # no-op unless no block on this rank read it, as under a pruned plan)
+            compute_free = np.maximum(compute_free, arrival[(op.kind, op.offset)])
         elif isinstance(op, Transfer):
             key = (op.ring, op.direction)
             dst = plan.dst(op)

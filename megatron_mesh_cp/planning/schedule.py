@@ -3,6 +3,9 @@
 ``build_plans`` is the entry point: ``greedy`` (default, :mod:`megatron_mesh_cp.planning.greedy`, scored on a
 cluster by the simulator) or ``in-order``. Plans are pure functions of their inputs and cached.
 
+``document_plans`` gives the plans a workload of unpadded documents runs: the full plans of the
+same layer (chains split both ways), pruned to the blocks the documents leave, as the runtime does.
+
 ``in_order_plan`` is the straightforward overlapped schedule: gather Q and KV hop by hop around
 their rings (one transfer in flight per ring), compute each block as soon as both of its chunks
 are present, then compute the remaining rows in the order their partials leave and reduce them
@@ -18,11 +21,12 @@ from functools import lru_cache
 from typing import List, Optional, Tuple
 
 from ..runtime.plan import BACKWARD, FORWARD, Compute, Op, Plan, PlanError, Transfer, validate
+from ..runtime.prune import prune
 from .cluster import Cluster, Workload, load_cluster
 from .greedy import CONFIGS, PlanCost, greedy_plan, grouping_pays
 from .replay import replay
 
-__all__ = ["in_order_plan", "build_plans", "PLANNERS", "default_cluster", "DEFAULT_WORKLOAD"]
+__all__ = ["in_order_plan", "build_plans", "document_plans", "PLANNERS", "default_cluster", "DEFAULT_WORKLOAD"]
 
 PLANNERS = ("greedy", "in-order")
 #: how ``build_plans`` may direct the gather and reduction chains
@@ -110,6 +114,18 @@ def build_plans(
     cluster = cluster or default_cluster()
     workload = workload or DEFAULT_WORKLOAD
     return _greedy_plans(a, b, cluster, workload, stride, max_live, max_inflight, chains)
+
+
+@lru_cache(maxsize=256)
+def document_plans(a: int, b: int, planner: str = "greedy", *, cluster: Optional[Cluster] = None,
+                   workload: Workload, stride: int = 1, max_live: Optional[int] = None) -> Tuple[Plan, Plan]:
+    """(forward, backward) plans for ``workload``'s unpadded documents, as ``mesh_attention`` runs
+    them: the full plans of the same layer without documents, chains split both ways (a document
+    reaches its neighbours on both sides), pruned to the tile blocks some rank needs."""
+    keep = workload.documents.needed(a, b, workload.causal)
+    full = build_plans(a, b, planner, cluster=cluster, workload=replace(workload, documents=None), stride=stride,
+                       max_live=max_live, chains="both-ways")
+    return prune(full[0], keep), prune(full[1], keep)
 
 
 @lru_cache(maxsize=256)

@@ -1,0 +1,241 @@
+"""Unpadded documents in the cost model: every block's kernel calls as the document mask leaves them.
+
+``mesh_attention(..., cu_seqlens=cu)`` (runtime/documents.py) runs documents of any length on
+Megatron's ordinary zigzag layout: nothing is padded, a block (Q chunk i, KV chunk j) runs as the
+sub-blocks its documents leave (an empty block: no kernel call at all), and the plan is the cached
+full plan pruned to the tile blocks some rank needs (runtime/prune.py;
+:func:`~megatron_mesh_cp.planning.schedule.document_plans`). This module prices that:
+:class:`UnpaddedDocuments` is the hashable document set a :class:`~megatron_mesh_cp.planning.cluster.Workload`
+carries, :func:`block_calls` lists every kernel call of every block at once with numpy (the calls of
+:meth:`DocumentMask.block`, tested call for call: one per block under the causal mask off the
+diagonal, one per shared document without it, one varlen call on the diagonal) and
+:func:`block_times` turns them into seconds. TE's algorithms cannot run documents this way (THD
+pads every document to 2*CP and sends every chunk): they are priced with a
+:class:`~megatron_mesh_cp.planning.packing.Packing` of the same draws.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Dict, FrozenSet, NamedTuple, Tuple
+
+import numpy as np
+
+from ..runtime.documents import DocumentMask, Documents
+from ..runtime.topology import MeshShape
+from .packing import DISTRIBUTIONS, _fill, _read_lengths, _rect, _tri, length_draws
+
+__all__ = ["UnpaddedDocuments", "BlockCalls", "block_calls", "block_times", "tile_bound", "sample_documents",
+           "read_documents"]
+
+
+@dataclass(frozen=True)
+class UnpaddedDocuments:
+    """Documents of any length, back to back over one sequence of ``total`` tokens, unpadded.
+
+    ``tile`` counts a call's work as :class:`~megatron_mesh_cp.planning.packing.Packing` does
+    (0: exact unmasked pairs; t: whole t x t tiles per document segment). Hashable: workloads
+    carrying it are cache keys of the planner, the replay and auto shape.
+    """
+
+    lengths: Tuple[int, ...]
+    tile: int = 0
+    label: str = field(default="", compare=False)
+
+    def __post_init__(self) -> None:
+        if not self.lengths or any(int(x) != x or x < 1 for x in self.lengths):
+            raise ValueError(f"documents need positive whole lengths, got {list(self.lengths)[:8]}; "
+                             "drop empty documents")
+        if self.tile < 0:
+            raise ValueError(f"kernel tile {self.tile} must be >= 0 (0: count exact pairs)")
+        object.__setattr__(self, "lengths", tuple(int(x) for x in self.lengths))
+
+    @property
+    def cu(self) -> Tuple[int, ...]:
+        """Global document offsets, as ``mesh_attention(cu_seqlens=...)`` takes them."""
+        return (0,) + tuple(int(x) for x in np.cumsum(self.lengths))
+
+    @property
+    def total(self) -> int:
+        return sum(self.lengths)
+
+    def with_tile(self, tile: int) -> "UnpaddedDocuments":
+        return UnpaddedDocuments(self.lengths, tile, self.label)
+
+    def mask(self, chunks: int, causal: bool) -> DocumentMask:
+        """The runtime's description of these documents over ``chunks`` mesh chunks (cached)."""
+        return _mask(self, chunks, bool(causal))
+
+    def nonempty(self, chunks: int, causal: bool) -> np.ndarray:
+        """Bool [chunks, chunks]: the blocks that run any kernel call (the runtime's own mask)."""
+        return self.mask(chunks, causal).nonempty()
+
+    def needed(self, a: int, b: int, causal: bool) -> FrozenSet[Tuple[int, int]]:
+        """Tile blocks (Q offset, KV offset) some rank of the a x b mesh must compute: what the
+        pruned plan keeps (:meth:`DocumentMask.needed`)."""
+        return _needed(self, a, b, bool(causal))
+
+    def sequence_work(self, causal: bool = True) -> int:
+        """Work of one call over the whole sequence (Ulysses' view): each document's own triangle."""
+        x = np.array(self.lengths, dtype=np.int64)
+        return int(_tri(x, self.tile).sum() if causal else _rect(x, x, self.tile).sum())
+
+    def work_fraction(self, causal: bool = True) -> float:
+        s = self.total
+        return self.sequence_work(causal) / (s * (s + 1) // 2 if causal else s * s)
+
+    def describe(self) -> str:
+        x = np.array(self.lengths)
+        text = (f"{len(x)} documents{f' ({self.label})' if self.label else ''}: lengths {x.min()}-{x.max()}, "
+                f"mean {x.mean():.0f}, median {np.median(x):.0f}, {(x < 4096).mean():.0%} under 4K, "
+                f"{int((x > 256 * 1024).sum())} over 256K; {self.total} tokens, unpadded; causal attention work "
+                f"{self.work_fraction():.2%} of one unmasked sequence")
+        return text + (f" (counted in {self.tile}x{self.tile} tiles)" if self.tile else "")
+
+
+@lru_cache(maxsize=64)
+def _mask(docs: UnpaddedDocuments, chunks: int, causal: bool) -> DocumentMask:
+    return DocumentMask(Documents(docs.cu), chunks, causal)
+
+
+@lru_cache(maxsize=256)
+def _needed(docs: UnpaddedDocuments, a: int, b: int, causal: bool) -> FrozenSet[Tuple[int, int]]:
+    return _mask(docs, a * b, causal).needed(MeshShape(a, b))
+
+
+class BlockCalls(NamedTuple):
+    """One entry per kernel call: its block (i, j), Q rows, keys and work (pairs or tile area)."""
+
+    i: np.ndarray
+    j: np.ndarray
+    rows: np.ndarray
+    keys: np.ndarray
+    work: np.ndarray
+
+
+def block_calls(docs: UnpaddedDocuments, chunks: int, causal: bool) -> BlockCalls:
+    """Every kernel call of every block on ``chunks`` mesh chunks (read-only arrays, cached)."""
+    return _block_calls(docs, chunks, bool(causal))
+
+
+@lru_cache(maxsize=64)
+def _block_calls(docs: UnpaddedDocuments, n: int, causal: bool) -> BlockCalls:
+    cu = np.array(docs.cu, dtype=np.int64)
+    total = int(cu[-1])
+    if total % (2 * n):
+        raise ValueError(f"the documents span {total} tokens, not a multiple of 2*CP = {2 * n}; "
+                         "the sequence must split into 2*CP equal pieces")
+    m, t = total // (2 * n), docs.tile
+    sq = (lambda x: _tri(x, t)) if causal else (lambda x: _rect(x, x, t))  # noqa: E731
+    doc = lambda pos: np.searchsorted(cu, pos, side="right") - 1  # noqa: E731
+    c = np.arange(n, dtype=np.int64)
+    # the diagonal: one call over the chunk, square per document run (runs cut by the document ends)
+    bounds = np.union1d(cu, np.arange(0, total + 1, m, dtype=np.int64))
+    lo, seg = bounds[:-1], np.diff(bounds)
+    piece = lo // m
+    diag = np.zeros(n, dtype=np.int64)
+    np.add.at(diag, np.where(piece < n, piece, 2 * n - 1 - piece), sq(seg))
+    # a document across the chunk's two pieces is one run: its two segments are one square
+    d_end, d_start = doc((c + 1) * m - 1), doc((2 * n - 1 - c) * m)
+    x = (c + 1) * m - np.maximum(cu[d_end], c * m)
+    y = np.minimum(cu[d_start + 1], (2 * n - c) * m) - (2 * n - 1 - c) * m
+    diag += np.where(d_end == d_start, sq(x + y) - sq(x) - sq(y), 0)
+    full = np.full(n, 2 * m, dtype=np.int64)
+    parts = [(c, c, full, full, diag)]
+    if causal:
+        i, j = c[:, None], c[None, :]
+        # j < i: the document holding KV piece j's last token, x every Q row it reaches
+        end, start = cu[d_end + 1][None, :], np.maximum(cu[d_end], c * m)[None, :]
+        rows_l = np.clip(end - i * m, 0, m) + np.clip(end - (2 * n - 1 - i) * m, 0, m)
+        keys_l = np.broadcast_to((j + 1) * m - start, (n, n))
+        # j > i: the document holding Q piece 2n-1-i's first token, x every key from its start
+        s2 = cu[d_start][:, None]
+        rows_u = np.broadcast_to(np.minimum(cu[d_start + 1], (2 * n - c) * m)[:, None] - (2 * n - 1 - i) * m, (n, n))
+        keys_u = (np.clip((j + 1) * m - np.maximum(s2, j * m), 0, m)
+                  + np.clip((2 * n - j) * m - np.maximum(s2, (2 * n - 1 - j) * m), 0, m))
+        rows = np.where(j < i, rows_l, np.where(j > i, rows_u, 0))
+        keys = np.where(j < i, keys_l, np.where(j > i, keys_u, 0))
+        ii, jj = np.nonzero((rows > 0) & (keys > 0))
+        r, k = rows[ii, jj], keys[ii, jj]
+        parts.append((ii, jj, r, k, _rect(r, k, t)))
+    else:
+        parts.append(_shared_documents(lo, seg, piece, doc(lo), n, t))
+    out = BlockCalls(*(np.ascontiguousarray(np.concatenate(col), dtype=np.int64) for col in zip(*parts)))
+    for arr in out:
+        arr.setflags(write=False)
+    return out
+
+
+def _shared_documents(lo, seg, piece, doc, n, tile):
+    """Without the causal mask, block (i, j) runs one call per shared document: its run in chunk i
+    (both pieces) x its run in chunk j."""
+    chunk = np.where(piece < n, piece, 2 * n - 1 - piece)
+    keys, inv = np.unique(doc * n + chunk, return_inverse=True)
+    count = np.zeros(len(keys), dtype=np.int64)
+    np.add.at(count, np.asarray(inv).reshape(-1), seg)
+    d, ch = keys // n, keys % n
+    cuts = np.flatnonzero(np.diff(d)) + 1
+    out = [[], [], [], []]
+    for grp in np.split(np.arange(len(d)), cuts):
+        if len(grp) < 2:
+            continue
+        gi, gj = np.meshgrid(grp, grp, indexing="ij")
+        off = gi != gj
+        for col, v in zip(out, (ch[gi[off]], ch[gj[off]], count[gi[off]], count[gj[off]])):
+            col.append(v)
+    i, j, r, k = (np.concatenate(col) if col else np.zeros(0, dtype=np.int64) for col in out)
+    return i, j, r, k, _rect(r, k, tile)
+
+
+def block_times(w, cluster, backward: bool, ranks: int) -> np.ndarray:
+    """Seconds of every block on ``ranks`` mesh chunks for a workload carrying unpadded documents:
+    the sum over the block's calls of the kernel (its work at the throughput of its rows) and the
+    call's fixed costs (:meth:`Workload._call_cost` over its rows, :meth:`Workload._keys_cost` over its
+    keys); 0 for an empty block."""
+    docs = w.documents
+    if docs.total != w.seq_local * ranks:
+        raise ValueError(f"the documents span {docs.total} tokens but {ranks} CP ranks of {w.seq_local} tokens "
+                         f"hold {w.seq_local * ranks}; the documents must fill the global sequence length")
+    calls = block_calls(docs, ranks, w.causal)
+    rows = calls.rows.astype(float)
+    sec = (cluster.attention_time(w.pair_flops(calls.work.astype(float), backward), rows, backward)
+           + w._call_cost(cluster, rows, backward) + w._keys_cost(cluster, calls.keys.astype(float), backward))
+    out = np.bincount(calls.i * ranks + calls.j, weights=sec, minlength=ranks * ranks)
+    return out.reshape(ranks, ranks)
+
+
+def tile_bound(w, cluster, a: int, b: int, backward: bool) -> Tuple[float, Dict[str, int]]:
+    """What any pruned plan of the a x b mesh must do for ``w``'s documents in one phase: the busiest
+    rank's block seconds (its tile's blocks, empty ones 0), and per kind the fewest transfers (each
+    foreign Q or KV offset some rank needs arrives once; each such offset's partial leaves it once)."""
+    n = a * b
+    g = np.arange(n)
+    r, c = g // a, g % a
+    qi = r[:, None] * a + (c[:, None] - np.arange(a)[None, :]) % a  # [rank, Q offset] -> Q chunk
+    kj = ((r[:, None] - np.arange(b)[None, :]) % b) * a + c[:, None]  # [rank, KV offset] -> KV chunk
+    t = w.block_times(cluster, backward, n)
+    compute = float(t[qi[:, :, None], kj[:, None, :]].sum(axis=(1, 2)).max())
+    keep = w.documents.needed(a, b, w.causal)
+    q, kv = len({qo for qo, _ in keep if qo}), len({ko for _, ko in keep if ko})
+    return compute, {"q": q, "o": q, "dq": q, "kv": kv, "dkv": kv}
+
+
+def sample_documents(total: int, lo: int, hi: int, *, dist: str = "loguniform", seed: int = 0,
+                     tile: int = 0) -> UnpaddedDocuments:
+    """The draws of :func:`~megatron_mesh_cp.planning.packing.sample_packing` (same ``dist`` and
+    ``seed``: the same documents in the same order), filling ``total`` tokens unpadded; the last one
+    is cut to the space left."""
+    if dist not in DISTRIBUTIONS:
+        raise ValueError(f"unknown document length distribution {dist!r}; choose one of {', '.join(DISTRIBUTIONS)}")
+    lengths = _fill(length_draws(lo, hi, dist, seed), total, 1, "the documents")
+    return UnpaddedDocuments(lengths, tile, f"{dist} {lo}-{hi} tokens, seed {seed}")
+
+
+def read_documents(path, total: int, *, tile: int = 0) -> UnpaddedDocuments:
+    """Document lengths from a text file (as :func:`~megatron_mesh_cp.planning.packing.read_packing`),
+    back to back in file order until ``total`` tokens are full, unpadded."""
+    lengths, name = _read_lengths(path)
+    used = _fill(lengths, total, 1, f"the {len(lengths)} documents of {str(path)!r}")
+    return UnpaddedDocuments(used, tile, name + (f", first {len(used)} of {len(lengths)}" if len(used) < len(lengths)
+                                                 else ""))
