@@ -54,3 +54,27 @@ def test_launcher_dry_run_fails_naming_the_unset_variable(tmp_path):
     assert res.returncode == 2, res.stderr[-2000:]
     assert "environment variable" in res.stderr and "is not set" in res.stderr
     assert "TOKENIZER_MODEL is not set" in res.stderr and "DATA_PATH is not set" in res.stderr
+
+
+def test_false_turns_off_a_setting_megatron_enables_by_default_and_never_drops_silently(tmp_path):
+    path = _cfg(tmp_path, "create_attention_mask_in_dataloader: false\napply_rope_fusion: false\nbf16: false\n"
+                          "rope_fusion_flag_that_does_not_exist: true\n")
+    assert config_to_argv(path, {}) == ["--no-create-attention-mask-in-dataloader", "--no-rope-fusion",
+                                        "--rope-fusion-flag-that-does-not-exist"]  # Megatron rejects the last loudly
+    assert config_to_argv(_cfg(tmp_path, "create_attention_mask_in_dataloader: true\n"), {}) == []  # the default
+    with pytest.raises(ConfigError, match=r"crate_attention_mask: false, but Megatron has no .* silently dropped"):
+        config_to_argv(_cfg(tmp_path, "crate_attention_mask: false\n"), {})
+
+
+def test_include_reads_the_base_first_and_the_file_overrides_it(tmp_path):
+    (tmp_path / "base.yaml").write_text("seq_length: 1024\nmesh_shape: 2x2\nlr: 1.0e-4\nmanual_gc: true\n")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "mid.yaml").write_text("include: ../base.yaml\nlr: 2.0e-5\nmesh_shape: null\n")
+    top = tmp_path / "sub" / "top.yaml"
+    top.write_text("include: mid.yaml\nmanual_gc: false\nseed: 7\n")
+    assert config_to_argv(str(top), {}) == ["--seq-length", "1024", "--lr", "2e-05", "--seed", "7"]
+    (tmp_path / "loop.yaml").write_text("include: loop.yaml\n")
+    with pytest.raises(ConfigError, match="include cycle"):
+        config_to_argv(str(tmp_path / "loop.yaml"), {})
+    with pytest.raises(ConfigError, match="cannot read it"):
+        config_to_argv(_cfg(tmp_path, "include: nope.yaml\n"), {})
