@@ -46,14 +46,15 @@ def test_multi_value_flags_come_from_megatrons_parser():
 
 
 def test_launcher_dry_run_fails_naming_the_unset_variable(tmp_path):
-    env = {k: v for k, v in __import__("os").environ.items() if k not in ("DATA_PATH", "TOKENIZER_MODEL")}
+    env = {k: v for k, v in __import__("os").environ.items() if k not in ("DATA_PATH", "TOKENIZER_MODEL", "RUNS_DIR")}
     env.update(WORLD_SIZE="256", RANK="0", PYTHONWARNINGS="ignore")
     res = subprocess.run([sys.executable, str(ROOT / "scripts" / "pretrain_gpt_mesh.py"), "--config",
-                          str(ROOT / "configs" / "llama3_8b_1m_256gpu_mesh.yaml"), "--dry-run"],
+                          str(ROOT / "configs" / "llama31_8b_1m_ring.yaml"), "--dry-run"],
                          env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert res.returncode == 2, res.stderr[-2000:]
     assert "environment variable" in res.stderr and "is not set" in res.stderr
     assert "TOKENIZER_MODEL is not set" in res.stderr and "DATA_PATH is not set" in res.stderr
+    assert "pretrained_checkpoint: environment variable RUNS_DIR is not set" in res.stderr  # from the included stage
 
 
 def test_false_turns_off_a_setting_megatron_enables_by_default_and_never_drops_silently(tmp_path):
