@@ -335,6 +335,58 @@ def test_summary_is_written_when_megatron_exits_early(work):
     assert res["attention_calls"] > 0 and "summary written to" in res["stdout"]
 
 
+_MOE_SPEC = r"""
+import torch
+from megatron_mesh_cp.megatron import cpu_compat
+cpu_compat.activate()
+from megatron.core import parallel_state as mpu
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.training.argument_utils import gpt_config_from_args
+from megatron.training.models.gpt import default_layer_spec
+from megatron_mesh_cp.megatron.attention import MeshCoreAttention
+from megatron_mesh_cp.megatron.pretrain import parse_megatron_args
+from megatron_mesh_cp.megatron.specs import gpt_mesh_spec
+
+argv = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "128",
+        "--max-position-embeddings", "128", "--micro-batch-size", "1", "--mock-data", "--tokenizer-type",
+        "NullTokenizer", "--vocab-size", "256", "--attention-dropout", "0", "--transformer-impl", "local", "--bf16",
+        "--context-parallel-size", "2", "--context-parallel-algo", "mesh", "--mesh-shape", "1x2",
+        "--num-experts", "4", "--moe-layer-freq", "[0,1,1,1]", "--moe-router-topk", "2"]
+args = parse_megatron_args(argv, set_globals=False)
+args.moe_grouped_gemm = True  # Megatron's validation asks the GPU's compute capability for it
+torch.distributed.init_process_group("gloo", init_method="tcp://127.0.0.1:%d" % PORT, world_size=1, rank=0)
+mpu.initialize_model_parallel(1, 1)
+cfg = gpt_config_from_args(args)
+ours, stock = gpt_mesh_spec(cfg), default_layer_spec(cfg, None)
+for mine, theirs in zip(ours.layer_specs, stock.layer_specs):
+    assert repr(mine.submodules.mlp) == repr(theirs.submodules.mlp)  # MoE exactly as stock Megatron builds it
+    assert mine.submodules.self_attention.submodules.core_attention is MeshCoreAttention
+moe = ["MoELayer" in repr(l.submodules.mlp) for l in ours.layer_specs]
+direct = gpt_mesh_spec(TransformerConfig(num_layers=4, hidden_size=64, num_attention_heads=4, num_moe_experts=4,
+                                         moe_layer_freq=[1, 0, 1, 0], moe_router_topk=2, add_bias_linear=False,
+                                         transformer_impl="local"))
+print("RESULT", moe, ["MoELayer" in repr(l.submodules.mlp) for l in direct.layer_specs],
+      all(l.submodules.self_attention.submodules.core_attention is MeshCoreAttention for l in direct.layer_specs))
+"""
+
+
+def test_default_spec_builds_moe_layers_as_megatron_does(work):
+    """num_experts / moe_layer_freq / grouped GEMM are honoured: the launcher's default spec is Megatron's own
+    default_layer_spec for the config (MoE block spec included) with mesh core attention, not a dense layer."""
+    import subprocess
+    import sys
+
+    from megatron_runs import _port, env
+
+    e = env(work)
+    e.update(WORLD_SIZE="2", RANK="0")
+    out = subprocess.run([sys.executable, "-c", _MOE_SPEC.replace("PORT", str(_port()))], env=e, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split("RESULT", 1)[1].split() == ["[False,", "True,", "True,", "True]", "[True,", "False,",
+                                                         "True,", "False]", "True"]
+
+
 def test_cpu_compat_fails_loudly_when_a_pinned_name_moves():
     from megatron_mesh_cp.megatron import cpu_compat
 
