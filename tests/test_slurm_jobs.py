@@ -244,3 +244,22 @@ def test_smoke_body_from_a_spool_copy_and_a_lost_checkout_fails_naming_the_fix(t
     lost, calls = _as_sbatch(tmp_path / "lost", "pretrain_256gpu.sbatch", cwd="elsewhere", root_env=False)
     assert lost.returncode == 2 and "cannot find the megatron-mesh-cp checkout" in lost.stderr
     assert "MESH_CP_ROOT" in lost.stderr and not calls
+
+
+def test_bench_ab_body_runs_the_four_algorithms_and_both_of_our_baselines_into_one_table(tmp_path):
+    res, calls = _as_sbatch(tmp_path, "bench_ab.sbatch", cwd=ROOT, root_env=False, nodes=32, SEQ="1048576")
+    srun = [c for c in calls if c.startswith("srun ")]
+    assert len(srun) == 1, (res.returncode, calls, res.stdout[-2000:], res.stderr[-2000:])
+    assert srun[0].startswith(
+        f"srun --nodes=32 --ntasks=32 --ntasks-per-node=1 --gpus-per-node=8 --kill-on-bad-exit=1 --chdir={ROOT} bash -c ")
+    t = next(c for c in calls if c.startswith("python ") and "torch.distributed.run" in c)
+    out = tmp_path / "runs" / "bench_ab" / "4242"
+    assert ("-m torch.distributed.run --nnodes=32 --nproc-per-node=8 --node-rank=0 --master-addr=node001 "
+            "--master-port=29500 scripts/bench_attention.py --seq 1048576 --heads 32 --kv-heads 8 --head-dim 128 "
+            "--algos p2p,a2a+p2p,mesh,a2a+mesh --shapes auto,1x256,8x1x32 --ulysses 8 --cluster h100-ib400 "
+            f"--csv {out}/bench.csv --markdown {out}/bench.md --plot {out}/bench.png") in t
+    # the stand-in benchmark writes nothing: the job says so instead of printing an empty table
+    assert res.returncode == 1 and f"the benchmark wrote no table ({out}/bench.md)" in res.stderr
+    dry = subprocess.run(["bash", str(SLURM / "bench_ab.sbatch"), "--dry-run"], capture_output=True, text=True,
+                         timeout=60, env=_env(HEADS="12", ULYSSES="8"))
+    assert dry.returncode == 2 and "ULYSSES=8 must divide HEADS=12" in dry.stderr
