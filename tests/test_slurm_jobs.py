@@ -263,3 +263,22 @@ def test_bench_ab_body_runs_the_four_algorithms_and_both_of_our_baselines_into_o
     dry = subprocess.run(["bash", str(SLURM / "bench_ab.sbatch"), "--dry-run"], capture_output=True, text=True,
                          timeout=60, env=_env(HEADS="12", ULYSSES="8"))
     assert dry.returncode == 2 and "ULYSSES=8 must divide HEADS=12" in dry.stderr
+
+
+def test_preflight_accepts_the_megatron_core_versions_the_launcher_runs_on(monkeypatch):
+    """0.19.x (CI) and 0.20 (Megatron-LM main, checked by hand); the extra's range ends where the preflight's does."""
+    import re
+    from types import SimpleNamespace
+
+    from megatron.core import package_info
+
+    from megatron_mesh_cp.megatron import preflight
+
+    args = SimpleNamespace(transformer_impl="local", tensorboard_dir=None, wandb_project=None, tokenizer_type=None)
+    verdict = {}
+    for version in ("0.18.2", "0.19.0", "0.19.2", "0.20.0", "0.20.1rc0", "0.21.0"):
+        monkeypatch.setattr(package_info, "__version__", version)
+        verdict[version] = next(c for c in preflight._software(args) if c.name == "megatron-core").ok
+    assert verdict == {"0.18.2": False, "0.19.0": True, "0.19.2": True, "0.20.0": True, "0.20.1rc0": True, "0.21.0": False}
+    extra = re.search(r'megatron = \["megatron-core(>=[\d.]+,<[\d.]+)"', (ROOT / "pyproject.toml").read_text()).group(1)
+    assert extra == ">=0.16,<0.21"  # 0.16-0.18 for the direct GPTModel path only; the launcher's preflight says so

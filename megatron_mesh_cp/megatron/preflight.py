@@ -3,7 +3,7 @@
     python -m megatron_mesh_cp.megatron.preflight --config configs/X.yaml [--gpus-per-node 8] [--save DIR]
 
 Checks the config (environment variables set, see :mod:`.config`), the software (this package,
-megatron-core 0.19.x for the launcher, Transformer Engine when the config uses it, ``transformers``
+megatron-core 0.19.x or 0.20 for the launcher, Transformer Engine when the config uses it, ``transformers``
 for a Hugging Face tokenizer, torchrun's ``--shutdown-timeout`` when the job gives it one), the
 tokenizer and data paths (each blend prefix's ``.bin``/``.idx``), that the checkpoint directory is
 writable and that the job has weights to start from (its own latest checkpoint, else
@@ -24,7 +24,9 @@ from typing import List, NamedTuple, Optional
 
 __all__ = ["Check", "run_checks", "main"]
 
-LAUNCHER_MCORE = (0, 19)
+#: megatron-core minor versions the launcher runs on: CI runs 0.19.2; Megatron-LM main (0.20.0, d98e8a6)
+#: passed the launcher's Megatron tests by hand (README, Compatibility)
+LAUNCHER_MCORE = ((0, 19), (0, 20))
 
 
 class Check(NamedTuple):
@@ -46,11 +48,11 @@ def _software(args) -> List[Check]:
     try:
         from megatron.core import package_info
 
-        ok = tuple(int(x) for x in package_info.__version__.split(".")[:2]) == LAUNCHER_MCORE
+        ok = tuple(int(x) for x in package_info.__version__.split(".")[:2]) in LAUNCHER_MCORE
         out.append(Check("megatron-core", ok, package_info.__version__ + ("" if ok else
-                         f"; the launcher needs {'.'.join(map(str, LAUNCHER_MCORE))}.x (pip install 'megatron-core~=0.19.0')")))
+                         "; the launcher needs 0.19.x or 0.20.x (pip install 'megatron-core>=0.19,<0.21')")))
     except ImportError as exc:
-        out.append(Check("megatron-core", False, f"not importable ({exc}); pip install 'megatron-core~=0.19.0'"))
+        out.append(Check("megatron-core", False, f"not importable ({exc}); pip install 'megatron-core>=0.19,<0.21'"))
     if args.transformer_impl == "transformer_engine":
         try:
             out.append(Check("transformer-engine", True, _version("transformer_engine")))

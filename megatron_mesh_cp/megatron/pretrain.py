@@ -1,4 +1,4 @@
-"""GPT pretraining through Megatron's real training loop with mesh CP (megatron-core 0.19.x).
+"""GPT pretraining through Megatron's real training loop with mesh CP (megatron-core 0.19.x / 0.20).
 
 ``scripts/pretrain_gpt_mesh.py`` calls :func:`main`. Megatron's own arguments plus the mesh-CP
 switches (``--context-parallel-algo mesh --mesh-shape AxB|auto``...) and a few launcher options:
@@ -106,7 +106,7 @@ def _init_distributed_cpu(args) -> None:
 
 def _pinned(module, name: str):
     if not hasattr(module, name):
-        raise RuntimeError(f"{module.__name__}.{name} is gone; this launcher supports megatron-core 0.19.x")
+        raise RuntimeError(f"{module.__name__}.{name} is gone; this launcher supports megatron-core 0.19.x and 0.20")
     return getattr(module, name)
 
 
