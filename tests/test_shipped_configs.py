@@ -157,3 +157,19 @@ def test_readme_names_every_shipped_config_and_no_retired_one():
     missing = [c for c in CONFIGS if c not in text]
     assert not missing, missing
     assert "llama3_8b_1m_256gpu" not in text and "llama3_70b_1m_256gpu" not in text
+
+
+def test_save_intervals_follow_the_estimated_step_time():
+    """The stage configs save about every 30 min of estimated step time (scripts/recipe_step_times.py, capped at the
+    stage's length); a cost-model change that moves the estimate by more than 1.5x should regenerate them."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("recipe_step_times", ROOT / "scripts" / "recipe_step_times.py")
+    steps = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(steps)
+    for name in ("llama31_8b_cpt_s3_512k", "llama31_70b_cpt_s4_1m"):
+        row = steps.step_time(name, "h100-ib400", 450.0)
+        args = _parsed(name)
+        derived = min(row["save_every"], args["train_iters"])
+        assert derived / 1.5 <= args["save_interval"] <= derived * 1.5, (name, row, args["save_interval"])
+        assert row["step_s"] * args["save_interval"] <= 3600  # never more than an hour of work between saves

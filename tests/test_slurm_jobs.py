@@ -132,6 +132,10 @@ echo "Submitted batch job $RANDOM"
     header = (SLURM / "pretrain_256gpu.sbatch").read_text()
     assert "#SBATCH --requeue" in header and "#SBATCH --dependency=singleton" in header
     assert "#SBATCH --signal=TERM@" in header and "#SBATCH --output=slurm-%x-%j.out" in header
+    bench = subprocess.run(["bash", str(SLURM / "submit.sh"), "bench_ab.sbatch", "--nodes=32"], capture_output=True,
+                           text=True, env=dict(env, CONFIG=""), cwd=tmp_path, timeout=60)
+    assert bench.returncode == 0, bench.stderr  # no config: named after the script
+    assert f"--job-name=mesh-cp-bench_ab --output={runs}/bench_ab/logs/slurm-%j.out --nodes=32" in calls.read_text()
     bad = subprocess.run(["bash", str(SLURM / "submit.sh"), "pretrain_256gpu.sbatch", "--chain", "0"],
                          capture_output=True, text=True, env=env, timeout=60)
     assert bad.returncode == 2 and "--chain takes a positive count" in bad.stderr

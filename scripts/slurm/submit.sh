@@ -23,7 +23,7 @@ while [ $# -gt 0 ]; do
 done
 [[ "$chain" =~ ^[1-9][0-9]*$ ]] || { echo "error: --chain takes a positive count, not '$chain'" >&2; exit 2; }
 config="${CONFIG:-$(sed -n 's/^: "${CONFIG:=\(.*\)}"$/\1/p' "$script" | head -n1)}"
-if grep -q 'scripts/slurm/job.py' "$script"; then  # a training job: it runs configs/<config>.yaml
+if grep -q 'scripts/slurm/job.py --config' "$script"; then  # a training job: it runs configs/<config>.yaml
   if [ ! -f "$root/configs/$config.yaml" ]; then
     echo "error: no config '$config' in configs/ (set CONFIG=); choose one of: $(cd "$root/configs" && ls *.yaml | sed 's/\.yaml$//' | tr '\n' ' ')" >&2
     exit 2
