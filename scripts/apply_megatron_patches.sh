@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Apply megatron-mesh-cp's patches to a Megatron-LM checkout (tag core_v0.19.x), so that stock
+# Apply megatron-mesh-cp's patches to a Megatron-LM checkout (tag core_v0.19.x; they also apply to main as of
+# 0.20.0, d98e8a6), so that stock
 # pretrain_gpt.py accepts --context-parallel-algo mesh --mesh-shape AxB|auto.
 #   scripts/apply_megatron_patches.sh /path/to/Megatron-LM
 # Every patch is checked before anything is written; a patch already applied is skipped; a patch
@@ -7,7 +8,7 @@
 set -euo pipefail
 dir="${1:-}"
 if [ -z "$dir" ] || [ ! -d "$dir" ]; then
-  echo "usage: $0 MEGATRON_LM_DIR   (a Megatron-LM checkout at tag core_v0.19.x)" >&2
+  echo "usage: $0 MEGATRON_LM_DIR   (a Megatron-LM checkout at tag core_v0.19.x, or main at 0.20)" >&2
   exit 2
 fi
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

@@ -2,12 +2,14 @@
 """Benchmark one attention layer (forward + backward) under CP algorithms on real process groups.
 
     torchrun --nproc_per_node N scripts/bench_attention.py --seq 1048576 --heads 32 --kv-heads 8 \\
-        --head-dim 128 --shapes auto,16x16,8x32 --algos mesh,p2p,all_gather,a2a,a2a+p2p \\
-        --csv bench.csv --plot bench.png
+        --head-dim 128 --shapes auto,16x16,1x256,8x2x16 --algos mesh,a2a+mesh,p2p,a2a+p2p \\
+        --csv bench.csv --markdown bench.md --plot bench.png
 
-Mesh runs every listed shape (``auto`` asks the simulator); the Megatron/TE algorithms (``p2p``,
-``all_gather``, ``a2a``, ``a2a+p2p``) run through Transformer Engine's DotProductAttention when TE
-is installed, and are reported as skipped otherwise. Each rank generates only its own zigzag share
+``mesh`` runs every listed ``AxB`` shape, ``a2a+mesh`` (Ulysses x mesh) every ``UxAxB`` shape; ``auto``
+lets the simulator choose for each of them (``1xN`` is Ring-Attention and ``Ux1xB`` Ulysses x Ring on
+our executor). The Megatron/TE algorithms (``p2p``, ``all_gather``, ``a2a``, ``a2a+p2p``, its Ulysses
+degree ``--ulysses``) run through Transformer Engine's DotProductAttention when TE is installed, and
+are reported as skipped otherwise. Each rank generates only its own zigzag share
 (S/n tokens; the full sequence never exists anywhere). Time: ``--repeats`` timed runs of ``--iters``
 steps each, the slowest rank per run; reported as the median with the min-max spread. Bytes sent per
 rank: measured for mesh, from the algorithm's traffic formula for TE (labelled "formula", hatched in
@@ -78,9 +80,9 @@ def _inputs(args, n, rank, device, dtype, seed=1234):
     return out
 
 
-def bench_mesh(args, shape, device, dtype, cluster):
+def bench_mesh(args, shape, device, dtype, cluster, ulysses=1):
     n, rank = dist.get_world_size(), dist.get_rank()
-    mesh = MeshGroups.create(shape)
+    mesh = MeshGroups.create(shape, ulysses=ulysses)
     mesh.cluster = cluster
     q, k, v, do = _inputs(args, n, rank, device, dtype)
 
@@ -101,7 +103,7 @@ def bench_te(args, algo, device, dtype):
     n, rank = dist.get_world_size(), dist.get_rank()
     ranks = list(range(n))
     if algo == "a2a+p2p":
-        inner = math.gcd(args.heads, min(8, n))
+        inner = args.ulysses or math.gcd(args.heads, min(8, n))
         groups = [dist.new_group([r0 + i for i in range(inner)]) for r0 in range(0, n, inner)]
         rings = [dist.new_group(list(range(i, n, inner))) for i in range(inner)]
         cp_group = [groups[rank // inner], rings[rank % inner]]
@@ -135,6 +137,42 @@ def _formula_bytes(args, algo, n, dtype):
     return float("nan")
 
 
+def _mesh_runs(algos, shapes):
+    """(algorithm, shape text) for every mesh-family run: AxB shapes for mesh, UxAxB for a2a+mesh, auto for both."""
+    texts = [t.strip().lower().replace("×", "x") for t in shapes.split(",") if t.strip()]
+    bad = [t for t in texts if t != "auto" and not (t.count("x") in (1, 2) and all(p.isdigit() for p in t.split("x")))]
+    if bad:
+        raise SystemExit(f"--shapes: {', '.join(bad)}: each must be AxB (mesh), UxAxB (a2a+mesh) or auto")
+    runs = []
+    for algo, factors in (("mesh", 1), ("a2a+mesh", 2)):
+        if algo in algos:
+            runs += [(algo, t) for t in texts if t == "auto" or t.count("x") == factors]
+    return runs
+
+
+def _shape(args, algo, text, n, cluster, dtype):
+    """((a, b), u, row label) for one mesh-family run; auto asks the simulator (the same choice as the launcher)."""
+    from megatron_mesh_cp.planning.autoshape import choose_hybrid_shape, choose_shape
+
+    if text == "auto":
+        w = Workload(seq_local=args.seq // n, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
+                     batch=args.batch, bytes_per_element=torch.empty((), dtype=dtype).element_size())
+        if algo == "mesh":
+            shape, u = choose_shape(n, cluster, w).shape, 1
+        else:
+            ch = choose_hybrid_shape(n, cluster, w)
+            shape, u = ch.shape, ch.u
+        name = f"{shape}" if u == 1 else f"{u}x{shape}"
+        return (shape.a, shape.b), u, f"{algo} auto ({name})"
+    if algo == "mesh":
+        shape = MeshShape.for_size(text, n)
+        return (shape.a, shape.b), 1, f"mesh {shape}"
+    u, a, b = (int(x) for x in text.split("x"))
+    if u * a * b != n or args.heads % u:
+        raise SystemExit(f"--shapes {text}: a2a+mesh needs U*A*B = world size {n} and U dividing --heads {args.heads}")
+    return (a, b), u, f"a2a+mesh {text}"
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seq", type=int, default=4096)
@@ -143,14 +181,17 @@ def main():
     p.add_argument("--kv-heads", type=int, default=2)
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--dtype", choices=DTYPES, default=None, help="default: bf16 on GPU, fp32 on CPU")
-    p.add_argument("--shapes", default="auto", help="comma list of mesh shapes AxB and/or auto")
-    p.add_argument("--algos", default="mesh," + ",".join(TE_ALGOS))
+    p.add_argument("--shapes", default="auto",
+                   help="comma list: AxB (mesh), UxAxB (a2a+mesh), auto (the simulator's choice for each)")
+    p.add_argument("--algos", default="mesh,a2a+mesh," + ",".join(TE_ALGOS))
+    p.add_argument("--ulysses", type=int, default=None, help="TE a2a+p2p's Ulysses degree (default gcd(heads, 8))")
     p.add_argument("--kernel", default="auto")
     p.add_argument("--cluster", default="h100-ib400", help="what mesh_shape=auto and the planner tune for")
     p.add_argument("--iters", type=int, default=5, help="steps per timed run")
     p.add_argument("--repeats", type=int, default=5, help="timed runs; the median and min-max are reported")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--csv", default=None)
+    p.add_argument("--markdown", default=None, metavar="FILE.md", help="the same table as Markdown (measured)")
     p.add_argument("--plot", default=None)
     args = p.parse_args()
 
@@ -168,20 +209,10 @@ def main():
     flops = 4.0 * args.batch * args.heads * args.head_dim * (args.seq * args.seq / 2) * 3.5 / n
     rows = []
     algos = [a.strip() for a in args.algos.split(",") if a.strip()]
-    if "mesh" in algos:
-        for text in [s.strip() for s in args.shapes.split(",") if s.strip()]:
-            if text == "auto":
-                from megatron_mesh_cp.planning.autoshape import choose_shape
-
-                w = Workload(seq_local=args.seq // n, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
-                             batch=args.batch, bytes_per_element=torch.empty((), dtype=dtype).element_size())
-                shape = choose_shape(n, cluster, w).shape
-                label = f"mesh auto ({shape})"
-            else:
-                shape = MeshShape.for_size(text, n)
-                label = f"mesh {shape}"
-            times, nbytes, how = bench_mesh(args, (shape.a, shape.b), device, dtype, cluster)
-            rows.append((label, times, nbytes, how))
+    for algo, text in _mesh_runs(algos, args.shapes):
+        shape, u, label = _shape(args, algo, text, n, cluster, dtype)
+        times, nbytes, how = bench_mesh(args, shape, device, dtype, cluster, ulysses=u)
+        rows.append((label, times, nbytes, how))
     te_ok = True
     try:
         import transformer_engine.pytorch  # noqa: F401
@@ -208,6 +239,15 @@ def _report(args, rows, n, dtype, device, flops):
     for label, med, lo, hi, nb, how in stats:
         print(f"{label:<24}{med * 1e3:>10.2f}{f'{lo * 1e3:.2f}-{hi * 1e3:.2f}':>18}{flops / med / 1e12:>13.3f}"
               f"{nb / 2**20:>11.2f}  {how}")
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(f"Measured: one attention layer forward + backward, CP = {n}, S = {args.seq}, heads {args.heads}/"
+                    f"{args.kv_heads}, d = {args.head_dim}, {str(dtype).replace('torch.', '')}, {device.type}; median "
+                    f"and min-max of {args.repeats} runs x {args.iters} steps, slowest rank.\n\n")
+            f.write("| algorithm | median ms | min-max ms | TFLOP/s/GPU | MiB sent/rank | bytes |\n|---|---|---|---|---|---|\n")
+            for label, med, lo, hi, nb, how in stats:
+                f.write(f"| {label} | {med * 1e3:.2f} | {lo * 1e3:.2f}-{hi * 1e3:.2f} | {flops / med / 1e12:.3f} | "
+                        f"{nb / 2**20:.2f} | {how} |\n")
     if args.csv:
         with open(args.csv, "w", newline="") as f:
             wr = csv.writer(f)

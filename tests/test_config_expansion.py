@@ -46,25 +46,36 @@ def test_multi_value_flags_come_from_megatrons_parser():
 
 
 def test_launcher_dry_run_fails_naming_the_unset_variable(tmp_path):
-    env = {k: v for k, v in __import__("os").environ.items() if k not in ("DATA_PATH", "TOKENIZER_MODEL")}
+    env = {k: v for k, v in __import__("os").environ.items() if k not in ("DATA_PATH", "TOKENIZER_MODEL", "RUNS_DIR")}
     env.update(WORLD_SIZE="256", RANK="0", PYTHONWARNINGS="ignore")
     res = subprocess.run([sys.executable, str(ROOT / "scripts" / "pretrain_gpt_mesh.py"), "--config",
-                          str(ROOT / "configs" / "llama3_8b_1m_256gpu_mesh.yaml"), "--dry-run"],
+                          str(ROOT / "configs" / "llama31_8b_1m_ring.yaml"), "--dry-run"],
                          env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert res.returncode == 2, res.stderr[-2000:]
     assert "environment variable" in res.stderr and "is not set" in res.stderr
     assert "TOKENIZER_MODEL is not set" in res.stderr and "DATA_PATH is not set" in res.stderr
+    assert "pretrained_checkpoint: environment variable RUNS_DIR is not set" in res.stderr  # from the included stage
 
 
-def test_false_maps_onto_megatrons_negating_flag_or_is_refused(tmp_path):
-    """``false`` is never a silent default: off by default -> nothing; a ``--no-...`` flag exists ->
-    that flag; a switch on by default with no way to turn it off -> an error."""
-    switches = {"fp16": (False, None), "create_attention_mask_in_dataloader": (True, "--no-create-attention-mask-in-dataloader"),
-                "always_on": (True, None)}
-    path = _cfg(tmp_path, "fp16: false\ncreate_attention_mask_in_dataloader: false\n")
-    assert config_to_argv(path, {}, switches=switches) == ["--no-create-attention-mask-in-dataloader"]
-    with pytest.raises(ConfigError, match="always_on: false cannot be passed to Megatron"):
-        config_to_argv(_cfg(tmp_path, "always_on: false\n"), {}, switches=switches)
-    # and Megatron's own parser has that flag
-    assert config_to_argv(_cfg(tmp_path, "create_attention_mask_in_dataloader: false\nbf16: false\n"), {}) == [
-        "--no-create-attention-mask-in-dataloader"]
+def test_false_turns_off_a_setting_megatron_enables_by_default_and_never_drops_silently(tmp_path):
+    path = _cfg(tmp_path, "create_attention_mask_in_dataloader: false\napply_rope_fusion: false\nbf16: false\n"
+                          "rope_fusion_flag_that_does_not_exist: true\n")
+    assert config_to_argv(path, {}) == ["--no-create-attention-mask-in-dataloader", "--no-rope-fusion",
+                                        "--rope-fusion-flag-that-does-not-exist"]  # Megatron rejects the last loudly
+    assert config_to_argv(_cfg(tmp_path, "create_attention_mask_in_dataloader: true\n"), {}) == []  # the default
+    with pytest.raises(ConfigError, match=r"crate_attention_mask: false, but Megatron has no .* silently dropped"):
+        config_to_argv(_cfg(tmp_path, "crate_attention_mask: false\n"), {})
+
+
+def test_include_reads_the_base_first_and_the_file_overrides_it(tmp_path):
+    (tmp_path / "base.yaml").write_text("seq_length: 1024\nmesh_shape: 2x2\nlr: 1.0e-4\nmanual_gc: true\n")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "mid.yaml").write_text("include: ../base.yaml\nlr: 2.0e-5\nmesh_shape: null\n")
+    top = tmp_path / "sub" / "top.yaml"
+    top.write_text("include: mid.yaml\nmanual_gc: false\nseed: 7\n")
+    assert config_to_argv(str(top), {}) == ["--seq-length", "1024", "--lr", "2e-05", "--seed", "7"]
+    (tmp_path / "loop.yaml").write_text("include: loop.yaml\n")
+    with pytest.raises(ConfigError, match="include cycle"):
+        config_to_argv(str(tmp_path / "loop.yaml"), {})
+    with pytest.raises(ConfigError, match="cannot read it"):
+        config_to_argv(_cfg(tmp_path, "include: nope.yaml\n"), {})

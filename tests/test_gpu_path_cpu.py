@@ -65,16 +65,19 @@ def test_gpu_check_script_smoke_on_cpu(tmp_path):
 
 
 def test_attention_benchmark_on_gloo(tmp_path):
-    out_csv, out_png = tmp_path / "b.csv", tmp_path / "b.png"
+    out_csv, out_png, out_md = tmp_path / "b.csv", tmp_path / "b.png", tmp_path / "b.md"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--master_port", "29731",
            str(ROOT / "scripts" / "bench_attention.py"), "--seq", "256", "--heads", "4", "--kv-heads", "2",
-           "--head-dim", "16", "--shapes", "auto,2x2,1x4", "--iters", "2", "--warmup", "1", "--repeats", "3",
-           "--csv", str(out_csv), "--plot", str(out_png)]
+           "--head-dim", "16", "--shapes", "auto,2x2,1x4,2x1x2", "--iters", "2", "--warmup", "1", "--repeats", "3",
+           "--csv", str(out_csv), "--plot", str(out_png), "--markdown", str(out_md)]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
     assert res.returncode == 0, res.stderr[-3000:]
     rows = list(csv.DictReader(out_csv.open()))
-    assert [r["algorithm"] for r in rows][1:] == ["mesh 2x2", "mesh 1x4"] and rows[0]["algorithm"].startswith("mesh auto")
+    names = [r["algorithm"] for r in rows]
+    assert names[1:3] == ["mesh 2x2", "mesh 1x4"] and names[0].startswith("mesh auto (")
+    assert names[3].startswith("a2a+mesh auto (") and names[4] == "a2a+mesh 2x1x2"  # UxAxB runs Ulysses x mesh
+    assert all(f"| {name} |" in out_md.read_text() for name in names) and "Measured:" in out_md.read_text()
     assert all(float(r["ms"]) > 0 and int(r["bytes_per_rank"]) > 0 and r["bytes_source"] == "measured" for r in rows)
     assert all(0 < float(r["ms_min"]) <= float(r["ms"]) <= float(r["ms_max"]) and r["repeats"] == "3" for r in rows)
     assert "median ms" in res.stdout and "min-max ms" in res.stdout

@@ -112,6 +112,7 @@ BAD = [
      "--mesh-packed-data runs with --context-parallel-algo mesh or a2a+mesh"),
     (["--context-parallel-size", "4", "--context-parallel-algo", "mesh", "--dataloader-inter-document-masking"],
      "do not pad documents to a multiple of 2 * CP = 8"),
+    (["--yaml-cfg", "megatron.yaml"], "--yaml-cfg: Megatron's experimental YAML path fails inside megatron-core's own"),
 ]
 
 
@@ -220,11 +221,16 @@ def test_apply_on_megatron_yaml_namespace():
 
 
 def test_megatron_yaml_config_file_parses_with_mesh(tmp_path):
-    """The shipped Megatron-format YAML goes through Megatron's own loader and our mapping."""
+    """A Megatron-format YAML (nested sections) goes through Megatron's own loader and our mapping. The launcher
+    refuses --yaml-cfg (Megatron's own parse_args fails on it); this keeps apply_mesh_args' namespace support true."""
     from megatron.training.yaml_arguments import load_yaml
 
-    root = Path(__file__).resolve().parent.parent
-    args = load_yaml(str(root / "configs" / "megatron_yaml" / "gpt_tiny_mesh.yaml"))
+    path = tmp_path / "megatron.yaml"
+    path.write_text("language_model:\n  num_layers: 2\n  hidden_size: 64\n  num_attention_heads: 4\n"
+                    "model_parallel:\n  tensor_model_parallel_size: 1\n  pipeline_model_parallel_size: 1\n"
+                    "  context_parallel_size: 4\n  context_parallel_algo: mesh\n  mesh_shape: 2x2\n"
+                    "  cp_comm_type: p2p\nseq_length: 256\n")
+    args = load_yaml(str(path))
     apply_mesh_args(args, argv=[])
     assert args.model_parallel.cp_comm_type == ["mesh"]
     assert args.model_parallel.hierarchical_context_parallel_sizes == [2, 2]
@@ -302,20 +308,83 @@ def test_main_job_config_trains_and_plots(work):
     assert ref["context_parallel_size"] == 1 and len(ref["losses"]) == 6
 
 
-def test_llama3_8b_cp256_config_resolves(work):
-    """The 256-GPU config parses through Megatron and picks a mesh shape, without starting anything."""
+def test_launcher_help_lists_its_own_options_then_megatrons(work):
     import subprocess
     import sys
 
     from megatron_runs import LAUNCHER, ROOT, env
 
+    out = subprocess.run([sys.executable, str(LAUNCHER), "--help"], env=env(work), capture_output=True, text=True,
+                         timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-2000:]
+    ours, megatron = out.stdout.split("Megatron-LM Arguments", 1) if "Megatron-LM Arguments" in out.stdout else (out.stdout, "")
+    assert "launcher options (megatron-mesh-cp)" in ours
+    for flag in ("--config FILE.yaml", "--summary-json FILE", "--plot-loss FILE.png", "--dump-grads FILE", "--dry-run",
+                 "--gpu-memory-gib", "--data-cache-dir"):
+        assert flag in ours, flag
+    assert "--context-parallel-algo" in megatron and "--mesh-shape" in megatron and "--seq-length" in megatron
+
+
+def test_summary_is_written_when_megatron_exits_early(work):
+    """Megatron's early exits (--exit-duration-in-mins, the signal handler, --exit-interval) leave through
+    sys.exit inside pretrain(); the last rank still writes the summary, saying why it stopped."""
+    res = train(work, "early-exit", 2, extra=["--exit-interval", "3"], train_iters=6, context_parallel_size=2,
+                context_parallel_algo="mesh", mesh_shape="1x2")
+    assert [it for it, _ in res["losses"]] == [1, 2, 3]
+    assert res["exit"].startswith("Megatron exited early (code ") and "at iteration 3" in res["exit"]
+    assert res["attention_calls"] > 0 and "summary written to" in res["stdout"]
+
+
+_MOE_SPEC = r"""
+import torch
+from megatron_mesh_cp.megatron import cpu_compat
+cpu_compat.activate()
+from megatron.core import parallel_state as mpu
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.training.argument_utils import gpt_config_from_args
+from megatron.training.models.gpt import default_layer_spec
+from megatron_mesh_cp.megatron.attention import MeshCoreAttention
+from megatron_mesh_cp.megatron.pretrain import parse_megatron_args
+from megatron_mesh_cp.megatron.specs import gpt_mesh_spec
+
+argv = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "128",
+        "--max-position-embeddings", "128", "--micro-batch-size", "1", "--mock-data", "--tokenizer-type",
+        "NullTokenizer", "--vocab-size", "256", "--attention-dropout", "0", "--transformer-impl", "local", "--bf16",
+        "--context-parallel-size", "2", "--context-parallel-algo", "mesh", "--mesh-shape", "1x2",
+        "--num-experts", "4", "--moe-layer-freq", "[0,1,1,1]", "--moe-router-topk", "2"]
+args = parse_megatron_args(argv, set_globals=False)
+args.moe_grouped_gemm = True  # Megatron's validation asks the GPU's compute capability for it
+torch.distributed.init_process_group("gloo", init_method="tcp://127.0.0.1:%d" % PORT, world_size=1, rank=0)
+mpu.initialize_model_parallel(1, 1)
+cfg = gpt_config_from_args(args)
+ours, stock = gpt_mesh_spec(cfg), default_layer_spec(cfg, None)
+for mine, theirs in zip(ours.layer_specs, stock.layer_specs):
+    assert repr(mine.submodules.mlp) == repr(theirs.submodules.mlp)  # MoE exactly as stock Megatron builds it
+    assert mine.submodules.self_attention.submodules.core_attention is MeshCoreAttention
+moe = ["MoELayer" in repr(l.submodules.mlp) for l in ours.layer_specs]
+direct = gpt_mesh_spec(TransformerConfig(num_layers=4, hidden_size=64, num_attention_heads=4, num_moe_experts=4,
+                                         moe_layer_freq=[1, 0, 1, 0], moe_router_topk=2, add_bias_linear=False,
+                                         transformer_impl="local"))
+print("RESULT", moe, ["MoELayer" in repr(l.submodules.mlp) for l in direct.layer_specs],
+      all(l.submodules.self_attention.submodules.core_attention is MeshCoreAttention for l in direct.layer_specs))
+"""
+
+
+def test_default_spec_builds_moe_layers_as_megatron_does(work):
+    """num_experts / moe_layer_freq / grouped GEMM are honoured: the launcher's default spec is Megatron's own
+    default_layer_spec for the config (MoE block spec included) with mesh core attention, not a dense layer."""
+    import subprocess
+    import sys
+
+    from megatron_runs import _port, env
+
     e = env(work)
-    e.update(WORLD_SIZE="256", RANK="0", TOKENIZER_MODEL="/nonexistent/tokenizer", DATA_PATH="/nonexistent/data")
-    out = subprocess.run([sys.executable, str(LAUNCHER), "--config", str(ROOT / "configs" / "llama3_8b_1m_256gpu_mesh.yaml"),
-                          "--dry-run"], env=e, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    e.update(WORLD_SIZE="2", RANK="0")
+    out = subprocess.run([sys.executable, "-c", _MOE_SPEC.replace("PORT", str(_port()))], env=e, capture_output=True,
+                         text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "TP 1 x PP 1 x CP 256 x DP 1; CP algorithm mesh, mesh shape" in out.stdout
-    assert "mesh_shape=auto ->" in out.stdout
+    assert out.stdout.split("RESULT", 1)[1].split() == ["[False,", "True,", "True,", "True]", "[True,", "False,",
+                                                         "True,", "False]", "True"]
 
 
 def test_cpu_compat_fails_loudly_when_a_pinned_name_moves():

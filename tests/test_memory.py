@@ -91,3 +91,71 @@ def test_pool_keeps_the_most_recent_layer_shapes_and_a_byte_cap():
     assert len(capped) == 1 and capped.nbytes() == sizes[2]
     with pytest.raises(ValueError, match="max_shapes"):
         BufferPool(max_shapes=0)
+
+
+# --- the dry run's attention figure (issue 19): each algorithm's real buffers, the planner's figure -----
+
+_DRY_RUN_MEMORY = r"""
+import json, logging, os, sys
+from megatron_mesh_cp.megatron import cpu_compat
+cpu_compat.activate()
+from megatron_mesh_cp.megatron.cp_layer import attention_peak_bytes, attention_workload, simulator_name
+from megatron_mesh_cp.megatron.memory import report
+from megatron_mesh_cp.megatron.pretrain import parse_megatron_args
+from megatron_mesh_cp.megatron.settings import SETTINGS
+from megatron_mesh_cp.planning.baselines import simulate_algorithm
+from megatron_mesh_cp.planning.schedule import default_cluster
+
+logged = []
+class Grab(logging.Handler):
+    def emit(self, record):
+        logged.append(record.getMessage())
+logging.getLogger("megatron_mesh_cp").addHandler(Grab())
+logging.getLogger("megatron_mesh_cp").setLevel(logging.INFO)
+base = ["--num-layers", "2", "--hidden-size", "4096", "--num-attention-heads", "32", "--group-query-attention",
+        "--num-query-groups", "8", "--micro-batch-size", "1", "--bf16", "--mock-data",
+        "--tokenizer-type", "NullTokenizer", "--vocab-size", "128256", "--attention-dropout", "0"]
+out = []
+for flags in json.loads(sys.argv[1]):
+    logged.clear()
+    args = parse_megatron_args(base + flags, set_globals=False)
+    sim = simulator_name(args)
+    want = simulate_algorithm(sim, args.context_parallel_size, SETTINGS.cluster or default_cluster(),
+                              attention_workload(args), max_live=SETTINGS.max_live).peak_bytes
+    auto = [m for m in logged if "mesh_shape=auto" in m and "peak attention memory" in m]
+    out.append(dict(sim=sim, got=attention_peak_bytes(args), want=want, line=report(args, 80.0)[0][1],
+                    auto_mib=float(auto[-1].split("peak attention memory ")[1].split(" MiB")[0]) if auto else None))
+print("RESULT " + json.dumps(out))
+"""
+
+
+def test_dry_run_attention_memory_is_each_algorithms_own_figure(tmp_path):
+    """The estimate's attention term is the simulator's per-rank peak for the algorithm that runs (Ring's and
+    Ulysses x Ring's buffers for TE; the plans' arena + all-to-all tensors for mesh / a2a+mesh, never 0), and
+    under ``mesh_shape: auto`` exactly the peak the planner logs: one figure, printed once."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    seq = ["--seq-length", "1048576", "--max-position-embeddings", "1048576"]
+    cases = [
+        ["--context-parallel-size", "256", "--context-parallel-algo", "p2p", *seq],
+        ["--context-parallel-size", "256", "--context-parallel-algo", "a2a+p2p", "--hierarchical-context-parallel-sizes",
+         "8", "32", *seq],
+        ["--context-parallel-size", "64", "--context-parallel-algo", "mesh", "--mesh-shape", "4x16", *seq],
+        ["--context-parallel-size", "256", "--context-parallel-algo", "a2a+mesh", "--mesh-shape", "8x2x16", *seq],
+        ["--context-parallel-size", "32", "--context-parallel-algo", "a2a", *seq],
+        ["--context-parallel-size", "64", "--context-parallel-algo", "a2a+mesh", "--mesh-shape", "auto",
+         "--seq-length", "262144", "--max-position-embeddings", "262144"],
+    ]
+    env = dict(os.environ, WORLD_SIZE="256", RANK="0", PYTHONWARNINGS="ignore", CUDA_DEVICE_MAX_CONNECTIONS="1")
+    res = subprocess.run([sys.executable, "-c", _DRY_RUN_MEMORY, json.dumps(cases)], capture_output=True, text=True,
+                         timeout=300, env=env, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = json.loads(res.stdout.split("RESULT ", 1)[1])
+    assert [r["sim"] for r in rows[:5]] == ["ring", "usp:8", "mesh:4x16", "a2a+mesh:8x2x16", "ulysses"]
+    for r in rows:
+        assert r["got"] == r["want"] > 0, r
+        assert f"attention {r['got'] / 2**30:.2f} (" in r["line"] and r["line"].count("attention") == 1, r["line"]
+    assert rows[-1]["sim"].startswith("a2a+mesh:") and round(rows[-1]["got"] / 2**20) == rows[-1]["auto_mib"]

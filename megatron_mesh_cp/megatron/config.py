@@ -1,9 +1,12 @@
 """Flat YAML launcher configs -> Megatron command-line flags, with strict environment substitution.
 
-``name: value`` becomes ``--name value``; ``true`` -> ``--name``; ``null`` -> omitted; a list
--> ``--name v1 v2 ...``; ``false`` -> omitted where Megatron's default is already off, the negating flag
-where Megatron has one (``create_attention_mask_in_dataloader: false`` ->
-``--no-create-attention-mask-in-dataloader``), else a :class:`ConfigError` (never a silent default). ``$VAR`` / ``${VAR}`` in strings are substituted by the standard library's
+``name: value`` becomes ``--name value``; ``true`` -> ``--name``; ``null`` -> omitted; a list ->
+``--name v1 v2 ...``. ``false`` -> omitted for a ``--name`` switch, and ``--no-name`` for a Megatron setting
+that only a ``--no-...`` flag turns off (``create_attention_mask_in_dataloader: false`` ->
+``--no-create-attention-mask-in-dataloader``); a ``false`` that matches neither is a :class:`ConfigError`,
+never silently dropped. ``include: OTHER.yaml`` (relative to the file) reads that config first; the
+file's own keys then replace its values (``key: null`` removes one), so an A/B partner or a later
+stage states only what differs. ``$VAR`` / ``${VAR}`` in strings are substituted by the standard library's
 ``string.Template.substitute``: an unset variable is a :class:`ConfigError` naming the variable and
 the key, never a literal ``${VAR}`` or an empty string (``$$`` is a literal ``$``). A string for a
 flag that takes several values in Megatron's own parser (``nargs='*'``/``'+'``, e.g. ``data_path``
@@ -18,9 +21,9 @@ import os
 import shlex
 from functools import lru_cache
 from string import Template
-from typing import FrozenSet, List, Mapping, Optional
+from typing import Dict, FrozenSet, List, Mapping, Optional, Tuple
 
-__all__ = ["ConfigError", "config_to_argv", "megatron_parser", "multi_value_flags"]
+__all__ = ["ConfigError", "config_to_argv", "load_config", "megatron_parser", "multi_value_flags"]
 
 
 class ConfigError(ValueError):
@@ -37,33 +40,20 @@ def megatron_parser() -> argparse.ArgumentParser:
 
 
 @lru_cache(maxsize=1)
+def _actions():
+    """(option string -> action, dest -> actions) of Megatron's parser plus the mesh-CP arguments."""
+    parser = megatron_parser()
+    by_dest = {}
+    for a in parser._actions:
+        by_dest.setdefault(a.dest, []).append(a)
+    return dict(parser._option_string_actions), by_dest
+
+
+@lru_cache(maxsize=1)
 def multi_value_flags() -> FrozenSet[str]:
     """Option strings that take several values in Megatron's parser plus the mesh-CP arguments."""
     return frozenset(s for a in megatron_parser()._actions
                      if a.nargs in ("*", "+") or (isinstance(a.nargs, int) and a.nargs > 1) for s in a.option_strings)
-
-
-@lru_cache(maxsize=1)
-def _switches() -> Mapping[str, tuple]:
-    """dest -> (default, the option string that turns it off or None) for Megatron's and our switches."""
-    out = {}
-    for a in megatron_parser()._actions:
-        if isinstance(a, argparse._StoreFalseAction):
-            out[a.dest] = (True, a.option_strings[0])
-        elif a.dest not in out:
-            out[a.dest] = (a.default, None)
-    return out
-
-
-def _false_tokens(key: str, path: str, switches: Optional[Mapping[str, tuple]]) -> List[str]:
-    """``key: false``: nothing where the switch is off by default, its negating flag where there is one."""
-    default, off = (switches if switches is not None else _switches()).get(str(key), (None, None))
-    if off is not None:
-        return [off]
-    if not default:
-        return []
-    raise ConfigError(f"{path}: {key}: false cannot be passed to Megatron (its default is {default!r} and it has "
-                      f"no flag turning it off); drop the key or give a value")
 
 
 def _substitute(value: str, key: str, path: str, env: Mapping[str, str]) -> str:
@@ -78,21 +68,15 @@ def _substitute(value: str, key: str, path: str, env: Mapping[str, str]) -> str:
 
 
 def config_to_argv(path: str, env: Optional[Mapping[str, str]] = None,
-                   multi: Optional[FrozenSet[str]] = None, switches: Optional[Mapping[str, tuple]] = None) -> List[str]:
-    """The Megatron flags a flat YAML config stands for (``env`` defaults to ``os.environ``;
-    ``multi`` / ``switches`` default to what Megatron's parser says)."""
-    import yaml
-
+                   multi: Optional[FrozenSet[str]] = None) -> List[str]:
+    """The Megatron flags a flat YAML config stands for (``env`` defaults to ``os.environ``)."""
     env = os.environ if env is None else env
-    with open(path) as f:
-        cfg = yaml.safe_load(f) or {}
-    if not isinstance(cfg, dict):
-        raise ConfigError(f"{path}: expected a mapping of argument names to values")
+    cfg = load_config(path)
     argv: List[str] = []
     errors: List[str] = []
     for key, value in cfg.items():
         try:
-            argv += _false_tokens(key, path, switches) if value is False else _flag_tokens(key, value, path, env, multi)
+            argv += _flag_tokens(key, value, path, env, multi)
         except ConfigError as exc:
             errors.append(str(exc))
     if errors:  # every problem at once, not one per attempt
@@ -100,12 +84,51 @@ def config_to_argv(path: str, env: Optional[Mapping[str, str]] = None,
     return argv
 
 
+def load_config(path: str, _seen: Tuple[str, ...] = ()) -> Dict:
+    """The config's keys in order, ``include`` resolved (the included file's keys first, this file's
+    values replacing theirs)."""
+    import yaml
+
+    real = os.path.realpath(path)
+    if real in _seen:
+        raise ConfigError(f"{path}: include cycle: {' -> '.join(_seen + (real,))}")
+    try:
+        with open(path) as f:
+            cfg = yaml.safe_load(f) or {}
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read it ({exc.strerror})") from None
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"{path}: expected a mapping of argument names to values")
+    base = cfg.pop("include", None)
+    if base is None:
+        return cfg
+    if not isinstance(base, str):
+        raise ConfigError(f"{path}: include: expected one file name, got {base!r}")
+    merged = load_config(os.path.join(os.path.dirname(path), base), _seen + (real,))
+    merged.update(cfg)
+    return merged
+
+
+def _switch(key: str, flag: str, value: bool, path: str) -> List[str]:
+    """A boolean value: the ``--name`` switch, or Megatron's ``--no-name`` flag for a setting that is on by default."""
+    options, by_dest = _actions()
+    if flag in options:
+        return [flag] if value else []
+    store_false = [a for a in by_dest.get(str(key), []) if isinstance(a, argparse._StoreFalseAction)]
+    if store_false:
+        return [] if value else [store_false[0].option_strings[0]]
+    if value:
+        return [flag]  # Megatron's parser rejects an unknown flag loudly
+    raise ConfigError(f"{path}: {key}: false, but Megatron has no {flag} switch and no setting {key!r} that a "
+                      "--no-... flag turns off; the value would be silently dropped (check the name)")
+
+
 def _flag_tokens(key, value, path: str, env: Mapping[str, str], multi: Optional[FrozenSet[str]]) -> List[str]:
     flag = "--" + str(key).replace("_", "-")
     if value is None:
         return []
-    if value is True:
-        return [flag]
+    if isinstance(value, bool):
+        return _switch(key, flag, value, path)
     if isinstance(value, (list, tuple)):
         return [flag] + [_substitute(str(v), key, path, env) for v in value]
     if not isinstance(value, str):

@@ -5,16 +5,17 @@ Weights and optimizer: the parameter count of the most loaded model shard from M
 gradients and fp32 Adam state + master weights, the last sharded over DP x CP by the distributed
 optimizer (Megatron's estimator shards over DP only, which overstates CP runs). Activations: Megatron's
 per-layer term (flash attention, no score matrix) on this rank's sequence share; with full recompute
-only each layer's input is kept plus one layer being recomputed. Attention transient: the mesh plan's
-peak live chunks (``plan.validate``) times the largest chunk it receives. An estimate, not a measurement.
+only each layer's input is kept plus one layer being recomputed. Attention: the buffers the CP algorithm
+holds per rank beyond q, k, v and the output (:func:`.cp_layer.attention_peak_bytes`: for mesh and
+a2a+mesh the arena of the plans that will run -- the figure ``mesh_shape=auto`` logs -- plus the
+all-to-all's tensors; Ring's and Ulysses x Ring's K/V and accumulator buffers for TE's algorithms).
+An estimate, not a measurement.
 """
 
 from __future__ import annotations
 
 import copy
 from typing import List, Tuple
-
-import torch
 
 __all__ = ["estimate", "report"]
 
@@ -31,32 +32,6 @@ def _params_on_most_loaded_shard(args, vocab: int) -> float:
     return compute_weight_and_optimizer_memory(a) / 18
 
 
-def _attention_transient(args, s_local: int, bytes_el: int) -> Tuple[float, int]:
-    """Bytes of the mesh executor's receive buffers and accumulators at its peak, and that peak in chunks."""
-    from ..runtime.plan import ChunkDims, payload, validate
-    from ..planning.schedule import build_plans
-    from .settings import SETTINGS
-
-    shape = getattr(args, "mesh_shape", None)
-    if getattr(args, "context_parallel_algo", None) != "mesh" or not shape:
-        return 0.0, 0
-    a, b = (int(x) for x in str(shape).split("x"))
-    tp = args.tensor_model_parallel_size
-    heads = max(1, args.num_attention_heads // tp)
-    kv = max(1, (args.num_query_groups if args.group_query_attention else args.num_attention_heads) // tp)
-    d = args.kv_channels or args.hidden_size // args.num_attention_heads
-    dtype = {2: torch.bfloat16, 4: torch.float32}[bytes_el]
-    dims = ChunkDims(args.micro_batch_size, s_local, heads, kv, d, dtype)
-    worst, peak_chunks = 0.0, 0
-    for plan in build_plans(a, b, SETTINGS.planner, cluster=SETTINGS.cluster, stride=tp, max_live=SETTINGS.max_live):
-        peak = validate(plan)
-        chunk = max(sum(t.nbytes for t in payload(plan.phase, k, dims)) for k in ("q", "kv", "o", "dq", "dkv"))
-        acc = 3 * s_local * args.micro_batch_size * heads * d * 4  # fp32 out/dq + dk/dv accumulators
-        if peak * chunk + acc > worst:
-            worst, peak_chunks = peak * chunk + acc, peak
-    return worst, peak_chunks
-
-
 def estimate(args) -> dict:
     """Bytes per GPU by component (and the assumptions made), for the most loaded rank."""
     vocab = getattr(args, "padded_vocab_size", None) or args.vocab_size or ASSUMED_VOCAB
@@ -71,7 +46,9 @@ def estimate(args) -> dict:
     kept = s_local * mb * h * bytes_el / (tp if args.sequence_parallel else 1)  # a layer's input
     activations = layers * kept + per_layer if full else layers * per_layer
     logits = s_local * mb * vocab / tp * (bytes_el + 4)  # logits and their fp32 softmax/gradient
-    attention, peak_chunks = _attention_transient(args, s_local, bytes_el)
+    from .cp_layer import attention_peak_bytes, cp_algorithm
+
+    attention = attention_peak_bytes(args)
     parts = {
         "parameters": params * bytes_el,
         "gradients": params * 4,
@@ -82,7 +59,7 @@ def estimate(args) -> dict:
     }
     return {"parts": parts, "total": sum(parts.values()), "params": params, "vocab_assumed": vocab == ASSUMED_VOCAB
             and not (getattr(args, "padded_vocab_size", None) or args.vocab_size), "recompute": full,
-            "optimizer_shards": shards, "peak_chunks": peak_chunks}
+            "optimizer_shards": shards, "algorithm": cp_algorithm(args)[0] if cp > 1 else None}
 
 
 def report(args, gpu_gib: float) -> List[Tuple[str, str]]:
@@ -92,8 +69,8 @@ def report(args, gpu_gib: float) -> List[Tuple[str, str]]:
     lines = [("info", f"memory per GPU (estimate): {e['total'] / GIB:.1f} GiB = parameters {p['parameters'] / GIB:.1f} "
               f"+ gradients {p['gradients'] / GIB:.1f} + optimizer {p['optimizer'] / GIB:.1f} (over {e['optimizer_shards']} "
               f"shards) + activations {p['activations'] / GIB:.1f} ({'full recompute' if e['recompute'] else 'no recompute'}) "
-              f"+ logits {p['logits'] / GIB:.1f} + attention transient {p['attention'] / GIB:.2f}"
-              + (f" ({e['peak_chunks']} live chunks at peak)" if e["peak_chunks"] else "")
+              f"+ logits {p['logits'] / GIB:.1f} + attention {p['attention'] / GIB:.2f}"
+              + (f" ({e['algorithm']} buffers at their peak)" if e["algorithm"] else "")
               + f"; {e['params'] / 1e9:.2f} B parameters on this shard"
               + (f"; vocabulary assumed {ASSUMED_VOCAB} (set vocab_size)" if e["vocab_assumed"] else ""))]
     if e["total"] > gpu_gib * GIB:

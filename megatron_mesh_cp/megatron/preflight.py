@@ -3,9 +3,11 @@
     python -m megatron_mesh_cp.megatron.preflight --config configs/X.yaml [--gpus-per-node 8] [--save DIR]
 
 Checks the config (environment variables set, see :mod:`.config`), the software (this package,
-megatron-core 0.19.x for the launcher, Transformer Engine when the config uses it, ``transformers``
-for a Hugging Face tokenizer), the tokenizer and data paths (each blend prefix's ``.bin``/``.idx``),
-that the checkpoint directory is writable, and the GPUs this node shows. Prints one line per check
+megatron-core 0.19.x or 0.20 for the launcher, Transformer Engine when the config uses it, ``transformers``
+for a Hugging Face tokenizer, torchrun's ``--shutdown-timeout`` when the job gives it one), the
+tokenizer and data paths (each blend prefix's ``.bin``/``.idx``), that the checkpoint directory is
+writable and that the job has weights to start from (its own latest checkpoint, else
+``--pretrained-checkpoint``: the converted model or the previous stage), and the GPUs this node shows. Prints one line per check
 and exits 1 if any failed. ``scripts/slurm/job.py`` runs it on the first node before ``srun`` fans
 out, and its ``--dry-run`` runs the same checks here (``--no-software``/``--no-gpus`` when this
 machine is not the one that will run the job, e.g. a container image).
@@ -22,7 +24,9 @@ from typing import List, NamedTuple, Optional
 
 __all__ = ["Check", "run_checks", "main"]
 
-LAUNCHER_MCORE = (0, 19)
+#: megatron-core minor versions the launcher runs on: CI runs 0.19.2; Megatron-LM main (0.20.0, d98e8a6)
+#: passed the launcher's Megatron tests by hand (README, Compatibility)
+LAUNCHER_MCORE = ((0, 19), (0, 20))
 
 
 class Check(NamedTuple):
@@ -44,11 +48,11 @@ def _software(args) -> List[Check]:
     try:
         from megatron.core import package_info
 
-        ok = tuple(int(x) for x in package_info.__version__.split(".")[:2]) == LAUNCHER_MCORE
+        ok = tuple(int(x) for x in package_info.__version__.split(".")[:2]) in LAUNCHER_MCORE
         out.append(Check("megatron-core", ok, package_info.__version__ + ("" if ok else
-                         f"; the launcher needs {'.'.join(map(str, LAUNCHER_MCORE))}.x (pip install 'megatron-core~=0.19.0')")))
+                         "; the launcher needs 0.19.x or 0.20.x (pip install 'megatron-core>=0.19,<0.21')")))
     except ImportError as exc:
-        out.append(Check("megatron-core", False, f"not importable ({exc}); pip install 'megatron-core~=0.19.0'"))
+        out.append(Check("megatron-core", False, f"not importable ({exc}); pip install 'megatron-core>=0.19,<0.21'"))
     if args.transformer_impl == "transformer_engine":
         try:
             out.append(Check("transformer-engine", True, _version("transformer_engine")))
@@ -71,6 +75,20 @@ def _software(args) -> List[Check]:
             out.append(Check("transformers", False, "not importable; HuggingFaceTokenizer needs it "
                              "(pip install 'megatron-mesh-cp[megatron]')"))
     return out
+
+
+def _torchrun(shutdown_timeout: Optional[int]) -> List[Check]:
+    """The job's torchrun must honour --shutdown-timeout (older torch kills workers 30 s after SIGTERM)."""
+    if shutdown_timeout is None:
+        return []
+    from torch.distributed.run import get_args_parser
+
+    if "--shutdown-timeout" in get_args_parser()._option_string_actions:
+        return [Check("torchrun", True, f"--shutdown-timeout {shutdown_timeout} s: the SIGTERM save gets the signal lead")]
+    import torch
+
+    return [Check("torchrun", False, f"torch {torch.__version__}'s torchrun has no --shutdown-timeout: it would kill the "
+                  "workers 30 s after SIGTERM, before their checkpoint is saved; use a newer torch or --launcher tasks")]
 
 
 def _tokenizer(args, software: bool) -> List[Check]:
@@ -111,7 +129,12 @@ def _data(args) -> List[Check]:
     return [Check("data", True, f"{len(prefixes)} dataset prefix(es), .bin and .idx present")]
 
 
-def _writable(path: Optional[str]) -> List[Check]:
+def _has_checkpoint(path: Optional[str]) -> bool:
+    return bool(path) and os.path.exists(os.path.join(path, "latest_checkpointed_iteration.txt"))
+
+
+def _checkpoints(path: Optional[str], args) -> List[Check]:
+    """The checkpoint directory is writable, and the job has weights to start from when it must not start fresh."""
     if not path:
         return []
     existing = path
@@ -122,8 +145,19 @@ def _writable(path: Optional[str]) -> List[Check]:
             pass
     except OSError as exc:
         return [Check("checkpoints", False, f"{path}: {existing} is not writable: {exc}")]
-    resume = os.path.exists(os.path.join(path, "latest_checkpointed_iteration.txt"))
-    return [Check("checkpoints", True, f"{path} ({'resumes from its latest checkpoint' if resume else 'starts fresh'})")]
+    load = args.load or path
+    if _has_checkpoint(load):
+        return [Check("checkpoints", True, f"{path} (resumes from its latest checkpoint)")]
+    start = args.pretrained_checkpoint
+    if start:
+        if _has_checkpoint(start):
+            return [Check("checkpoints", True, f"{path} (starts from {start}: weights only, iteration 0)")]
+        return [Check("checkpoints", False, f"neither {load} nor --pretrained-checkpoint {start} holds a checkpoint "
+                      "(latest_checkpointed_iteration.txt): run the previous stage first, or convert the Hugging Face "
+                      "weights there (README, Long-context recipe)")]
+    if args.exit_on_missing_checkpoint:
+        return [Check("checkpoints", False, f"{load} holds no checkpoint and the config sets exit_on_missing_checkpoint")]
+    return [Check("checkpoints", True, f"{path} (starts fresh)")]
 
 
 def _gpus(expected: int) -> List[Check]:
@@ -138,7 +172,7 @@ def _gpus(expected: int) -> List[Check]:
 
 
 def run_checks(config: str, *, gpus_per_node: int = 0, save: Optional[str] = None, software: bool = True,
-               extra: Optional[List[str]] = None) -> List[Check]:
+               extra: Optional[List[str]] = None, torchrun_shutdown_timeout: Optional[int] = None) -> List[Check]:
     """All checks for one config (plus extra Megatron flags); never raises for a failed check."""
     from .config import ConfigError, config_to_argv, megatron_parser
 
@@ -149,10 +183,10 @@ def run_checks(config: str, *, gpus_per_node: int = 0, save: Optional[str] = Non
     args, _ = megatron_parser().parse_known_args(argv)
     checks = [Check("config", True, config)]
     steps = {
-        "software": lambda: _software(args) if software else [],
+        "software": lambda: (_software(args) + _torchrun(torchrun_shutdown_timeout)) if software else [],
         "tokenizer": lambda: _tokenizer(args, software),
         "data": lambda: _data(args),
-        "checkpoints": lambda: _writable(save or args.save),
+        "checkpoints": lambda: _checkpoints(save or args.save, args),
         "gpus": lambda: _gpus(gpus_per_node) if gpus_per_node else [],
     }
     for name, step in steps.items():
@@ -169,9 +203,12 @@ def main(argv=None) -> int:
     p.add_argument("--gpus-per-node", type=int, default=0, help="check this many GPUs are visible (0: skip)")
     p.add_argument("--save", default=None, help="checkpoint directory that must be writable")
     p.add_argument("--no-software", action="store_true", help="skip the import/version checks")
+    p.add_argument("--torchrun-shutdown-timeout", type=int, default=None,
+                   help="the job's torchrun waits this long after SIGTERM: check that it can")
     args, extra = p.parse_known_args(argv)
     checks = run_checks(args.config, gpus_per_node=args.gpus_per_node, save=args.save,
-                        software=not args.no_software, extra=extra)
+                        software=not args.no_software, extra=extra,
+                        torchrun_shutdown_timeout=args.torchrun_shutdown_timeout)
     for c in checks:
         print(f"preflight: {'ok  ' if c.ok else 'FAIL'} {c.name}: {c.detail}", flush=True)
     failed = [c.name for c in checks if not c.ok]

@@ -1,4 +1,4 @@
-"""GPT pretraining through Megatron's real training loop with mesh CP (megatron-core 0.19.x).
+"""GPT pretraining through Megatron's real training loop with mesh CP (megatron-core 0.19.x / 0.20).
 
 ``scripts/pretrain_gpt_mesh.py`` calls :func:`main`. Megatron's own arguments plus the mesh-CP
 switches (``--context-parallel-algo mesh --mesh-shape AxB|auto``...) and a few launcher options:
@@ -6,11 +6,16 @@ switches (``--context-parallel-algo mesh --mesh-shape AxB|auto``...) and a few l
 * ``--config FILE.yaml`` -- a flat YAML of Megatron arguments (``context_parallel_algo: mesh``,
   ``mesh_shape: 2x2``...; ``${VAR}`` from the environment, see :mod:`.config`); command-line flags
   after it override it;
-* ``--summary-json FILE`` -- per-iteration lm loss and attention bytes, written by the last rank;
+* ``--summary-json FILE`` -- per-iteration lm loss and attention bytes, written by the last rank (also
+  when Megatron exits early on ``--exit-duration-in-mins`` / ``--exit-signal-handler``);
 * ``--plot-loss FILE.png`` -- after training, rerun the same config with CP = 1 on one process and
   plot both loss curves;
 * ``--dump-grads FILE`` -- save every parameter's reduced gradient of the first step (parity tests);
-* ``--dry-run`` -- resolve and validate the arguments (mesh shape included), print them, start nothing.
+* ``--dry-run`` -- resolve and validate the arguments (mesh shape included), print them, start nothing;
+* ``--gpu-memory-gib``, ``--data-cache-dir`` -- the dry run's memory threshold, the stdlib corpus cache.
+
+``--help`` lists these first, then Megatron's own arguments. Megatron's ``--yaml-cfg`` is refused
+(it fails inside megatron-core's own parser); ``--config`` takes flat YAML instead.
 
 ``--mesh-packed-data`` trains on packed sequences (documents padded to a multiple of 2·CP, THD
 under mesh CP, a block-diagonal mask at CP = 1; :mod:`.packing`). Megatron's own
@@ -46,6 +51,11 @@ log = logging.getLogger("megatron_mesh_cp")
 
 LAUNCHER_FLAGS = ("--config", "--summary-json", "--plot-loss", "--dump-grads", "--data-cache-dir", "--gpu-memory-gib",
                   "--stdlib-doc-bytes")
+YAML_CFG_REFUSED = (
+    "--yaml-cfg: Megatron's experimental YAML path fails inside megatron-core's own parse_args (0.19.2 and "
+    "main: AttributeError: 'types.SimpleNamespace' object has no attribute 'disable_msc_deprecated'); use "
+    "--config FILE.yaml, a flat YAML with the flags' own names (configs/*.yaml)"
+)
 _LOSSES: List[List[float]] = []
 
 
@@ -67,12 +77,7 @@ def parse_megatron_args(argv: Sequence[str], defaults: Optional[Dict] = None, se
     finally:
         sys.argv = saved
     apply_mesh_args(args, argv)
-    if getattr(args, "yaml_cfg", None):
-        from megatron.training.yaml_arguments import validate_yaml
-
-        args = validate_yaml(args, defaults or {})
-    else:
-        validate_args(args, defaults or {})
+    validate_args(args, defaults or {})
     if set_globals:
         set_global_variables(args)
     return args
@@ -105,7 +110,7 @@ def _init_distributed_cpu(args) -> None:
 
 def _pinned(module, name: str):
     if not hasattr(module, name):
-        raise RuntimeError(f"{module.__name__}.{name} is gone; this launcher supports megatron-core 0.19.x")
+        raise RuntimeError(f"{module.__name__}.{name} is gone; this launcher supports megatron-core 0.19.x and 0.20")
     return getattr(module, name)
 
 
@@ -298,24 +303,42 @@ datasets_provider.is_distributed = True
 # --- main ---------------------------------------------------------------------------------------
 
 
-def _launcher_options(argv: Sequence[str]):
-    p = argparse.ArgumentParser(add_help=False)
-    p.add_argument("--config", default=None)
-    p.add_argument("--summary-json", default=None)
-    p.add_argument("--plot-loss", default=None)
-    p.add_argument("--dump-grads", default=None)
-    p.add_argument("--dry-run", action="store_true")
-    p.add_argument("--gpu-memory-gib", type=float, default=float(os.environ.get("MESH_CP_GPU_MEMORY_GIB", "0")) or None,
+def _launcher_parser() -> argparse.ArgumentParser:
+    """This launcher's own options (taken out before Megatron parses the rest); listed first by --help."""
+    p = argparse.ArgumentParser(add_help=False, prog="pretrain_gpt_mesh.py (mesh-cp-pretrain)",
+                                usage="%(prog)s [launcher options] [Megatron arguments]")
+    g = p.add_argument_group("launcher options (megatron-mesh-cp)")
+    g.add_argument("--config", default=None, metavar="FILE.yaml",
+                   help="flat YAML of Megatron arguments (name: value, ${VAR} from the environment, include: BASE.yaml); "
+                        "command-line flags after it override it")
+    g.add_argument("--summary-json", default=None, metavar="FILE",
+                   help="per-iteration lm loss and attention bytes, written by the last rank at the end and when "
+                        "Megatron exits early (--exit-duration-in-mins, --exit-signal-handler, --exit-interval)")
+    g.add_argument("--plot-loss", default=None, metavar="FILE.png",
+                   help="after training, rerun the same config with CP = 1 on one process and plot both loss curves")
+    g.add_argument("--dump-grads", default=None, metavar="FILE",
+                   help="save every parameter's reduced gradient of the first step (parity tests)")
+    g.add_argument("--dry-run", action="store_true",
+                   help="resolve and validate the arguments (mesh shape included), print the layout and a per-GPU "
+                        "memory estimate, start nothing (WORLD_SIZE: the job's world size)")
+    g.add_argument("--gpu-memory-gib", type=float,
+                   default=float(os.environ.get("MESH_CP_GPU_MEMORY_GIB", "0")) or None,
                    help="the dry run's memory warning threshold (default: this GPU's memory, else 80)")
-    p.add_argument("--data-cache-dir", default=os.environ.get("MESH_CP_DATA_DIR", str(Path.home() / ".cache" / "megatron-mesh-cp")))
-    p.add_argument("--stdlib-doc-bytes", type=int, default=None,
-                   help="the built-in stdlib corpus: cut every file into documents of at most this many bytes "
+    g.add_argument("--data-cache-dir", default=os.environ.get("MESH_CP_DATA_DIR", str(Path.home() / ".cache" / "megatron-mesh-cp")),
+                   help="where the stdlib corpus is built when no --data-path / --mock-data is given "
+                        "(default $MESH_CP_DATA_DIR or ~/.cache/megatron-mesh-cp)")
+    g.add_argument("--stdlib-doc-bytes", type=int, default=None, metavar="N",
+                   help="the built-in stdlib corpus: cut every file into documents of at most N bytes "
                         "(default: one document per file)")
-    return p.parse_known_args(list(argv))
+    return p
+
+
+def _launcher_options(argv: Sequence[str]):
+    return _launcher_parser().parse_known_args(list(argv))
 
 
 def _default_data(argv: List[str], cache_dir: str, doc_bytes: Optional[int] = None) -> List[str]:
-    if _has(argv, "--data-path") or _has(argv, "--mock-data") or _has(argv, "--yaml-cfg"):
+    if _has(argv, "--data-path") or _has(argv, "--mock-data"):
         return argv
     from .data import VOCAB_SIZE, ensure_stdlib_corpus
 
@@ -498,10 +521,15 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     from .settings import SETTINGS
 
     SETTINGS.launcher = True  # this get_batch hands --reset-attention-mask's documents to the attention
+    if {"-h", "--help"} & set(rest):  # ours first; Megatron's parser then prints its own and exits
+        print(_launcher_parser().format_help(), flush=True)
     try:
         megatron_argv = (config_to_argv(opts.config) if opts.config else []) + rest
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    if _has(megatron_argv, "--yaml-cfg"):
+        print(f"error: {YAML_CFG_REFUSED}", file=sys.stderr, flush=True)
         sys.exit(2)
     cpu = not torch.cuda.is_available()
     if cpu:
@@ -539,21 +567,37 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     if args.spec is None:
         model_cfg.transformer_layer_spec = gpt_mesh_spec
     container = pretrain_cfg_container_from_args(args, model_cfg)
-    pretrain(container, datasets_provider, ModelType.encoder_or_decoder, forward_step)
+    try:
+        pretrain(container, datasets_provider, ModelType.encoder_or_decoder, forward_step)
+    except SystemExit as exc:  # Megatron's early exits (duration, signal, interval) end in sys.exit
+        if torch.distributed.is_initialized():
+            _finish(args, opts, megatron_argv, started, stdlib,
+                    exit=f"Megatron exited early (code {exc.code}) at iteration {_LOSSES[-1][0] if _LOSSES else 0}: "
+                         "--exit-duration-in-mins, --exit-signal-handler or --exit-interval")
+        raise
+    _finish(args, opts, megatron_argv, started, stdlib)
 
+
+def _finish(args, opts, megatron_argv: List[str], started: float, stdlib: bool, exit: Optional[str] = None) -> None:
+    """The last rank's summary (and summary JSON); after a complete run also the CP = 1 loss plot."""
     last = torch.distributed.get_rank() == torch.distributed.get_world_size() - 1
     summary = _summary(args, opts, started)
     summary["data"] = _data_label(args, stdlib, opts.stdlib_doc_bytes)
-    if last:
-        _print_summary(summary)
-        if opts.summary_json:
-            Path(opts.summary_json).parent.mkdir(parents=True, exist_ok=True)
-            with open(opts.summary_json, "w") as f:
-                json.dump(summary, f, indent=1)
-        if opts.plot_loss and args.context_parallel_size > 1:
-            same_batches = []  # packed data: keep this run's packing multiple, so CP = 1 sees the same batches
-            if getattr(args, "mesh_packed_data", False) and not _has(megatron_argv, "--mesh-pack-multiple"):
-                same_batches = ["--mesh-pack-multiple", str(args.mesh_pack_multiple)]
-            ref = _reference_run(megatron_argv + same_batches, str(Path(opts.plot_loss).with_suffix(".cp1.json")))
-            _plot(summary, ref, opts.plot_loss)
-            log.info(f"loss curve (vs CP=1) written to {opts.plot_loss}")
+    summary["exit"] = exit
+    if not last:
+        return
+    if exit:
+        log.info(exit)
+    _print_summary(summary)
+    if opts.summary_json:
+        Path(opts.summary_json).parent.mkdir(parents=True, exist_ok=True)
+        with open(opts.summary_json, "w") as f:
+            json.dump(summary, f, indent=1)
+        log.info(f"summary written to {opts.summary_json}")
+    if opts.plot_loss and args.context_parallel_size > 1 and not exit:
+        same_batches = []  # packed data: keep this run's packing multiple, so CP = 1 sees the same batches
+        if getattr(args, "mesh_packed_data", False) and not _has(megatron_argv, "--mesh-pack-multiple"):
+            same_batches = ["--mesh-pack-multiple", str(args.mesh_pack_multiple)]
+        ref = _reference_run(megatron_argv + same_batches, str(Path(opts.plot_loss).with_suffix(".cp1.json")))
+        _plot(summary, ref, opts.plot_loss)
+        log.info(f"loss curve (vs CP=1) written to {opts.plot_loss}")

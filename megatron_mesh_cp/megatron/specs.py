@@ -4,8 +4,12 @@
   copy whose self-attention uses ``MeshCoreAttention`` (which hands off to TE / local attention
   whenever mesh CP is not in use, so the spec serves every run).
 * ``gpt_mesh_spec`` -- a callable for ``--spec megatron_mesh_cp.megatron.specs gpt_mesh_spec``
-  (Megatron's GPT builder calls it with the model config): the stock TE spec when
-  ``--transformer-impl transformer_engine`` and TE is installed, the local spec otherwise.
+  (Megatron's GPT builder calls it with the model config; the launcher's default): the spec Megatron
+  itself would build for that config (``megatron.training.models.gpt.default_layer_spec``: TE or
+  local, MoE block specs with ``num_experts`` / grouped GEMM / ``moe_layer_freq``, MLA,
+  heterogeneous layers), with mesh attention. Given a bare ``TransformerConfig`` (a directly built
+  ``GPTModel``, megatron-core 0.16), the TE or local layer spec, or the MoE decoder block spec when
+  ``num_moe_experts`` is set.
 * ``gpt_local_mesh_spec`` -- a ``ModuleSpec`` object (local modules, LayerNorm) for
   ``--spec megatron_mesh_cp.megatron.specs gpt_local_mesh_spec``.
 """
@@ -48,24 +52,38 @@ def _transformer_config(config):
     return getattr(config, "transformer", config)  # GPTModelConfig (0.19 builder) or TransformerConfig
 
 
+def _check_te(te: bool) -> None:
+    if not te:
+        return
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception as exc:  # missing, or its CUDA libraries are
+        raise ValueError(f"--transformer-impl transformer_engine needs Transformer Engine ({type(exc).__name__}: {exc}); "
+                         "install it or pass --transformer-impl local") from None
+
+
 def gpt_mesh_spec(config, vp_stage=None) -> ModuleSpec:
-    """Stock GPT layer spec for ``config`` (TE or local, its normalisation and QK-norm) with mesh attention."""
+    """The GPT layer (or block) spec Megatron would use for ``config``, with mesh attention."""
     cfg = _transformer_config(config)
-    qk_layernorm = bool(getattr(cfg, "qk_layernorm", False))
+    te = getattr(cfg, "transformer_impl", "local") == "transformer_engine"
+    _check_te(te)
+    if cfg is not config:  # a GPTModelConfig: Megatron's own choice, so MoE, MLA, ... are what it builds
+        from megatron.training.models.gpt import default_layer_spec
+
+        return with_mesh_attention(default_layer_spec(config, vp_stage))
     normalization = getattr(cfg, "normalization", "LayerNorm")
-    if getattr(cfg, "transformer_impl", "local") == "transformer_engine":
+    if getattr(cfg, "num_moe_experts", None):  # MoE: Megatron's decoder block spec (moe_layer_freq, grouped GEMM)
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+        return with_mesh_attention(get_gpt_decoder_block_spec(
+            cfg, use_transformer_engine=te, normalization=normalization,
+            qk_l2_norm=bool(getattr(cfg, "qk_l2_norm", False)), vp_stage=vp_stage))
+    qk_layernorm = bool(getattr(cfg, "qk_layernorm", False))
+    if te:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
-        try:
-            base = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
-        except Exception as exc:  # TE missing or too old
-            raise ValueError(
-                f"--transformer-impl transformer_engine needs Transformer Engine ({exc}); "
-                "install it or pass --transformer-impl local"
-            ) from None
-    else:
-        base = get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, normalization=normalization)
-    return with_mesh_attention(base)
+        return with_mesh_attention(get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm))
+    return with_mesh_attention(get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, normalization=normalization))
 
 
 gpt_local_mesh_spec: ModuleSpec = with_mesh_attention(get_gpt_layer_local_spec())

@@ -1,20 +1,27 @@
 #!/usr/bin/env python3
 """Resolve and launch a mesh-CP pretraining job inside a SLURM allocation (or print it: --dry-run).
 
-    python scripts/slurm/job.py --config llama3_8b_1m_256gpu_mesh --nodes 32 [--time-limit 04:00:00] [--dry-run] [-- extra args]
+    python scripts/slurm/job.py --config llama31_8b_cpt_s1_128k --nodes 32 [--time-limit 04:00:00] [--dry-run] [-- extra args]
 
-One directory per config, so a resubmitted or requeued job resumes: runs/<config>/checkpoints
-(``--save`` and ``--load``), logs/ (the batch log and one file per rank and job), tensorboard/ and
-summary-<job>.json. Megatron stops and saves ``--exit-margin-min`` before the time limit
-(``--exit-duration-in-mins``) and on SIGTERM (``--exit-signal-handler``). Before ``srun`` fans out,
-a preflight (:mod:`megatron_mesh_cp.megatron.preflight`) runs on the first node and stops the job in
-seconds if the software, tokenizer, data or checkpoint directory is wrong. Launchers: ``torchrun``
-(default: one agent per node, it sets LOCAL_RANK) or ``tasks`` (one task per GPU: RANK/LOCAL_RANK
-from SLURM, every task sees all the node's GPUs and binds GPU LOCAL_RANK, as Megatron does).
-Containers: ``--container-image``/``--container-mounts`` (pyxis) or $CONTAINER_IMAGE/$CONTAINER_MOUNTS.
-``--dry-run`` prints the environment and commands, runs the same preflight here (software and GPU
-checks only without a container image: they belong to the image otherwise) and the launcher's own
-dry run (layout, mesh shape, memory estimate), and exits 1 if a check failed.
+One directory per config under the runs directory ($RUNS_DIR, else $SCRATCH/mesh-cp-runs, else
+$HOME/mesh-cp-runs: never inside the checkout; a 70B checkpoint is ~1 TB), so a resubmitted or
+requeued job resumes: <runs>/<config>/checkpoints (``--save`` and ``--load``), logs/ (the batch log
+and one file per node or rank and job), tensorboard/ and summary-<job>.json. The configs name the
+previous stage's checkpoints as ${RUNS_DIR}/<stage>/checkpoints; this script exports RUNS_DIR.
+Megatron stops and saves ``--exit-margin-min`` before the time limit (``--exit-duration-in-mins``)
+and on SIGTERM (``--exit-signal-handler``; SLURM sends it ``--signal-lead`` seconds before the
+limit, and torchrun's ``--shutdown-timeout`` gives the workers that long to save before it kills
+them, instead of its default 30 s). Before ``srun`` fans out, a preflight
+(:mod:`megatron_mesh_cp.megatron.preflight`) runs on the first node and stops the job in seconds if
+the software, tokenizer, data or checkpoints are wrong. Launchers: ``torchrun`` (default: one agent
+per node, static rendezvous with node rank = SLURM node id, so global ranks follow the node order)
+or ``tasks`` (one task per GPU: RANK/LOCAL_RANK from SLURM, every task sees all the node's GPUs and
+binds GPU LOCAL_RANK, as Megatron does). Both pass ``--ntasks`` explicitly (the batch step's
+SLURM_NTASKS is the node count). Containers: ``--container-image``/``--container-mounts`` (pyxis)
+or $CONTAINER_IMAGE/$CONTAINER_MOUNTS. ``--dry-run`` prints the environment, commands and log files,
+runs the same preflight here (software and GPU checks only without a container image: they belong
+to the image otherwise) and the launcher's own dry run (layout, mesh shape, memory estimate), and
+exits 1 if a check failed.
 """
 
 from __future__ import annotations
@@ -46,6 +53,13 @@ PASSTHROUGH = ("NCCL_SOCKET_IFNAME", "NCCL_IB_HCA", "NCCL_DEBUG", "DATA_PATH", "
 PORT = 29500
 
 
+def default_runs_dir() -> str:
+    """$RUNS_DIR, else $SCRATCH/mesh-cp-runs (the cluster's parallel file system), else $HOME/mesh-cp-runs."""
+    if os.environ.get("RUNS_DIR"):
+        return os.environ["RUNS_DIR"]
+    return os.path.join(os.environ.get("SCRATCH") or os.path.expanduser("~"), "mesh-cp-runs")
+
+
 def parse(argv):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", required=True, help="name of a YAML in configs/ (with or without .yaml)")
@@ -54,9 +68,13 @@ def parse(argv):
     p.add_argument("--launcher", choices=("torchrun", "tasks"), default="torchrun")
     p.add_argument("--time-limit", default=None, help="the job's SLURM time limit (inside a job: asked from squeue)")
     p.add_argument("--exit-margin-min", type=int, default=15, help="stop and save this long before the limit")
+    p.add_argument("--signal-lead", type=int, default=300,
+                   help="seconds before the limit SLURM sends SIGTERM (#SBATCH --signal=TERM@N); torchrun waits this "
+                        "long for the workers' save before it kills them")
     p.add_argument("--container-image", default=os.environ.get("CONTAINER_IMAGE"))
     p.add_argument("--container-mounts", default=os.environ.get("CONTAINER_MOUNTS"))
-    p.add_argument("--runs-dir", default=os.environ.get("RUNS_DIR", str(ROOT / "runs")))
+    p.add_argument("--runs-dir", default=default_runs_dir(), help="default: $RUNS_DIR, $SCRATCH/mesh-cp-runs or "
+                   "$HOME/mesh-cp-runs")
     p.add_argument("--python", default=os.environ.get("PYTHON", "python3"), help="interpreter on the compute nodes")
     p.add_argument("--dry-run", action="store_true")
     args, extra = p.parse_known_args(argv)
@@ -71,6 +89,20 @@ def config_path(name: str) -> Path:
         known = sorted(p.stem for p in (ROOT / "configs").glob("*.yaml"))
         raise SystemExit(f"error: no config {name!r} in configs/; choose one of: {', '.join(known)}")
     return path
+
+
+def config_variables(path: Path, seen=()) -> list:
+    """The environment variables a config (and what it includes) substitutes: the job passes each one on."""
+    if path in seen:
+        return []
+    names = []
+    for line in path.read_text().splitlines():
+        line = line.split("#", 1)[0]
+        inc = re.match(r"\s*include:\s*(\S+)", line)
+        if inc:
+            names += config_variables(path.parent / inc.group(1), seen + (path,))
+        names += re.findall(r"(?<!\$)\$\{?([A-Za-z_][A-Za-z0-9_]*)", line)
+    return list(dict.fromkeys(names))
 
 
 def slurm_minutes(text: str) -> int:
@@ -110,6 +142,18 @@ def container_flags(args, run: Path):
             f"--container-mounts={','.join(mounts)}"]
 
 
+def log_files(args, logs: Path, job: str):
+    """Where the job's output goes: (srun's --output pattern, {what: file})."""
+    last = args.nodes - 1 if args.launcher == "torchrun" else args.nodes * args.gpus_per_node - 1
+    unit = "node" if args.launcher == "torchrun" else "rank"
+    pattern = f"{logs}/{job}-{unit}%{'n' if unit == 'node' else 't'}.log"
+    return pattern, {
+        "iteration lines (Megatron logs them from the last rank)": f"{logs}/{job}-{unit}{last}.log",
+        "arguments, model build, checkpoint saves (rank 0)": f"{logs}/{job}-{unit}0.log",
+        "this script, the preflight and the commands": f"{logs}/slurm-{job}.out (submit.sh's --output)",
+    }
+
+
 def build(args, extra):
     cfg = config_path(args.config)
     job = os.environ.get("SLURM_JOB_ID", "dryrun" if args.dry_run else "local")
@@ -120,7 +164,8 @@ def build(args, extra):
     if exit_min < 5:
         raise SystemExit(f"error: the time limit leaves {exit_min} min after the {args.exit_margin_min} min exit margin")
     env = dict(NCCL_ENV)
-    env.update({k: os.environ[k] for k in PASSTHROUGH if k in os.environ})
+    env.update({k: os.environ[k] for k in PASSTHROUGH + tuple(config_variables(cfg)) if k in os.environ})
+    env["RUNS_DIR"] = str(args.runs_dir)  # the configs' ${RUNS_DIR}/<previous stage>/checkpoints
     logging = ["--tensorboard-dir", str(run / "tensorboard")]
     if "WANDB_API_KEY" in os.environ:  # W&B only when the key is there
         logging += ["--wandb-project", os.environ.get("WANDB_PROJECT", "megatron-mesh-cp"), "--wandb-exp-name",
@@ -129,19 +174,23 @@ def build(args, extra):
              "--save", str(ckpt), "--load", str(ckpt), "--exit-duration-in-mins", str(exit_min),
              "--exit-signal-handler", *logging, "--summary-json", str(run / f"summary-{job}.json"), *extra]
     box = container_flags(args, run)
+    shutdown = ["--torchrun-shutdown-timeout", str(args.signal_lead)] if args.launcher == "torchrun" else []
     preflight = ["srun", "--nodes=1", "--ntasks=1", "--nodelist=$FIRST_NODE", f"--gpus-per-node={args.gpus_per_node}",
                  *box, args.python, "-m", "megatron_mesh_cp.megatron.preflight", "--config", str(cfg),
-                 "--gpus-per-node", str(args.gpus_per_node), "--save", str(ckpt), *logging, *extra]
-    srun = ["srun", f"--nodes={args.nodes}", "--kill-on-bad-exit=1", f"--output={logs}/{job}-rank%t.log", *box]
+                 "--gpus-per-node", str(args.gpus_per_node), "--save", str(ckpt), *shutdown, *logging, *extra]
+    pattern, _ = log_files(args, logs, job)
+    srun = ["srun", f"--nodes={args.nodes}", "--kill-on-bad-exit=1", f"--output={pattern}", *box]
     if args.launcher == "torchrun":
-        srun += ["--ntasks-per-node=1", f"--gpus-per-node={args.gpus_per_node}"]
+        # static rendezvous: node rank = SLURM node id, so the last node holds the last ranks (and their log lines);
+        # --shutdown-timeout: SIGTERM reaches the workers and they get the signal lead to save (torchrun: 30 s)
+        srun += [f"--ntasks={args.nodes}", "--ntasks-per-node=1", f"--gpus-per-node={args.gpus_per_node}"]
         inner = [args.python, "-m", "torch.distributed.run", f"--nnodes={args.nodes}",
-                 f"--nproc-per-node={args.gpus_per_node}", "--rdzv-backend=c10d",
-                 f"--rdzv-endpoint=$MASTER_ADDR:{PORT}", f"--rdzv-id={job}"] + train
-        cmd = srun + ["bash", "-c", " ".join(c if c.startswith("--rdzv-endpoint") else shlex.quote(c) for c in inner)]
+                 f"--nproc-per-node={args.gpus_per_node}", "--node-rank=$SLURM_NODEID", "--master-addr=$MASTER_ADDR",
+                 f"--master-port={PORT}", f"--shutdown-timeout={args.signal_lead}"] + train
+        cmd = srun + ["bash", "-c", " ".join(c if "=$" in c else shlex.quote(c) for c in inner)]
     else:
         # every task sees all the node's GPUs (no --gpus-per-task: Megatron calls set_device(LOCAL_RANK))
-        srun += [f"--ntasks-per-node={args.gpus_per_node}", f"--gpus-per-node={args.gpus_per_node}",
+        srun += [f"--ntasks={world}", f"--ntasks-per-node={args.gpus_per_node}", f"--gpus-per-node={args.gpus_per_node}",
                  "--gpu-bind=none", "--cpu-bind=none"]
         export = ("export RANK=$SLURM_PROCID WORLD_SIZE=$SLURM_NTASKS LOCAL_RANK=$SLURM_LOCALID "
                   f"LOCAL_WORLD_SIZE=$SLURM_NTASKS_PER_NODE MASTER_PORT={PORT}")
@@ -151,10 +200,13 @@ def build(args, extra):
 
 def local_checks(args, cfg: Path, run: Path, world: int, flags) -> int:
     """--dry-run: the preflight and the launcher's dry run, here; returns the number of failures."""
-    env = dict(os.environ, WORLD_SIZE=str(world), RANK="0", LOCAL_RANK="0", PYTHONPATH=str(ROOT))
+    env = dict(os.environ, WORLD_SIZE=str(world), RANK="0", LOCAL_RANK="0", PYTHONPATH=str(ROOT),
+               RUNS_DIR=str(args.runs_dir))
     py = sys.executable if args.python == "python3" else args.python
+    shutdown = ["--torchrun-shutdown-timeout", str(args.signal_lead)] if args.launcher == "torchrun" else []
     checks = [("preflight", [py, "-m", "megatron_mesh_cp.megatron.preflight", "--config", str(cfg),
-                             "--save", str(run / "checkpoints"), *flags] + (["--no-software"] if args.container_image else [])),
+                             "--save", str(run / "checkpoints"), *flags]
+               + (["--no-software"] if args.container_image else shutdown)),
               ("launcher dry run", [py, str(ROOT / "scripts" / "pretrain_gpt_mesh.py"), "--config", str(cfg), "--dry-run", *flags])]
     failed = 0
     for name, command in checks:
@@ -177,9 +229,12 @@ def main(argv=None):
     cfg, run, world, env, preflight, cmd, flags = build(args, extra)
     header = (f"job: config {cfg.name}, {args.nodes} nodes x {args.gpus_per_node} GPUs = {world} ranks, "
               f"launcher {args.launcher}{', container ' + args.container_image if args.container_image else ''}")
+    _, logs = log_files(args, run / "logs", os.environ.get("SLURM_JOB_ID", "<job>" if args.dry_run else "local"))
+    where = "log files:\n" + "\n".join(f"  {what}: {path}" for what, path in logs.items())
     if args.dry_run:
         print(header)
         print(f"run dir: {run}  (checkpoints/ resumed by every resubmission, logs/, tensorboard/, summary-<job>.json)")
+        print(where)
         print("environment:\n" + "\n".join(f"  export {k}={shlex.quote(v)}" for k, v in env.items()))
         print("preflight (first node):\n  " + " ".join(shlex.quote(c) if "$" not in c else c for c in preflight))
         print("command:\n  " + " ".join(shlex.quote(c) for c in cmd))
@@ -193,6 +248,7 @@ def main(argv=None):
                            capture_output=True, text=True, check=True).stdout.split()
     os.environ["MASTER_ADDR"] = os.environ["FIRST_NODE"] = nodes[0]
     print(header, flush=True)
+    print(where, flush=True)
     check = [c.replace("$FIRST_NODE", nodes[0]) for c in preflight]
     print("preflight: " + " ".join(shlex.quote(c) for c in check), flush=True)
     if subprocess.run(check).returncode != 0:

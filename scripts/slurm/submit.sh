@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# Submit a job script so that it resumes and chains: creates runs/<config>/logs before sbatch (SLURM cannot
+# Submit a job script so that it resumes and chains: creates $RUNS_DIR/<config>/logs before sbatch (SLURM cannot
 # create it and fails the job with no log), names the job after its config (the scripts'
 # --dependency=singleton then chains submissions of one config, not of different ones) and submits it
-# --chain N times; each job resumes from runs/<config>/checkpoints.
+# --chain N times; each job resumes from $RUNS_DIR/<config>/checkpoints (default $SCRATCH/mesh-cp-runs, else
+# $HOME/mesh-cp-runs). The job finds the checkout through MESH_CP_ROOT and --chdir (sbatch runs a copy of the script).
 #   bash scripts/slurm/submit.sh pretrain_256gpu.sbatch [--chain 3] [other sbatch options]
-#   CONFIG=llama3_8b_1m_256gpu_ring bash scripts/slurm/submit.sh pretrain_256gpu.sbatch
+#   CONFIG=llama31_8b_1m_ring bash scripts/slurm/submit.sh pretrain_256gpu.sbatch
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 [ $# -ge 1 ] || { echo "usage: $0 JOB.sbatch [--chain N] [sbatch options]" >&2; exit 2; }
@@ -22,13 +23,18 @@ while [ $# -gt 0 ]; do
 done
 [[ "$chain" =~ ^[1-9][0-9]*$ ]] || { echo "error: --chain takes a positive count, not '$chain'" >&2; exit 2; }
 config="${CONFIG:-$(sed -n 's/^: "${CONFIG:=\(.*\)}"$/\1/p' "$script" | head -n1)}"
-if [ ! -f "$root/configs/$config.yaml" ]; then
-  echo "error: no config '$config' in configs/ (set CONFIG=); choose one of: $(cd "$root/configs" && ls *.yaml | sed 's/\.yaml$//' | tr '\n' ' ')" >&2
-  exit 2
+if grep -q 'scripts/slurm/job.py --config' "$script"; then  # a training job: it runs configs/<config>.yaml
+  if [ ! -f "$root/configs/$config.yaml" ]; then
+    echo "error: no config '$config' in configs/ (set CONFIG=); choose one of: $(cd "$root/configs" && ls *.yaml | sed 's/\.yaml$//' | tr '\n' ' ')" >&2
+    exit 2
+  fi
+else  # e.g. bench_ab.sbatch: named after the script
+  config="$(basename "$script" .sbatch)"
 fi
-logs="${RUNS_DIR:-$root/runs}/$config/logs"
+runs="${RUNS_DIR:-${SCRATCH:-$HOME}/mesh-cp-runs}"  # as job.py: never inside the checkout
+logs="$runs/$config/logs"
 mkdir -p "$logs"
 for _ in $(seq "$chain"); do
-  CONFIG="$config" "${SBATCH:-sbatch}" --chdir="$root" --job-name="mesh-cp-$config" --output="$logs/slurm-%j.out" \
+  CONFIG="$config" RUNS_DIR="$runs" MESH_CP_ROOT="$root" "${SBATCH:-sbatch}" --chdir="$root" --job-name="mesh-cp-$config" --output="$logs/slurm-%j.out" \
     ${opts[@]+"${opts[@]}"} "$script"
 done
