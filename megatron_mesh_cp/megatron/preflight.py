@@ -5,7 +5,8 @@
 Checks the config (environment variables set, see :mod:`.config`), the software (this package,
 megatron-core 0.19.x for the launcher, Transformer Engine when the config uses it, ``transformers``
 for a Hugging Face tokenizer), the tokenizer and data paths (each blend prefix's ``.bin``/``.idx``),
-that the checkpoint directory is writable, and the GPUs this node shows. Prints one line per check
+that the checkpoint directory is writable, the GPUs this node shows, and the mesh settings (``mesh_shape: auto``
+is resolved here once, filling the shape cache the ranks read). Prints one line per check
 and exits 1 if any failed. ``scripts/slurm/job.py`` runs it on the first node before ``srun`` fans
 out, and its ``--dry-run`` runs the same checks here (``--no-software``/``--no-gpus`` when this
 machine is not the one that will run the job, e.g. a container image).
@@ -137,6 +138,31 @@ def _gpus(expected: int) -> List[Check]:
                   ("" if ok else f"; the job starts {expected} ranks per node, each binding GPU LOCAL_RANK"))]
 
 
+def _mesh_shape(args, argv: List[str]) -> List[Check]:
+    """The mesh settings resolved as every rank will resolve them: ``mesh_shape: auto`` plans here, once, and
+    fills the shape cache (``$MESH_CP_CACHE_DIR``) the job's ranks then read instead of each planning."""
+    import copy
+    import time
+
+    from ..planning.shape_cache import cache_dir
+    from .arguments import MeshArgumentError, apply_mesh_args
+
+    auto = str(getattr(args, "mesh_shape", "") or "").lower() == "auto"
+    start = time.perf_counter()
+    try:
+        resolved = apply_mesh_args(copy.copy(args), argv)
+    except MeshArgumentError as exc:
+        return [Check("mesh shape", False, str(exc))]
+    if getattr(resolved, "context_parallel_algo", None) not in ("mesh", "a2a+mesh"):
+        return []
+    detail = f"{resolved.context_parallel_algo} {resolved.mesh_shape}"
+    if auto:
+        where = cache_dir()
+        detail += (f" (auto, {time.perf_counter() - start:.1f} s; shape cache {where})" if where else
+                   f" (auto, {time.perf_counter() - start:.1f} s; shape cache off: every rank plans it again)")
+    return [Check("mesh shape", True, detail)]
+
+
 def run_checks(config: str, *, gpus_per_node: int = 0, save: Optional[str] = None, software: bool = True,
                extra: Optional[List[str]] = None) -> List[Check]:
     """All checks for one config (plus extra Megatron flags); never raises for a failed check."""
@@ -154,6 +180,7 @@ def run_checks(config: str, *, gpus_per_node: int = 0, save: Optional[str] = Non
         "data": lambda: _data(args),
         "checkpoints": lambda: _writable(save or args.save),
         "gpus": lambda: _gpus(gpus_per_node) if gpus_per_node else [],
+        "mesh shape": lambda: _mesh_shape(args, argv),
     }
     for name, step in steps.items():
         try:
