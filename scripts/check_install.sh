@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# A user's install, checked: build the package from the files git tracks (no build/ leftovers), install it
-# non-editable and offline (--no-index: anything it needed beyond torch, megatron-core's numpy and PyYAML
-# would fail here) into the compat env, then run the simulate CLI and a 4-rank demo of mesh_attention
-# from a directory outside the checkout, so only the installed package (and its shipped presets) is used.
+# A user's install, checked: copy the files git tracks (no build/ leftovers); an editable install of the copy
+# (pip install -e, as older instructions say; setup.py defers to pyproject.toml) must import that copy; then
+# install it non-editable and offline (--no-index: anything it needed beyond torch, megatron-core's numpy and
+# PyYAML would fail here) into the compat env, replacing the editable one, and run the simulate CLI and a
+# 4-rank demo of mesh_attention from a directory outside the checkout, so only the installed package (and
+# its shipped presets) is used.
 #   bash scripts/check_install.sh            # uses .venv311 (scripts/env.sh compat); VENV311=... to override
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -14,9 +16,19 @@ git -C "$root" ls-files -z --cached --others --exclude-standard \
   | while IFS= read -r -d '' f; do [ -e "$root/$f" ] && printf '%s\0' "$f"; done \
   | tar -C "$root" --null -T - -cf - | tar -xf - -C "$work/src"
 log="$work/pip.log"
+offline() { env -u PIP_FIND_LINKS -u PIP_INDEX_URL -u PIP_EXTRA_INDEX_URL PIP_CONFIG_FILE=/dev/null "$@"; }
+# first the older instructions' editable install (setup.py defers to pyproject.toml): it must import the
+# copied checkout itself; the non-editable install below then replaces it
+if ! offline "$venv/bin/python" -m pip install --no-deps --no-build-isolation -e "$work/src" >"$log" 2>&1; then
+  cat "$log" >&2
+  echo "error: editable install failed" >&2
+  exit 1
+fi
+(cd "$work/elsewhere" && "$venv/bin/python" -c 'import sys, megatron_mesh_cp as m; sys.exit(m.__file__ != sys.argv[1])' \
+  "$work/src/megatron_mesh_cp/__init__.py") || { echo "error: the editable install does not import the checkout" >&2; exit 1; }
+echo "editable install imports the checkout ($(basename "$venv"))"
 # no index, no find-links, no pip.conf: an offline machine; the build backend is the env's own setuptools
-if ! env -u PIP_FIND_LINKS -u PIP_INDEX_URL -u PIP_EXTRA_INDEX_URL PIP_CONFIG_FILE=/dev/null \
-    "$venv/bin/python" -m pip install --no-index --no-build-isolation "$work/src" >"$log" 2>&1; then
+if ! offline "$venv/bin/python" -m pip install --no-index --no-build-isolation "$work/src" >"$log" 2>&1; then
   cat "$log" >&2
   echo "error: offline non-editable install failed" >&2
   exit 1

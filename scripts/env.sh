@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Create (or refresh) a project environment; idempotent and quiet when it is current.
-#   scripts/env.sh          .venv     Python 3.12, torch 2.13.0, megatron-core 0.19.2 (the main one)
+#   scripts/env.sh          .venv     Python 3.12, torch 2.13.0, megatron-core 0.19.2, Megatron-Bridge 0.6.2 (the main one)
 #   scripts/env.sh compat   .venv311  Python 3.11, CPU torch 2.13.0, megatron-core 0.16.1 (compat tests)
 # The main env gets the package editable (tests run the checkout); scripts/check_install.sh installs it
 # non-editable into the compat env, as a user's `pip install .` would.
@@ -9,12 +9,13 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 flavour="${1:-main}"
 case "$flavour" in
-  main)   minor=12; venv="${VENV:-$root/.venv}";    req="$root/requirements/py312.txt" ;;
-  compat) minor=11; venv="${VENV311:-$root/.venv311}"; req="$root/requirements/py311-mcore016.txt" ;;
+  main)   minor=12; venv="${VENV:-$root/.venv}";    req="$root/requirements/py312.txt"
+          nodeps="$root/requirements/py312-bridge.txt" ;;
+  compat) minor=11; venv="${VENV311:-$root/.venv311}"; req="$root/requirements/py311-mcore016.txt"; nodeps= ;;
   *) echo "usage: $0 [main|compat]" >&2; exit 2 ;;
 esac
 stamp="$venv/.requirements.sha"
-want="$(cat "$req" "$root/pyproject.toml" | sha256sum | cut -d' ' -f1)"
+want="$(cat "$req" ${nodeps:+"$nodeps"} "$root/pyproject.toml" | sha256sum | cut -d' ' -f1)"
 
 find_python() {
   if [ "$flavour" = main ] && [ -n "${PYTHON:-}" ]; then echo "$PYTHON"; return; fi
@@ -44,6 +45,9 @@ fi
 echo "installing $(basename "$req") into $venv (first time: torch is a large download)" >&2
 "$venv/bin/python" -m pip install -q --upgrade pip >&2
 "$venv/bin/python" -m pip install -q -r "$req" >&2
+if [ -n "$nodeps" ]; then  # Megatron-Bridge and what its import needs; its own dependency list has CUDA-only builds
+  "$venv/bin/python" -m pip install -q --no-deps -r "$nodeps" >&2
+fi
 if [ "$flavour" = main ]; then
   "$venv/bin/python" -m pip install -q --no-deps -e "$root" >&2
 fi

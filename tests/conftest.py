@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import sys
+import tempfile
 
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))  # rank_tasks must import in spawned workers too
+# mesh_shape=auto's disk cache (planning/shape_cache.py): one fresh directory per test session, inherited by the
+# launcher subprocesses, so no test reads an entry an earlier session left and nothing is written to ~/.cache
+os.environ["MESH_CP_CACHE_DIR"] = tempfile.mkdtemp(prefix="mesh-cp-shapes-")
+atexit.register(shutil.rmtree, os.environ["MESH_CP_CACHE_DIR"], True)
 
 from megatron_mesh_cp.spawn import RankPool  # noqa: E402
 

@@ -369,9 +369,9 @@ def _resolve_shape(args, text: str, cp: int) -> MeshShape:
             return MeshShape.for_size(parse_shape(text), cp)
         except ValueError as exc:
             raise MeshArgumentError(f"--mesh-shape: {exc}") from None
-    from ..planning.autoshape import choose_shape
+    from ..planning.shape_cache import cached_choice
 
-    choice = choose_shape(cp, cluster, _workload(args, cp), stride=_tp(args))
+    choice = cached_choice("mesh", cp, cluster, _workload(args, cp), stride=_tp(args))  # choose_shape, on disk
     SETTINGS.shape_explanation = choice.explanation  # choose_shape has logged it
     SETTINGS.max_live = choice.max_live  # the plans that run are the ones that fit the budget
     return choice.shape
@@ -407,9 +407,9 @@ def _resolve_hybrid_shape(args, text: str, cp: int) -> List[int]:
     _, _, heads, _, _ = _layer(args, cp)
     tp = _tp(args)
     if str(text).lower() == "auto":
-        from ..planning.autoshape import choose_hybrid_shape
+        from ..planning.shape_cache import cached_choice
 
-        choice = choose_hybrid_shape(cp, cluster, _workload(args, cp), stride=tp)
+        choice = cached_choice("a2a+mesh", cp, cluster, _workload(args, cp), stride=tp)  # choose_hybrid_shape, on disk
         SETTINGS.shape_explanation = choice.explanation  # choose_hybrid_shape has logged it
         SETTINGS.max_live = choice.max_live
         return [choice.u, choice.shape.a, choice.shape.b]

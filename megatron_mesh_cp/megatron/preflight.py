@@ -7,7 +7,9 @@ megatron-core 0.19.x or 0.20 for the launcher, Transformer Engine when the confi
 for a Hugging Face tokenizer, torchrun's ``--shutdown-timeout`` when the job gives it one), the
 tokenizer and data paths (each blend prefix's ``.bin``/``.idx``), that the checkpoint directory is
 writable and that the job has weights to start from (its own latest checkpoint, else
-``--pretrained-checkpoint``: the converted model or the previous stage), and the GPUs this node shows. Prints one line per check
+``--pretrained-checkpoint``: the converted model or the previous stage), the GPUs this node shows, and
+the mesh settings (``mesh_shape: auto`` is resolved here once, filling the shape cache the ranks read).
+Prints one line per check
 and exits 1 if any failed. ``scripts/slurm/job.py`` runs it on the first node before ``srun`` fans
 out, and its ``--dry-run`` runs the same checks here (``--no-software``/``--no-gpus`` when this
 machine is not the one that will run the job, e.g. a container image).
@@ -171,6 +173,34 @@ def _gpus(expected: int) -> List[Check]:
                   ("" if ok else f"; the job starts {expected} ranks per node, each binding GPU LOCAL_RANK"))]
 
 
+def _mesh_shape(args, argv: List[str]) -> List[Check]:
+    """The mesh settings resolved as every rank will resolve them: ``mesh_shape: auto`` plans here, once, and
+    fills the shape cache (``$MESH_CP_CACHE_DIR``) the job's ranks then read instead of each planning."""
+    import copy
+    import time
+
+    from ..planning.shape_cache import cache_dir
+    from .arguments import MeshArgumentError, apply_mesh_args
+
+    from .settings import SETTINGS
+
+    SETTINGS.launcher = True  # the job runs the launcher, whose get_batch passes documents to the attention
+    auto = str(getattr(args, "mesh_shape", "") or "").lower() == "auto"
+    start = time.perf_counter()
+    try:
+        resolved = apply_mesh_args(copy.copy(args), argv)
+    except MeshArgumentError as exc:
+        return [Check("mesh shape", False, str(exc))]
+    if getattr(resolved, "context_parallel_algo", None) not in ("mesh", "a2a+mesh"):
+        return []
+    detail = f"{resolved.context_parallel_algo} {resolved.mesh_shape}"
+    if auto:
+        where = cache_dir()
+        detail += (f" (auto, {time.perf_counter() - start:.1f} s; shape cache {where})" if where else
+                   f" (auto, {time.perf_counter() - start:.1f} s; shape cache off: every rank plans it again)")
+    return [Check("mesh shape", True, detail)]
+
+
 def run_checks(config: str, *, gpus_per_node: int = 0, save: Optional[str] = None, software: bool = True,
                extra: Optional[List[str]] = None, torchrun_shutdown_timeout: Optional[int] = None) -> List[Check]:
     """All checks for one config (plus extra Megatron flags); never raises for a failed check."""
@@ -188,6 +218,7 @@ def run_checks(config: str, *, gpus_per_node: int = 0, save: Optional[str] = Non
         "data": lambda: _data(args),
         "checkpoints": lambda: _checkpoints(save or args.save, args),
         "gpus": lambda: _gpus(gpus_per_node) if gpus_per_node else [],
+        "mesh shape": lambda: _mesh_shape(args, argv),
     }
     for name, step in steps.items():
         try:
