@@ -8,14 +8,16 @@ again under full recompute), attention simulated by ``megatron_mesh_cp.simulate`
 CP algorithm and shape on ``--cluster``, plus the stage's GEMM FLOPs (``8 x`` weights per token with full
 recompute, ``6 x`` for the output layer) at ``--gemm-tflops`` per GPU; a step is ``(m + PP - 1)`` of them
 (1F1B, m micro-batches per data-parallel rank). TP, PP and DP communication and the optimizer step are not
-modelled. ``--docs LO-HI`` prices document masking (packed documents padded to 2 x CP, the simulator's
-THD pricing). The configs' save intervals come from these figures (a save about every 30 minutes).
+modelled. ``--docs LO-HI`` prices document masking as each algorithm runs it: ours (mesh, a2a+mesh)
+unpadded with pruned plans, Megatron/TE's padded to 2 x CP (THD, every chunk sent). The configs' save
+intervals come from the figures without document masking (a save about every 30 minutes).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+from dataclasses import replace
 import sys
 from pathlib import Path
 
@@ -54,16 +56,20 @@ def step_time(name: str, cluster_name: str, gemm_tflops: float, docs=None):
     from megatron_mesh_cp.megatron.settings import SETTINGS
     from megatron_mesh_cp.planning.baselines import simulate_algorithm
     from megatron_mesh_cp.planning.cluster import load_cluster
-    from megatron_mesh_cp.planning.packing import parse_doc_range, sample_packing
+    from megatron_mesh_cp.planning.doc_baselines import document_sets, runs_unpadded
+    from megatron_mesh_cp.planning.packing import parse_doc_range
 
     args = resolve(name)
     cp, tp, pp = args.context_parallel_size, args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     dp = 256 // (cp * tp * pp)
     m = args.global_batch_size // (args.micro_batch_size * dp)
-    packing = sample_packing(args.seq_length, *parse_doc_range(docs), cp) if docs else None
     cluster = load_cluster(cluster_name)
     sim = simulator_name(args)
-    res = simulate_algorithm(sim, cp, cluster, attention_workload(args, packing), tp=tp, max_live=SETTINGS.max_live)
+    w = attention_workload(args)
+    if docs:  # the same draws: ours unpadded (pruned plans), TE's padded to 2 x CP
+        packing, documents = document_sets(args.seq_length, cp, lo_hi=parse_doc_range(docs))
+        w = replace(w, documents=documents) if runs_unpadded(sim) else replace(w, packing=packing)
+    res = simulate_algorithm(sim, cp, cluster, w, tp=tp, max_live=SETTINGS.max_live)
     layers = args.num_layers // pp
     recompute = res.time_by_phase["forward"] if args.recompute_granularity == "full" else 0.0
     attention = layers * (res.time + recompute)

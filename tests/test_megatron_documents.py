@@ -73,16 +73,15 @@ def test_masking_a_path_would_drop_is_refused_before_training(tmp_path):
         assert needle in res["stderr"], (argv, res["stderr"])
 
 
-def test_stock_pretrain_gpt_refuses_documents_it_cannot_pass(monkeypatch):
-    """Stock pretrain_gpt.py's get_batch does not hand the documents to the attention: refused."""
+def test_stock_pretrain_gpt_refuses_documents_it_cannot_pass():
+    """Stock pretrain_gpt.py's get_batch does not hand the documents to the attention: refused there
+    (the patched Megatron calls apply_mesh_args_or_exit, i.e. launcher=False), accepted for the launcher."""
     from test_megatron_integration import _flat
 
-    monkeypatch.setattr(SETTINGS, "launcher", False)
     args = _flat(context_parallel_algo="mesh", mesh_shape="2x2", context_parallel_size=4, reset_attention_mask=True,
                  create_attention_mask_in_dataloader=False)
     with pytest.raises(MeshArgumentError, match="needs megatron-mesh-cp's launcher"):
-        apply_mesh_args(args, [])
-    monkeypatch.setattr(SETTINGS, "launcher", True)
+        apply_mesh_args(args, [], launcher=False)
     apply_mesh_args(args, [])
     assert SETTINGS.documents == "eod"
 

@@ -110,19 +110,21 @@ def _explicit(argv: Optional[Sequence[str]], flag: str) -> bool:
     return any(a == flag or a.startswith(flag + "=") for a in argv)
 
 
-def apply_mesh_args(args, argv: Optional[Sequence[str]] = None):
+def apply_mesh_args(args, argv: Optional[Sequence[str]] = None, *, launcher: bool = True):
     """Validate the mesh switches and map them onto Megatron's settings; returns ``args``.
 
     Raises :class:`MeshArgumentError` naming the fix. ``argv`` (default ``sys.argv[1:]``) tells
     which flags were given explicitly, so a contradicting ``--cp-comm-type`` is caught.
+    ``launcher``: the arguments are for this package's launcher, whose get_batch hands document
+    boundaries to the attention (False: stock ``pretrain_gpt.py``, whose get_batch does not).
     """
     args = _apply_cp_algo(args, argv)
     _check_packed_data(args)
-    _check_document_masking(args)
+    _check_document_masking(args, launcher)
     return args
 
 
-def _check_document_masking(args) -> None:
+def _check_document_masking(args, launcher: bool) -> None:
     """``--reset-attention-mask`` (documents end at EOD tokens, Megatron's GPTDataset): honoured by
     mesh CP through the launcher (each micro-batch's EOD boundaries, unpadded, pruned plans) and by
     Megatron's local attention at CP = 1 (its dense mask); refused wherever it would be dropped."""
@@ -139,7 +141,7 @@ def _check_document_masking(args) -> None:
         return
     dense = bool(_get(args, "create_attention_mask_in_dataloader", True))
     if cp > 1 and algo in MESH_ALGORITHMS:
-        if not SETTINGS.launcher:
+        if not launcher:
             raise MeshArgumentError(
                 "--reset-attention-mask under mesh CP needs megatron-mesh-cp's launcher (scripts/pretrain_gpt_mesh.py or "
                 "mesh-cp-pretrain), whose get_batch hands each micro-batch's EOD document boundaries to the attention; "
@@ -159,7 +161,7 @@ def _check_document_masking(args) -> None:
                                     "pass one of them")
         SETTINGS.documents = "eod"
         return
-    if not SETTINGS.launcher:  # Megatron's own paths without mesh CP are Megatron's
+    if not launcher:  # Megatron's own paths without mesh CP are Megatron's
         return
     if cp > 1:
         raise MeshArgumentError(
@@ -439,7 +441,7 @@ def apply_mesh_args_or_exit(args, argv: Optional[Sequence[str]] = None):
     setting prints one ``error:`` line (from rank 0; ``$RANK``) and exits with code 2, as argparse
     does, instead of a traceback on every rank."""
     try:
-        return apply_mesh_args(args, argv)
+        return apply_mesh_args(args, argv, launcher=False)
     except MeshArgumentError as exc:
         if int(os.environ.get("RANK", "0") or 0) == 0:
             print(f"error: {exc}", file=sys.stderr, flush=True)

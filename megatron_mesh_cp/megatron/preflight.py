@@ -182,9 +182,6 @@ def _mesh_shape(args, argv: List[str]) -> List[Check]:
     from ..planning.shape_cache import cache_dir
     from .arguments import MeshArgumentError, apply_mesh_args
 
-    from .settings import SETTINGS
-
-    SETTINGS.launcher = True  # the job runs the launcher, whose get_batch passes documents to the attention
     auto = str(getattr(args, "mesh_shape", "") or "").lower() == "auto"
     start = time.perf_counter()
     try:

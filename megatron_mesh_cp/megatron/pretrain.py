@@ -518,9 +518,6 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     configure_logging(None if rank in (0, world - 1) else "WARNING")
     raw = list(sys.argv[1:] if argv is None else argv)
     opts, rest = _launcher_options(raw)
-    from .settings import SETTINGS
-
-    SETTINGS.launcher = True  # this get_batch hands --reset-attention-mask's documents to the attention
     if {"-h", "--help"} & set(rest):  # ours first; Megatron's parser then prints its own and exits
         print(_launcher_parser().format_help(), flush=True)
     try:

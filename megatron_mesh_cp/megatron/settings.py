@@ -21,7 +21,6 @@ class MeshSettings:
     cluster: object = None  # a megatron_mesh_cp.planning.cluster.Cluster, or None for the default
     shape_explanation: str = ""
     max_live: Optional[int] = None  # live-chunk limit of the plans mesh_shape=auto chose to fit its memory budget
-    launcher: bool = False  # set by megatron_mesh_cp's launcher, whose get_batch can pass document boundaries
     documents: str = ""  # "eod": --reset-attention-mask under mesh CP, boundaries from each micro-batch's EOD tokens
     # what Ring would have sent for the calls made so far (like-for-like partial dtype)
     ring_bytes: int = 0
