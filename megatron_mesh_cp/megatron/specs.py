@@ -5,7 +5,9 @@
   whenever mesh CP is not in use, so the spec serves every run).
 * ``gpt_mesh_spec`` -- a callable for ``--spec megatron_mesh_cp.megatron.specs gpt_mesh_spec``
   (Megatron's GPT builder calls it with the model config): the stock TE spec when
-  ``--transformer-impl transformer_engine`` and TE is installed, the local spec otherwise.
+  ``--transformer-impl transformer_engine`` and TE is installed, the local spec otherwise; with
+  ``--multi-latent-attention`` Megatron's MLA layer spec (MLASelfAttention, whose core attention
+  gets the key and value head dims as ``k_channels`` / ``v_channels``).
 * ``gpt_local_mesh_spec`` -- a ``ModuleSpec`` object (local modules, LayerNorm) for
   ``--spec megatron_mesh_cp.megatron.specs gpt_local_mesh_spec``.
 """
@@ -49,22 +51,24 @@ def _transformer_config(config):
 
 
 def gpt_mesh_spec(config, vp_stage=None) -> ModuleSpec:
-    """Stock GPT layer spec for ``config`` (TE or local, its normalisation and QK-norm) with mesh attention."""
+    """Stock GPT layer spec for ``config`` (TE or local, its normalisation, QK-norm and MLA) with mesh attention."""
     cfg = _transformer_config(config)
     qk_layernorm = bool(getattr(cfg, "qk_layernorm", False))
     normalization = getattr(cfg, "normalization", "LayerNorm")
+    mla = bool(getattr(cfg, "multi_latent_attention", False))
     if getattr(cfg, "transformer_impl", "local") == "transformer_engine":
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
         try:
-            base = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
+            base = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm, multi_latent_attention=mla)
         except Exception as exc:  # TE missing or too old
             raise ValueError(
                 f"--transformer-impl transformer_engine needs Transformer Engine ({exc}); "
                 "install it or pass --transformer-impl local"
             ) from None
     else:
-        base = get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, normalization=normalization)
+        base = get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, normalization=normalization,
+                                        multi_latent_attention=mla)
     return with_mesh_attention(base)
 
 
