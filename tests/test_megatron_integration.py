@@ -94,8 +94,6 @@ BAD = [
      "--mesh-kernel te: attention kernel 'te' cannot run here"),
     (["--context-parallel-size", "4", "--context-parallel-algo", "mesh", "--hybrid-context-parallel"],
      "mesh CP needs one fixed CP group"),
-    (["--context-parallel-size", "4", "--context-parallel-algo", "mesh", "--multi-latent-attention"],
-     "key head dim 192 (qk-head-dim + qk-pos-emb-head-dim) and value head dim 128"),
     (["--context-parallel-size", "4", "--context-parallel-algo", "mesh", "--cuda-graph-impl", "local"],
      "CUDA graphs (--cuda-graph-impl"),
     (["--context-parallel-size", "4", "--context-parallel-algo", "a2a+mesh", "--mesh-shape", "2x1x4"],
@@ -256,8 +254,6 @@ def test_core_attention_validates_at_construction():
         MeshCoreAttention(_config(4), attn_mask_type=AttnMaskType.causal, attention_dropout=0.1, **kw)
     with pytest.raises(ValueError, match="causal and no-mask attention, not padding"):
         MeshCoreAttention(_config(4), attn_mask_type=AttnMaskType.padding, **kw)
-    with pytest.raises(ValueError, match="equal key and value head dims"):
-        MeshCoreAttention(_config(4), attn_mask_type=AttnMaskType.causal, k_channels=16, v_channels=32, **kw)
 
 
 def test_specs_swap_core_attention_only():

@@ -22,13 +22,14 @@ from typing import List, Optional, Sequence
 import torch
 
 from ..runtime.topology import MeshShape, parse_shape
+from . import variant_args
 from .settings import SETTINGS
 
 __all__ = ["ALGORITHMS", "MESH_ALGORITHMS", "add_mesh_args", "apply_mesh_args", "apply_mesh_args_or_exit", "MeshArgumentError",
            "escape_stray_percent"]
 
 ALGORITHMS = ("p2p", "all_gather", "a2a", "a2a+p2p", "mesh", "a2a+mesh")
-MESH_ALGORITHMS = ("mesh", "a2a+mesh")
+MESH_ALGORITHMS = variant_args.MESH_ALGORITHMS  # ("mesh", "a2a+mesh")
 KERNELS = ("auto", "torch", "te", "flash")
 
 
@@ -121,6 +122,10 @@ def apply_mesh_args(args, argv: Optional[Sequence[str]] = None, *, launcher: boo
     args = _apply_cp_algo(args, argv)
     _check_packed_data(args)
     _check_document_masking(args, launcher)
+    try:
+        variant_args.check_attention_variants(lambda name, default=None: _get(args, name, default), launcher)
+    except ValueError as exc:
+        raise MeshArgumentError(str(exc)) from None
     return args
 
 
@@ -224,6 +229,11 @@ def _apply_cp_algo(args, argv: Optional[Sequence[str]] = None):
             return args
     if algo not in ALGORITHMS:
         raise MeshArgumentError(f"--context-parallel-algo must be one of {', '.join(ALGORITHMS)}, got {algo!r}")
+    if algo in MESH_ALGORITHMS and len(comm) > 1:  # Megatron's per-layer list
+        try:
+            comm = variant_args.check_cp_comm_list(comm, algo, _get(args, "num_layers"))
+        except ValueError as exc:
+            raise MeshArgumentError(str(exc)) from None
     if comm_explicit and comm and any(c != algo for c in comm):
         raise MeshArgumentError(
             f"--context-parallel-algo {algo} contradicts --cp-comm-type {' '.join(comm)}; pass only one of them"
@@ -258,8 +268,6 @@ def _apply_cp_algo(args, argv: Optional[Sequence[str]] = None):
             f"multiple of 2 * CP = {2 * cp}, which mesh CP's per-document split needs; use this launcher's "
             "--mesh-packed-data, or pass PackedSeqParams with cu_seqlens_padded from your own data pipeline"
         )
-    if _get(args, "window_size") is not None:
-        raise MeshArgumentError("mesh CP does not support sliding-window attention yet; drop --window-size")
     _refuse_incompatible_features(args)
     SETTINGS.max_live = None  # an explicit shape plans without a limit; auto sets the one that fits its budget
     if algo == "a2a+mesh":
@@ -275,7 +283,7 @@ def _apply_cp_algo(args, argv: Optional[Sequence[str]] = None):
             f"(they must be {sizes}); drop one of them"
         )
     _set(args, "hierarchical_context_parallel_sizes", sizes)
-    _set(args, "cp_comm_type", [algo])
+    _set(args, "cp_comm_type", comm if len(comm) > 1 else [algo])  # a per-layer list: every entry is algo
     _set(args, "context_parallel_algo", algo)
     _set(args, "mesh_shape", text)
     SETTINGS.kernel = _get(args, "mesh_kernel", "auto") or "auto"
@@ -294,14 +302,6 @@ def _refuse_incompatible_features(args) -> None:
             "--hybrid-context-parallel regroups CP ranks per packed sample; mesh CP needs one fixed CP group "
             "of a*b ranks and no packed sequences; drop --hybrid-context-parallel"
         )
-    if _get(args, "multi_latent_attention", False):
-        qk = int(_get(args, "qk_head_dim", 0) or 0) + int(_get(args, "qk_pos_emb_head_dim", 0) or 0)
-        v = int(_get(args, "v_head_dim", 0) or 0)
-        if qk != v:
-            raise MeshArgumentError(
-                f"--multi-latent-attention gives key head dim {qk} (qk-head-dim + qk-pos-emb-head-dim) and value "
-                f"head dim {v}; mesh CP needs them equal; use another --context-parallel-algo"
-            )
     graphs = str(_get(args, "cuda_graph_impl", "none") or "none")
     if graphs != "none" or _get(args, "enable_cuda_graph", False) or _get(args, "external_cuda_graph", False):
         raise MeshArgumentError(
@@ -327,12 +327,12 @@ def _tp(args) -> int:
 
 
 def _layer(args, cp: int):
-    """One rank's attention inputs: (tokens, micro batch, heads, kv heads, head dim) after TP and CP."""
+    """One rank's attention inputs: (tokens, micro batch, heads, kv heads, q/k head dim) after TP and CP."""
     tp = _tp(args)
     heads = int(_get(args, "num_attention_heads"))
     groups = _get(args, "num_query_groups") if _get(args, "group_query_attention", False) else None
     kv_heads = int(groups or heads)
-    head_dim = _get(args, "kv_channels") or int(_get(args, "hidden_size")) // heads
+    head_dim, _ = variant_args.head_dims(lambda name, default=None: _get(args, name, default))
     return (int(_get(args, "seq_length")) // cp, int(_get(args, "micro_batch_size", 1) or 1), max(1, heads // tp),
             max(1, kv_heads // tp), int(head_dim))
 
@@ -341,7 +341,8 @@ def _check_kernel(args, cp: int) -> None:
     """Choose and check the block kernel for this model's attention inputs now, before any process
     group: a forced backend that cannot run them (or TE without a fused backend for them on this GPU
     and cuDNN, e.g. head dim > 128 off sm90, or --deterministic-mode where TE has no deterministic
-    backward) fails here, naming the alternative. On CUDA the check runs on this rank's own GPU."""
+    backward; MLA's value head dim, a sliding window, the max logit of --qk-clip) fails here, naming
+    the alternative. On CUDA the check runs on this rank's own GPU."""
     from ..runtime.kernels import get_kernel, input_spec, select_kernel
 
     try:
@@ -350,13 +351,19 @@ def _check_kernel(args, cp: int) -> None:
                 get_kernel(SETTINGS.kernel, "cpu")
             return
         s, b, h, hk, d = _layer(args, cp)
+        _, dv = variant_args.head_dims(lambda name, default=None: _get(args, name, default))
         half = torch.bfloat16 if _get(args, "bf16", False) else torch.float16 if _get(args, "fp16", False) else torch.float32
         local = _get(args, "local_rank", None)
         local = int(local if local is not None else os.environ.get("LOCAL_RANK", 0))
         dev = torch.device("cuda", local % max(1, torch.cuda.device_count()))
         with torch.cuda.device(dev):
-            select_kernel(SETTINGS.kernel, input_spec((s, b, h, d), half, dev), input_spec((s, b, hk, d), half, dev),
-                          deterministic=SETTINGS.deterministic)
+            q = input_spec((s, b, h, d), half, dev)
+            blk = select_kernel(SETTINGS.kernel, q, input_spec((s, b, hk, d), half, dev),
+                                deterministic=SETTINGS.deterministic, v=input_spec((s, b, hk, dv), half, dev))
+            if _get(args, "window_size") is not None:  # the kernel runs the window layers' partial blocks
+                blk.check_window(q)
+            if _get(args, "qk_clip", False) or _get(args, "log_max_attention_logit", False):
+                blk.check_max_logit(q)
     except ValueError as exc:
         raise MeshArgumentError(f"--mesh-kernel {SETTINGS.kernel}: {exc}") from None
 

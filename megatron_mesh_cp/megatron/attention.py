@@ -14,6 +14,12 @@ Packed sequences (``packed_seq_params`` with ``qkv_format="thd"``, documents pad
 of 2·CP and split per document as ``get_batch_on_this_cp_rank`` does) run under both, and so do
 documents on the ordinary layout (``qkv_format="sbhd"`` with ``cu_seqlens_q`` = global offsets of
 documents of any length, what the launcher passes for ``--reset-attention-mask``).
+Attention variants under both: the layer's sliding window (``config.window_size`` where
+``is_layer_window_attention`` says this layer has one, so ``window_attn_skip_freq`` alternates
+window-pruned and full plans on one mesh), ``softmax_type`` off-by-one / learnable (the learnable
+``softmax_offset`` held by :class:`SoftmaxOffset` as ``inner``, the name Megatron's attention gives
+it under CP = 1), the max logit for ``qk_clip`` / ``log_max_attention_logit``
+(``current_max_attn_logits``, as TE's wrapper keeps it) and MLA's unequal key and value head dims.
 Combinations mesh CP does not support fail at construction (or, for per-call inputs such as an
 attention bias, before any communication) with a message naming the fix.
 """
@@ -28,14 +34,18 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.utils import (
+    ensure_metadata_has_dp_cp_group, is_layer_window_attention, make_sharded_tensors_for_checkpoint,
+)
 
 from ..attention import mesh_attention
+from ..runtime.documents import check_window
 from ..runtime.groups import MeshGroups
 from ..runtime.packed import packed_spec
 from ..runtime.ulysses import check_ulysses_heads
 from .settings import SETTINGS
 
-__all__ = ["MeshCoreAttention", "mesh_groups_for", "attention_traffic"]
+__all__ = ["MeshCoreAttention", "SoftmaxOffset", "mesh_groups_for", "attention_traffic"]
 
 _MESHES: Dict[tuple, MeshGroups] = {}
 _SUPPORTED_MASKS = (AttnMaskType.causal, AttnMaskType.no_mask)
@@ -84,6 +94,49 @@ def attention_traffic() -> Dict[str, int]:
     return {"mesh_bytes": sent, "ring_bytes": SETTINGS.ring_bytes, "calls": SETTINGS.calls}
 
 
+def _tp_group(pg_collection):
+    tp = getattr(pg_collection, "tp", None) if pg_collection is not None else None
+    return tp if tp is not None else parallel_state.get_tensor_model_parallel_group()
+
+
+class SoftmaxOffset(MegatronModule):
+    """The learnable sink logits of a mesh-CP layer (``softmax_type="learnable"``), made as Megatron's
+    DotProductAttention makes its ``softmax_offset``: [heads / TP] in ``params_dtype``,
+    ``config.init_method``, checkpoint-sharded over TP on dim 0. MeshCoreAttention holds it as
+    ``inner``, so its name (``...core_attention.inner.softmax_offset``) is the one Megatron's own
+    attention, ``inner`` under CP = 1, gives it: a checkpoint moves between CP algorithms and CP = 1."""
+
+    def __init__(self, config, pg_collection=None) -> None:
+        super().__init__(config=config)
+        self.tp_group = _tp_group(pg_collection)
+        heads = config.num_attention_heads // self.tp_group.size()
+        device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+        self.register_parameter("softmax_offset", torch.nn.Parameter(
+            torch.empty(heads, device=device, dtype=config.params_dtype)))
+        if config.perform_initialization:
+            self.softmax_offset = config.init_method(self.softmax_offset)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata: Optional[dict] = None):
+        """``softmax_offset`` split over TP on dim 0, as DotProductAttention's."""
+        metadata = ensure_metadata_has_dp_cp_group(metadata)
+        return make_sharded_tensors_for_checkpoint(
+            self.state_dict(prefix="", keep_vars=True), prefix, {"softmax_offset": 0}, sharded_offsets,
+            tp_group=self.tp_group, dp_cp_group=metadata["dp_cp_group"],
+        )
+
+
+def _layer_comm_type(config, layer_number: int) -> Optional[str]:
+    """This layer's entry of ``config.cp_comm_type`` (one algorithm, or Megatron's per-layer list)."""
+    comm = getattr(config, "cp_comm_type", None)
+    if isinstance(comm, (list, tuple)):
+        return comm[layer_number - 1] if 1 <= layer_number <= len(comm) else None
+    return comm
+
+
+def _wants_max_logit(config) -> bool:
+    return bool(getattr(config, "qk_clip", False) or getattr(config, "log_max_attention_logit", False))
+
+
 class MeshCoreAttention(MegatronModule):
     """Core attention with Mesh-Attention context parallelism (see module docstring)."""
 
@@ -102,7 +155,10 @@ class MeshCoreAttention(MegatronModule):
     ) -> None:
         super().__init__(config=config)
         self.config = config
+        self._max_logits = None
         cp_size = config.context_parallel_size
+        if cp_comm_type is None and cp_size > 1:  # not passed (MLA's base class builds one so): the config's
+            cp_comm_type = _layer_comm_type(config, layer_number)
         self.use_mesh = cp_size > 1 and cp_comm_type in ("mesh", "a2a+mesh")
         if not self.use_mesh:
             self.inner = self._fallback(
@@ -110,7 +166,6 @@ class MeshCoreAttention(MegatronModule):
                 k_channels, v_channels, cp_comm_type, pg_collection,
             )
             return
-        self.inner = None
         dropout = config.attention_dropout if attention_dropout is None else attention_dropout
         if dropout and dropout > 0:
             raise ValueError(
@@ -121,17 +176,25 @@ class MeshCoreAttention(MegatronModule):
                 f"mesh CP supports causal and no-mask attention, not {attn_mask_type.name}; "
                 "use a causal (GPT) or unmasked model, or another --context-parallel-algo"
             )
-        if getattr(config, "window_size", None) is not None:
-            raise ValueError("mesh CP does not support sliding-window attention yet; drop --window-size")
-        if getattr(config, "softmax_type", "vanilla") != "vanilla":
-            raise ValueError(f"mesh CP supports the vanilla softmax only, not {config.softmax_type!r}")
+        self.window = None  # Megatron's rule for which layers have the window (window_attn_skip_freq)
+        if is_layer_window_attention(getattr(config, "window_size", None), getattr(config, "window_attn_skip_freq", None),
+                                     layer_number):
+            self.window = tuple(config.window_size)
+            try:
+                check_window(self.window, attn_mask_type == AttnMaskType.causal)
+            except ValueError as exc:
+                raise ValueError(f"--window-size {','.join(map(str, self.window))} (layer {layer_number}): {exc}") from None
+        self.softmax_type = getattr(config, "softmax_type", "vanilla")
+        if self.softmax_type not in ("vanilla", "off-by-one", "learnable"):
+            raise ValueError(f"softmax_type must be vanilla, off-by-one or learnable, got {self.softmax_type!r}")
+        # learnable sinks: the parameter in a module named as Megatron's own attention is under CP = 1
+        self.inner = SoftmaxOffset(config, pg_collection) if self.softmax_type == "learnable" else None
+        self.max_logit = _wants_max_logit(config)
         kv = config.kv_channels
-        k_ch, v_ch = k_channels or kv, v_channels or kv
-        if k_ch != v_ch:
-            raise ValueError(f"mesh CP needs equal key and value head dims, got {k_ch} and {v_ch}")
+        self.k_channels, self.v_channels = k_channels or kv, v_channels or kv  # MLA: they differ
         self.attn_mask_type = attn_mask_type
         self.layer_number = layer_number
-        self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(k_ch)
+        self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(self.k_channels)
         self.mesh = mesh_groups_for(pg_collection, levels=3 if cp_comm_type == "a2a+mesh" else 2)
         if self.mesh.size != cp_size:
             raise ValueError(
@@ -141,6 +204,35 @@ class MeshCoreAttention(MegatronModule):
             tp = config.tensor_model_parallel_size
             heads = config.num_attention_heads
             check_ulysses_heads(heads // tp, (config.num_query_groups or heads) // tp, self.mesh.ulysses, cp_size)
+
+    @property
+    def current_max_attn_logits(self) -> Optional[torch.Tensor]:
+        """The running max (detached, fp32 [heads / TP]) of scale * q.k since Megatron's clip_qk last
+        reset it, the same on every CP rank; under CP = 1 the wrapped attention's (TE keeps one)."""
+        if self.use_mesh:
+            return self._max_logits
+        return getattr(self.inner, "current_max_attn_logits", None)
+
+    @current_max_attn_logits.setter
+    def current_max_attn_logits(self, value) -> None:
+        if self.use_mesh:
+            self._max_logits = value
+        elif hasattr(self.inner, "current_max_attn_logits"):
+            self.inner.current_max_attn_logits = value
+
+    @property
+    def softmax_offset(self) -> Optional[torch.Tensor]:
+        """The learnable sink logits where there are some (Megatron's inference path reads
+        ``core_attention.softmax_offset``; off-by-one: None, which it takes as zeros)."""
+        return getattr(self.inner, "softmax_offset", None)
+
+    def _sink(self, query: torch.Tensor) -> Optional[torch.Tensor]:
+        """The fp32 [local heads] sink logits of ``softmax_type`` (off-by-one: 0 for every head)."""
+        if self.softmax_type == "learnable":
+            return self.inner.softmax_offset.float()
+        if self.softmax_type == "off-by-one":
+            return torch.zeros(query.shape[-2], dtype=torch.float32, device=query.device)
+        return None
 
     @staticmethod
     def _fallback(config, layer_number, attn_mask_type, attention_type, attention_dropout, softmax_scale,
@@ -159,6 +251,16 @@ class MeshCoreAttention(MegatronModule):
             )
         from megatron.core.transformer.dot_product_attention import DotProductAttention
 
+        if _wants_max_logit(config):
+            raise ValueError("qk_clip / log_max_attention_logit read the max logit, which Megatron's local "
+                             "DotProductAttention (CP = 1 without Transformer Engine) does not return; install TE "
+                             "(>= 2.9) or run mesh CP (CP > 1)")
+        if v_channels is not None and v_channels != config.kv_channels:
+            # its output is [s, b, heads * kv_channels]; the key head dim only enters q.k (any width)
+            raise ValueError(
+                f"Megatron's local DotProductAttention (CP = 1 without Transformer Engine) gives every head "
+                f"kv_channels = {config.kv_channels} output values, but the value head dim is {v_channels} (MLA); "
+                f"pass --kv-channels {v_channels}, or install TE")
         return DotProductAttention(
             config=config, layer_number=layer_number, attn_mask_type=attn_mask_type,
             attention_type=attention_type, attention_dropout=attention_dropout, softmax_scale=softmax_scale,
@@ -197,13 +299,18 @@ class MeshCoreAttention(MegatronModule):
             query, key, value, self.mesh, causal=mask == AttnMaskType.causal, softmax_scale=self.softmax_scale,
             layout="thd" if thd else "sbhd", kernel=SETTINGS.kernel, partial_dtype=SETTINGS.partial_dtype,
             planner=SETTINGS.planner, deterministic=SETTINGS.deterministic, check_finite=SETTINGS.check_finite,
-            **packed,
+            window=self.window, sink=self._sink(query), return_max_logit=self.max_logit, **packed,
         )
+        if self.max_logit:  # a running max, detached, as TE's wrapper keeps it (Megatron's clip_qk resets it)
+            out, top = out
+            top = top.detach()
+            self._max_logits = top if self._max_logits is None else torch.maximum(self._max_logits, top)
         if thd:  # [t, h, d] -> [t, h*d], as TE returns for thd
             SETTINGS.count_call(query.unsqueeze(1), key.unsqueeze(1), self.mesh.size, training=torch.is_grad_enabled(),
-                                packed=True)
+                                packed=True, v_head_dim=value.shape[-1])
             return out.reshape(out.shape[0], -1)
-        SETTINGS.count_call(query, key, self.mesh.size, training=torch.is_grad_enabled(), packed=bool(packed))
+        SETTINGS.count_call(query, key, self.mesh.size, training=torch.is_grad_enabled(), packed=bool(packed),
+                            v_head_dim=value.shape[-1])
         s, b = out.shape[0], out.shape[1]
         return out.reshape(s, b, -1)
 

@@ -27,12 +27,14 @@ class MeshSettings:
     calls: int = 0
     packed_calls: int = 0  # of which on packed sequences (THD)
 
-    def count_call(self, query: torch.Tensor, key: torch.Tensor, n: int, training: bool, packed: bool = False) -> None:
+    def count_call(self, query: torch.Tensor, key: torch.Tensor, n: int, training: bool, packed: bool = False,
+                   v_head_dim: Optional[int] = None) -> None:
         from ..runtime.kernels import lse_dtype
         from ..runtime.plan import ChunkDims
 
         s, b, h, d = query.shape
-        dims = ChunkDims(b, s, h, key.shape[2], d, query.dtype, lse_dtype(query.dtype), self.partial_dtype)
+        dv = v_head_dim if v_head_dim is not None and v_head_dim != d else None  # MLA
+        dims = ChunkDims(b, s, h, key.shape[2], d, query.dtype, lse_dtype(query.dtype), self.partial_dtype, dv)
         self.ring_bytes += _ring_bytes(dims, n, training)
         self.calls += 1
         self.packed_calls += int(packed)

@@ -72,6 +72,7 @@ def gpt_mesh_spec(config, vp_stage=None) -> ModuleSpec:
 
         return with_mesh_attention(default_layer_spec(config, vp_stage))
     normalization = getattr(cfg, "normalization", "LayerNorm")
+    mla = bool(getattr(cfg, "multi_latent_attention", False))
     if getattr(cfg, "num_moe_experts", None):  # MoE: Megatron's decoder block spec (moe_layer_freq, grouped GEMM)
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
@@ -82,8 +83,10 @@ def gpt_mesh_spec(config, vp_stage=None) -> ModuleSpec:
     if te:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
-        return with_mesh_attention(get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm))
-    return with_mesh_attention(get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, normalization=normalization))
+        return with_mesh_attention(get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm,
+                                                                              multi_latent_attention=mla))
+    return with_mesh_attention(get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, normalization=normalization,
+                                                        multi_latent_attention=mla))
 
 
 gpt_local_mesh_spec: ModuleSpec = with_mesh_attention(get_gpt_layer_local_spec())
