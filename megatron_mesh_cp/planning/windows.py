@@ -78,7 +78,7 @@ def _calls(docs: UnpaddedDocuments, n: int, causal: bool, window: Tuple[int, int
     full = np.full(2 * n, m, dtype=np.int64)
     parts = [(pc, pc, full, full, own)]
     # two pieces d apart: the segment pairs of one document whose closest pair, (d-1)m + 1 apart, is in the window
-    reach = lambda side: 2 * n - 1 if side < 0 else (side - 1) // m + 1 if side > 0 else 0  # noqa: E731
+    reach = lambda side: 2 * n - 1 if side < 0 else min(2 * n - 1, (side - 1) // m + 1) if side > 0 else 0  # noqa: E731
     idx = np.arange(len(seg))
     qs, ks = [], []
     for d in list(range(1, reach(left) + 1)) + ([] if causal else [-x for x in range(1, reach(right) + 1)]):
