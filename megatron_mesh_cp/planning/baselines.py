@@ -30,12 +30,10 @@ Ring 1 x n) replay the runtime's pruned plans (:func:`~megatron_mesh_cp.planning
 with each block priced by its own calls; TE's algorithms and the all-gather / Ulysses baselines refuse
 them (TE pads every document to 2*CP: price them with a ``packing``, see ``doc_baselines``).
 
-A sliding window (``window`` on the workload, alone or with documents) runs on our pruned plans as
-documents do; TE's ``a2a`` (``ulysses``) runs it with the window cutting its one call's work, and
-``allgather`` too (TE slices the gathered K/V to the window; the gather moves all of it); TE's
-``p2p`` and ``a2a+p2p`` (``ring``, ``usp``) refuse it, as TE asserts (``window_baselines`` shows
-their full-attention cost, labelled). MLA (``head_dim_v``) changes the bytes of V, O and their
-gradients and the kernels' FLOPs for every algorithm alike.
+A sliding window (``window``, alone or with documents) runs on our pruned plans as documents do, on
+``ulysses`` (TE's a2a) and ``allgather`` (TE slices the gathered K/V to the window) with the band
+cutting the compute; ``ring`` and ``usp`` refuse it, as TE's p2p and a2a+p2p assert (``window_baselines``).
+MLA (``head_dim_v``) sets V, O, dO, dV bytes and the kernels' FLOPs for every algorithm alike.
 """
 
 from __future__ import annotations
@@ -246,10 +244,9 @@ def simulate_algorithm(
                          f"--doc-layout), or use passq, mesh, mesh:AxB, mesh-naive, a2a+mesh, a2a+mesh:UxAxB or "
                          f"ring-pruned")
     if w.window is not None and (algo in WINDOWLESS or algo.startswith("usp:")):
-        raise ValueError(f"{algo} cannot run a sliding window: TE asserts it away on p2p and a2a+p2p (\"Context "
-                         f"parallelism does not support sliding window attention with cp_comm_type=...\"); price "
-                         f"the layer without the window and label it so (window_baselines), or use ring-pruned, "
-                         f"mesh, a2a+mesh, ulysses (TE's a2a) or allgather")
+        raise ValueError(f"{algo} cannot run a sliding window (TE asserts it away on p2p and a2a+p2p); price the "
+                         f"layer without it, labelled (window_baselines), or use ring-pruned, mesh, a2a+mesh, "
+                         f"ulysses (TE's a2a) or allgather")
     if algo == "ring-pruned":
         if not w.pruned:
             raise ValueError("ring-pruned is our Ring 1xn with plans pruned for unpadded documents or a window; give "
