@@ -129,16 +129,17 @@ def check_inputs(q, k, v, mesh, layout: str, softmax_scale) -> None:
 
 
 def plans_for(q, k, mesh, causal: bool, layout: str, partial_dtype, planner: str,
-              chains: str = "auto") -> Tuple[Plan, Plan]:
+              chains: str = "auto", v_head_dim: Optional[int] = None) -> Tuple[Plan, Plan]:
     """The cached (forward, backward) plans for these inputs on ``mesh`` (greedy: tuned for its
-    cluster; ``chains="both-ways"`` for the full plans that documents prune)."""
+    cluster; ``chains="both-ways"`` for the full plans that documents prune; ``v_head_dim``: V's head
+    dim where it differs from q/k's, MLA, so the plans are tuned for what the chunks weigh)."""
     s_dim = seq_dim(layout)
     b_dim = 1 - s_dim
     acc = lse_dtype(q.dtype)
     w = Workload(
         seq_local=q.shape[s_dim], heads=q.shape[2], kv_heads=k.shape[2], head_dim=q.shape[3],
         batch=q.shape[b_dim], causal=bool(causal), bytes_per_element=q.element_size(),
-        partial_bytes=torch.empty((), dtype=partial_dtype or acc).element_size(),
+        partial_bytes=torch.empty((), dtype=partial_dtype or acc).element_size(), head_dim_v=v_head_dim,
     )
     cluster = getattr(mesh, "cluster", None) or default_cluster()
     # a2a+mesh: consecutive super-ranks are u CP ranks apart
@@ -295,7 +296,7 @@ def _prepare(q, k, v, mesh, causal, softmax_scale, layout, kernel, plans, partia
         mq, mk = (torch.empty(u * x.shape[s_dim], x.shape[1 - s_dim], x.shape[2] * m // u, x.shape[3],
                               dtype=x.dtype, device="meta") for x, m in ((q, 1), (k, r)))
         plans = plans_for(mq, mk, mesh, causal, "sbhd", partial_dtype, planner,
-                          "both-ways" if isinstance(spec, Documents) or window is not None else "auto")
+                          "both-ways" if isinstance(spec, Documents) or window is not None else "auto", v.shape[3])
     elif (plans[0].a, plans[0].b, plans[1].a, plans[1].b) != (mesh.shape.a, mesh.shape.b) * 2:
         raise ValueError(f"plans are for {plans[0].a}x{plans[0].b}, the mesh is {mesh.shape}")
     mask = None

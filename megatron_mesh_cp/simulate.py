@@ -15,12 +15,24 @@ from .planning.baselines import ALGORITHMS, compare, format_packed_table, format
 from .planning.cluster import Workload, load_cluster
 from .planning.doc_baselines import compare_documents, document_sets, format_documents_table
 from .planning.packing import DISTRIBUTIONS, parse_doc_range, parse_tokens
+from .planning.window_baselines import compare_windows, format_window_table
 
 __all__ = ["main"]
 
 
 def _parse_size(text: str) -> int:
     return parse_tokens(text)
+
+
+def _parse_window(text: str):
+    """``L,R`` (ints >= -1, sizes like 4K allowed; -1 = unbounded) -> (left, right)."""
+    parts = [x.strip() for x in str(text).split(",")]
+    try:
+        if len(parts) != 2:
+            raise ValueError
+        return tuple(-1 if x == "-1" else parse_tokens(x) for x in parts)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--window takes LEFT,RIGHT (ints >= -1, e.g. 128,0 or 4K,4K), got {text!r}")
 
 
 def main(argv=None) -> int:
@@ -32,7 +44,13 @@ def main(argv=None) -> int:
     p.add_argument("--seq", type=_parse_size, required=True, help="global sequence length (e.g. 1048576, 128K, 1M)")
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--kv-heads", type=int, default=None, help="default: --heads (MHA)")
-    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--head-dim", type=int, default=128, help="q/k head dim")
+    p.add_argument("--head-dim-v", type=int, default=None,
+                   help="V's head dim where it differs (MLA, e.g. --head-dim 192 --head-dim-v 128); default --head-dim")
+    p.add_argument("--window", type=_parse_window, default=None, metavar="L,R",
+                   help="sliding window: query i sees keys i-L .. i+R (-1: unbounded; causal needs R = 0); ours run "
+                        "the window-pruned plans, ulysses (TE a2a) and allgather the band, TE's ring and usp cannot "
+                        "(shown at their full-attention cost, marked)")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--cluster", default="h100-ib400", help="preset name or YAML path")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (CP ranks are TP GPUs apart)")
@@ -65,8 +83,8 @@ def main(argv=None) -> int:
     pk.add_argument("--kernel-tile", type=int, default=0, metavar="T",
                     help="price document blocks in whole TxT kernel tiles per document segment (flash-style); "
                          "0 (default): exact unmasked pairs")
-    pk.add_argument("--no-unpacked", action="store_true", help="with --docs/--doc-lengths: skip the comparison with "
-                    "the same layer without documents")
+    pk.add_argument("--no-unpacked", action="store_true", help="with --docs/--doc-lengths or --window: skip the "
+                    "comparison with the same layer without documents (or without the window)")
     args = p.parse_args(argv)
     try:
         cluster = load_cluster(args.cluster)
@@ -77,7 +95,13 @@ def main(argv=None) -> int:
             seq_local=args.seq // args.cp, heads=args.heads // args.tp, kv_heads=max(1, kv // args.tp),
             head_dim=args.head_dim, batch=args.batch, causal=not args.no_causal,
             bytes_per_element=cluster.bytes_per_element, partial_bytes=4 if args.partial_dtype == "fp32" else 2,
+            head_dim_v=args.head_dim_v,
         )
+        if args.window is not None and (args.docs or args.doc_lengths):
+            raise ValueError("--window with --docs/--doc-lengths is not priced by this command (TE's algorithms "
+                             "run neither unpadded documents nor windows on p2p); price one windowed sequence, or "
+                             "documents without --window")
+        windowed = replace(w, window=args.window) if args.window is not None else None
         for flag, value in (("--kernel-tile", args.kernel_tile), ("--doc-layout", args.doc_layout)):
             if value and not (args.docs or args.doc_lengths):
                 raise ValueError(f"{flag} prices documents; give --docs LO-HI or --doc-lengths FILE with it")
@@ -94,9 +118,14 @@ def main(argv=None) -> int:
         else:
             packing = None
         algos = [a.strip() for a in args.algos.split(",") if a.strip()]
-        unpacked = None
-        if packing is None or not args.no_unpacked:
-            plain = algos if packing is None else [a for a in algos if a != "ring-pruned"]  # it needs documents
+        unpacked, window_rows = None, None
+        if windowed is not None and windowed.window is None:
+            raise ValueError(f"--window {args.window[0]},{args.window[1]} is no window (-1: unbounded); drop it")
+        if windowed is not None:
+            window_rows = compare_windows(algos, args.cp, cluster, windowed, tp=args.tp, max_live=args.max_live)
+        masked = packing is not None or windowed is not None
+        if not masked or not args.no_unpacked:
+            plain = [a for a in algos if a != "ring-pruned"] if masked else algos  # it needs documents or a window
             unpacked = compare(plain, args.cp, cluster, w, tp=args.tp, max_live=args.max_live)
         results = unpacked
         if documents is not None:
@@ -108,11 +137,20 @@ def main(argv=None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     caption = (
-        f"CP={args.cp}  S={args.seq}  heads={args.heads}/{kv} kv  d={args.head_dim}  "
+        f"CP={args.cp}  S={args.seq}  heads={args.heads}/{kv} kv  d={args.head_dim}"
+        f"{f' (v {w.dv})' if w.dv != w.head_dim else ''}  "
         f"{'causal' if w.causal else 'full'}  cluster={cluster.name}  tp={args.tp}  partials={args.partial_dtype}"
+        + (f"  window={windowed.window[0]},{windowed.window[1]}" if windowed is not None else "")
     )
     print(f"{caption}  (every figure simulated on the calibrated cost model, none measured)")
-    if documents is not None:
+    if window_rows is not None:
+        print(format_window_table(window_rows))
+        results = [r.result for r in window_rows if r.result is not None and r.status == "runs the window"]
+        if unpacked is not None:
+            print("\nthe same layer without the window (full causal attention):" if w.causal else
+                  "\nthe same layer without the window:")
+            print(format_table(unpacked))
+    elif documents is not None:
         print(f"documents, unpadded (mesh family): {documents.describe()}")
         print(f"documents, padded THD (TE's ring and usp): {packing.describe()}")
         caption += f"  documents: {len(documents.lengths)} ({documents.label}), unpadded+pruned vs TE padded"
@@ -123,7 +161,7 @@ def main(argv=None) -> int:
     elif packing is not None:
         print(f"packed: {packing.describe()}")
         caption += f"  packed: {len(packing.lengths)} documents ({packing.label})"
-    if documents is None:
+    if documents is None and window_rows is None:
         print(format_table(results))
     if packing is not None and documents is None and unpacked is not None:
         print("\npacked vs unpacked (same chunks and bytes; blocks priced by their work inside documents):")

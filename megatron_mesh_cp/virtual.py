@@ -172,7 +172,7 @@ def virtual_mesh_attention(
     if plans is None:
         fake = type("VirtualMesh", (), {"shape": mesh_shape, "cluster": None, "stride": 1, "ulysses": u})()
         plans = plans_for(lq[0], lk[0], fake, causal, "sbhd", partial_dtype, "greedy",
-                          "both-ways" if docs is not None or window is not None else "auto")
+                          "both-ways" if docs is not None or window is not None else "auto", lv[0].shape[3])
     sub_blocks = None
     if docs is not None or window is not None:  # pruned plans; every super-rank's own calls per block
         mask = DocumentMask(docs, n_mesh, causal, window, total=qs.shape[0])

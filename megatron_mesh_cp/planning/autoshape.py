@@ -11,7 +11,7 @@ next candidate cannot beat the best simulated time, so the answer is the same as
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import Callable, List, Optional, Tuple
 
@@ -69,7 +69,7 @@ def shape_bound(a: int, b: int, cluster: Cluster, w: Workload, stride: int = 1) 
     hop can at best use both links at once. Compute: every block's kernel work, and per Q chunk at
     least one kernel call for the own KV chunk and one per KV slab where grouped plans are made
     (the fewest calls any plan makes), a call per block where they are not. Unpadded documents
-    (pruned plans): the busiest rank's own blocks, and one transfer per offset some rank needs.
+    or a window (pruned plans): the busiest rank's own blocks, and one transfer per offset some rank needs.
     """
     dims = workload_dims(w)
     cases = (BlockCase.DIAG, BlockCase.LOWER, BlockCase.UPPER) if w.causal else (BlockCase.FULL,)
@@ -82,7 +82,7 @@ def shape_bound(a: int, b: int, cluster: Cluster, w: Workload, stride: int = 1) 
     for phase in (FORWARD, BACKWARD):
         bwd = phase == BACKWARD
         hops = {k: (a if RING_OF[k] == "row" else b) - 1 for k in ("q", "kv") + REDUCE_KINDS[phase]}
-        if w.documents is not None:  # pruned plans: the busiest rank's blocks, the offsets some rank needs
+        if w.pruned:  # pruned plans: the busiest rank's blocks, the offsets some rank needs
             compute, hops = tile_bound(w, cluster, a, b, bwd)
         elif grouping_pays(w, cluster, bwd):
             calls = a * (1 + -(-(b - 1) // GROUP_WIDTH))
@@ -140,9 +140,12 @@ def _search(cands: List[Tuple[tuple, float, Callable[[], Tuple[float, int]]]]):
 
 def _full_plans(a, b, cluster, w, stride, max_live, chains="auto"):
     """The plans a shape is sized by: for unpadded documents the full plans their pruned ones come
-    from (the pool must fit every batch's documents)."""
-    if w.documents is not None:
-        return build_plans(a, b, cluster=cluster, workload=replace(w, documents=None), stride=stride,
+    from (the pool must fit every batch's documents); for a window alone its pruned plans (the
+    mask is the same for every batch)."""
+    if w.window is not None and w.documents is None:
+        return document_plans(a, b, cluster=cluster, workload=w, stride=stride, max_live=max_live)
+    if w.pruned:
+        return build_plans(a, b, cluster=cluster, workload=w.unmasked, stride=stride,
                            max_live=max_live, chains="both-ways")
     return build_plans(a, b, cluster=cluster, workload=w, stride=stride, max_live=max_live, chains=chains)
 
@@ -150,7 +153,7 @@ def _full_plans(a, b, cluster, w, stride, max_live, chains="auto"):
 def _mesh_time(a, b, cluster, w, stride, max_live, chains="auto") -> float:
     """Simulated forward + backward of the plans that run ``w`` (documents: the pruned plans)."""
     fwd, bwd = (document_plans(a, b, cluster=cluster, workload=w, stride=stride, max_live=max_live)
-                if w.documents is not None else
+                if w.pruned else
                 build_plans(a, b, cluster=cluster, workload=w, stride=stride, max_live=max_live, chains=chains))
     return (replay(fwd, cluster, w, stride=stride, record=None).time
             + replay(bwd, cluster, w, stride=stride, record=None).time)
@@ -270,7 +273,7 @@ def choose_hybrid_shape(
         f"mesh_shape=auto (a2a+mesh) -> {u}x{a}x{b} for CP={n} (S/rank={workload.seq_local}, heads "
         f"{workload.heads}/{workload.kv_heads} kv, d={workload.head_dim}, {cluster.name}, stride {stride}): "
         f"simulated {best_t * 1e3:.2f} ms/layer fwd+bwd, peak attention memory {peaks[(u, a, b)][0] / 2**20:.0f} "
-        f"MiB/rank (budget {budget / 2**20:.0f} MiB){runner}, {'pruned ' if workload.documents else ''}Ring 1x1x{n} "
+        f"MiB/rank (budget {budget / 2**20:.0f} MiB){runner}, {'pruned ' if workload.pruned else ''}Ring 1x1x{n} "
         f"{ring * 1e3:.2f} ms "
         f"({ring / best_t:.2f}x slower)"
     )

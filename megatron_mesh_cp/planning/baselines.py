@@ -29,6 +29,11 @@ Unpadded documents (``documents`` on the workload, the ordinary layout) are run 
 Ring 1 x n) replay the runtime's pruned plans (:func:`~megatron_mesh_cp.planning.schedule.document_plans`)
 with each block priced by its own calls; TE's algorithms and the all-gather / Ulysses baselines refuse
 them (TE pads every document to 2*CP: price them with a ``packing``, see ``doc_baselines``).
+
+A sliding window (``window``, alone or with documents) runs on our pruned plans as documents do, on
+``ulysses`` (TE's a2a) and ``allgather`` (TE slices the gathered K/V to the window) with the band
+cutting the compute; ``ring`` and ``usp`` refuse it, as TE's p2p and a2a+p2p assert (``window_baselines``).
+MLA (``head_dim_v``) sets V, O, dO, dV bytes and the kernels' FLOPs for every algorithm alike.
 """
 
 from __future__ import annotations
@@ -44,13 +49,16 @@ from ..runtime.layout import BlockCase
 from ..runtime.topology import MeshShape
 from .schedule import build_plans, document_plans
 from .replay import PhaseResult, replay
+from .windows import row_pairs
 
-__all__ = ["ALGORITHMS", "PRUNED", "SimResult", "simulate_algorithm", "compare", "check_algorithms", "format_table",
+__all__ = ["ALGORITHMS", "PRUNED", "WINDOWLESS", "SimResult", "simulate_algorithm", "compare", "check_algorithms", "format_table",
            "format_packed_table", "plot_timelines"]
 
 ALGORITHMS = ("ring", "passq", "mesh", "mesh-naive", "allgather", "ulysses", "usp", "a2a+mesh", "ring-pruned")
 #: the algorithms (and prefixes) that run unpadded documents: our plans, pruned
 PRUNED = ("passq", "mesh", "mesh-naive", "a2a+mesh", "ring-pruned", "mesh:", "a2a+mesh:")
+#: TE's algorithms that refuse sliding windows (p2p, a2a+p2p; also ``usp:U``)
+WINDOWLESS = ("ring", "usp")
 
 
 @dataclass
@@ -90,7 +98,7 @@ def _from_phases(algo: str, fwd: PhaseResult, bwd: PhaseResult, shape: str, note
 
 
 def _plan_algo(algo, a, b, cluster, w, stride, planner="greedy", chains="auto", max_live=None, note=""):
-    if w.documents is not None:  # the runtime's plans for documents: full, chains both ways, pruned
+    if w.pruned:  # the runtime's plans for documents or a window: full, chains both ways, pruned
         fwd, bwd = document_plans(a, b, planner, cluster=cluster, workload=w, stride=stride, max_live=max_live)
     else:
         fwd, bwd = build_plans(a, b, planner, cluster=cluster, workload=w, stride=stride, max_live=max_live,
@@ -120,15 +128,18 @@ def _phased(algo, steps: List[Tuple[str, str, float, float, float]], shape="", n
 
 def _allgather(n: int, cluster: Cluster, w: Workload, stride: int) -> SimResult:
     e, p = w.bytes_per_element, w.partial_bytes
-    kv = 2.0 * w.batch * w.seq_local * w.kv_heads * w.head_dim
+    kv = float(w.batch * w.seq_local * w.kv_heads * (w.head_dim + w.dv))  # K and V
     spans = n * stride > cluster.gpus_per_node
     gather = (n - 1) * kv * e
     rs = (n - 1) * kv * p
     # each rank's zigzag rows attend over the whole sequence (causal halves the pairs); packed, the
-    # slowest rank's row of blocks (its rows' pairs inside their documents)
+    # slowest rank's row of blocks (its rows' pairs inside their documents); windowed, its rows' band
+    # (TE's all_gather slices the gathered K/V to the window: the gather still moves all of it)
     pairs = None if w.packing is None else float(w.packing.block_work(n, w.causal).sum(axis=1).max())
     if pairs is not None:
         w.check_packing(n)
+    if w.window is not None:
+        pairs = float(row_pairs(w.mask_documents(n), n, w.causal, w.window).max())
     f_comp = monolithic_time(cluster, w, w.seq_local, w.seq_local * n, w.heads, False, pairs)
     b_comp = monolithic_time(cluster, w, w.seq_local, w.seq_local * n, w.heads, True, pairs)
     x = 1.0 if spans else 0.0
@@ -232,10 +243,15 @@ def simulate_algorithm(
                          f"every chunk): price it on the padded packing of the same documents (doc_baselines, "
                          f"--doc-layout), or use passq, mesh, mesh:AxB, mesh-naive, a2a+mesh, a2a+mesh:UxAxB or "
                          f"ring-pruned")
+    if w.window is not None and (algo in WINDOWLESS or algo.startswith("usp:")):
+        raise ValueError(f"{algo} cannot run a sliding window (TE asserts it away on p2p and a2a+p2p); price the "
+                         f"layer without it, labelled (window_baselines), or use ring-pruned, mesh, a2a+mesh, "
+                         f"ulysses (TE's a2a) or allgather")
     if algo == "ring-pruned":
-        if w.documents is None:
-            raise ValueError("ring-pruned is our Ring 1xn with plans pruned for unpadded documents; give documents "
-                             "(--docs / --doc-lengths with --doc-layout unpadded) or use ring / mesh:1xN")
+        if not w.pruned:
+            raise ValueError("ring-pruned is our Ring 1xn with plans pruned for unpadded documents or a window; give "
+                             "documents (--docs / --doc-lengths with --doc-layout unpadded) or --window, or use "
+                             "ring / mesh:1xN")
         return _plan_algo("ring-pruned", 1, n, cluster, w, tp)
     if algo == "ring":
         return _plan_algo("ring", 1, n, cluster, w, tp, chains="one-way") if n > 1 else _plan_algo("ring", 1, 1, cluster, w, tp)

@@ -19,16 +19,18 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 from importlib import resources
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, FrozenSet, List, Optional, Tuple
 
 import numpy as np
 import torch
 
+from ..runtime.documents import check_window
 from ..runtime.layout import BlockCase
 from ..runtime.packed import packed_slices
 from ..runtime.plan import ChunkDims
 from .documents import UnpaddedDocuments, block_times as document_block_times
 from .packing import Packing
+from .windows import block_times as window_block_times
 
 __all__ = ["Cluster", "Workload", "CALIBRATED", "load_cluster", "cluster_presets", "CLUSTER_DIRS", "workload_dims"]
 
@@ -162,7 +164,10 @@ class Workload:
     (:mod:`megatron_mesh_cp.planning.packing`); :meth:`block_times` prices every block by that work. Each
     of the ``batch`` sequences is packed the same way. ``documents`` (optional, batch 1) says the
     sequence is unpadded documents on the ordinary layout (:mod:`megatron_mesh_cp.planning.documents`):
-    each block is priced as the kernel calls its documents leave, an empty block at 0.
+    each block is priced as the kernel calls its documents leave, an empty block at 0. ``window``
+    (optional, (left, right) as ``mesh_attention`` takes it) is a sliding window, alone or over the
+    documents (:mod:`megatron_mesh_cp.planning.windows`); both run pruned plans (:attr:`pruned`).
+    ``head_dim_v`` (MLA) is the head dim of V, O and their gradients where it differs from Q/K's.
     """
 
     seq_local: int  # tokens per rank (2m)
@@ -175,6 +180,8 @@ class Workload:
     partial_bytes: int = 4  # bytes per element of partial O / dQ / dKV on the wire
     packing: Optional[Packing] = None
     documents: Optional[UnpaddedDocuments] = None
+    window: Optional[Tuple[int, int]] = None
+    head_dim_v: Optional[int] = None  # None: head_dim
 
     def __post_init__(self) -> None:
         if self.packing is not None and self.documents is not None:
@@ -182,11 +189,52 @@ class Workload:
                              "(documents), not both")
         if self.documents is not None and self.batch != 1:
             raise ValueError(f"unpadded documents take one sequence (batch 1), got batch {self.batch}")
+        window = check_window(self.window, self.causal)  # (left, right) ints >= -1; None: no window
+        if window is not None and self.packing is not None:
+            raise ValueError("a sliding window on packed THD (padded) documents is not built (the runtime refuses "
+                             "it); give the documents unpadded (documents) or drop the packing")
+        if window is not None and self.documents is not None and self.documents.tile:
+            raise ValueError("windowed blocks are priced by their exact pairs; give the documents kernel tile 0")
+        if self.head_dim_v is not None and (int(self.head_dim_v) != self.head_dim_v or self.head_dim_v < 1):
+            raise ValueError(f"head_dim_v must be a positive int (the head dim of V), got {self.head_dim_v!r}")
+        object.__setattr__(self, "window", window)
+        dv = None if self.head_dim_v in (None, self.head_dim) else int(self.head_dim_v)
+        object.__setattr__(self, "head_dim_v", dv)  # equal dims: the same workload (and cache key) as before
 
-    def pair_flops(self, pairs, backward: bool):
-        """Attention FLOPs of ``pairs`` (q, k) pairs over all heads and the batch (works on arrays)."""
-        f = 4.0 * self.batch * self.heads * self.head_dim * pairs
-        return f * 2.5 if backward else f
+    @property
+    def dv(self) -> int:
+        """The head dim of V, O, dO and dV."""
+        return self.head_dim if self.head_dim_v is None else self.head_dim_v
+
+    @property
+    def pruned(self) -> bool:
+        """Whether blocks may be empty (documents or a window): our plans for it are pruned."""
+        return self.documents is not None or self.window is not None
+
+    @property
+    def unmasked(self) -> "Workload":
+        """The same layer without documents or window: what the full plans are planned for."""
+        return replace(self, documents=None, window=None) if self.pruned else self
+
+    def mask_documents(self, ranks: int) -> UnpaddedDocuments:
+        """The documents the mask sees on ``ranks`` chunks: ``documents``, or the whole sequence as one."""
+        return self.documents if self.documents is not None else UnpaddedDocuments((self.seq_local * ranks,))
+
+    def nonempty(self, ranks: int) -> np.ndarray:
+        """Bool [ranks, ranks]: the blocks with any (query, key) pair (the runtime's own mask)."""
+        return self.mask_documents(ranks).nonempty(ranks, self.causal, self.window)
+
+    def needed(self, a: int, b: int) -> FrozenSet[Tuple[int, int]]:
+        """Tile blocks some rank of the a x b mesh computes: what the pruned plans keep."""
+        return self.mask_documents(a * b).needed(a, b, self.causal, self.window)
+
+    def pair_flops(self, pairs, backward: bool, heads: Optional[int] = None):
+        """Attention FLOPs of ``pairs`` (q, k) pairs over ``heads`` (default: all) and the batch (works on
+        arrays): forward QK^T with the q/k head dim and PV with V's (2 FLOPs per multiply-add each);
+        backward QK^T again, dP = dO V^T, dV = P^T dO, dQ = dS K, dK = dS^T Q (2.5x forward at equal dims)."""
+        d, dv = self.head_dim, self.dv
+        f = 4.0 * self.batch * (self.heads if heads is None else heads) * ((d + dv) / 2) * pairs
+        return f * ((3 * d + 2 * dv) / (d + dv)) if backward else f
 
     def block_flops(self, case: BlockCase, backward: bool) -> float:
         """FLOPs of one block of this case without packing (every block of a case is the same work)."""
@@ -225,13 +273,14 @@ class Workload:
         return self._keys_cost(cluster, self.block_keys(case), backward)
 
     def _call_cost(self, cluster: Cluster, rows: int, backward: bool) -> float:
-        elements = self.batch * rows * self.heads * (self.head_dim if backward else self.head_dim + 1)
+        # forward: the fp32 output (V's head dim) and lse; backward: the dQ accumulator (Q's head dim)
+        elements = self.batch * rows * self.heads * (self.head_dim if backward else self.dv + 1)
         return cluster.block_overhead + cluster.elementwise_time(4 * cluster.correction_passes * elements)
 
     def _keys_cost(self, cluster: Cluster, keys: int, backward: bool) -> float:
         if not backward:
             return 0.0
-        elements = 2 * self.batch * keys * self.kv_heads * self.head_dim
+        elements = self.batch * keys * self.kv_heads * (self.head_dim + self.dv)  # dK and dV
         return cluster.elementwise_time(4 * cluster.correction_passes * elements)
 
     def packed_call_costs(self, cluster: Cluster, case: BlockCase, backward: bool) -> float:
@@ -279,8 +328,8 @@ class Workload:
 
 @lru_cache(maxsize=256)
 def _block_times(w: Workload, cluster: Cluster, backward: bool, ranks: int) -> np.ndarray:
-    if w.documents is not None:  # each block's own kernel calls; empty blocks 0
-        out = document_block_times(w, cluster, backward, ranks)
+    if w.pruned:  # each block's own kernel calls; empty blocks 0
+        out = (document_block_times if w.window is None else window_block_times)(w, cluster, backward, ranks)
         out.setflags(write=False)
         return out
     i, j = np.indices((ranks, ranks))
@@ -341,5 +390,5 @@ def workload_dims(w: Workload) -> ChunkDims:
     """The ChunkDims (dtypes included) whose payloads a workload's transfers carry."""
     return ChunkDims(
         w.batch, w.seq_local, w.heads, w.kv_heads, w.head_dim, _DTYPE_OF_BYTES[w.bytes_per_element],
-        torch.float32, _DTYPE_OF_BYTES[w.partial_bytes],
+        torch.float32, _DTYPE_OF_BYTES[w.partial_bytes], w.head_dim_v,
     )

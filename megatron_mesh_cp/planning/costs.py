@@ -15,6 +15,7 @@ from ..runtime.memory import layout
 from ..runtime.plan import BACKWARD, FORWARD
 from ..runtime.ulysses import kv_repeats, ulysses_traffic
 from .cluster import Cluster, Workload, workload_dims
+from .windows import sequence_pairs
 
 __all__ = ["plan_peak_bytes", "te_ring_peak_bytes", "ulysses_buffer_bytes", "monolithic_time", "whole_sequence_pairs",
            "collective_time",
@@ -33,8 +34,8 @@ def te_ring_peak_bytes(w: Workload) -> int:
     dK/dV, the fp32 dQ accumulator and one block's dQ, dK, dV."""
     e, p = w.bytes_per_element, w.partial_bytes
     tok = w.batch * w.seq_local * w.head_dim
-    kv = 2 * tok * w.kv_heads
-    fwd = 2 * kv * e + tok * w.heads * 4 + w.batch * w.seq_local * w.heads * 4
+    kv = w.batch * w.seq_local * w.kv_heads * (w.head_dim + w.dv)  # K and V (MLA: V's head dim)
+    fwd = 2 * kv * e + w.batch * w.seq_local * w.dv * w.heads * 4 + w.batch * w.seq_local * w.heads * 4
     bwd = 2 * kv * e + 2 * kv * p + tok * w.heads * 4 + (tok * w.heads + kv) * e
     return max(fwd, bwd)
 
@@ -44,7 +45,7 @@ def ulysses_buffer_bytes(u: int, w: Workload) -> int:
     if u <= 1:
         return 0
     iw = ulysses_inner(u, w)
-    return w.bytes_per_element * iw.batch * iw.seq_local * iw.head_dim * (2 * iw.heads + 2 * iw.kv_heads)
+    return w.bytes_per_element * iw.batch * iw.seq_local * (iw.head_dim + iw.dv) * (iw.heads + iw.kv_heads)
 
 
 def monolithic_time(cluster: Cluster, w: Workload, rows: int, keys: int, heads: int, backward: bool,
@@ -53,13 +54,14 @@ def monolithic_time(cluster: Cluster, w: Workload, rows: int, keys: int, heads: 
     (q, k) pairs it computes when not rows x keys (halved if causal), e.g. a packed sequence's."""
     if pairs is None:
         pairs = rows * keys * (0.5 if w.causal else 1.0)
-    flops = 4.0 * w.batch * heads * w.head_dim * pairs * (2.5 if backward else 1.0)
-    return cluster.attention_time(flops, rows, backward) + cluster.block_overhead
+    return cluster.attention_time(w.pair_flops(pairs, backward, heads), rows, backward) + cluster.block_overhead
 
 
 def whole_sequence_pairs(w: Workload, ranks: int) -> Optional[float]:
     """Pairs of attention over the whole packed sequence of ``ranks`` chunks in one call (each document's
-    own triangle); None when the workload is not packed."""
+    own triangle, cut by the window if any); None when the workload is neither packed nor windowed."""
+    if w.window is not None:
+        return float(sequence_pairs(w.mask_documents(ranks), w.causal, w.window))
     if w.documents is not None:
         if w.documents.total != w.seq_local * ranks:
             raise ValueError(f"the documents span {w.documents.total} tokens but {ranks} CP ranks of {w.seq_local} "

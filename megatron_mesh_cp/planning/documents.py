@@ -26,8 +26,8 @@ from ..runtime.documents import DocumentMask, Documents
 from ..runtime.topology import MeshShape
 from .packing import DISTRIBUTIONS, _fill, _read_lengths, _rect, _tri, length_draws
 
-__all__ = ["UnpaddedDocuments", "BlockCalls", "block_calls", "block_times", "tile_bound", "sample_documents",
-           "read_documents"]
+__all__ = ["UnpaddedDocuments", "BlockCalls", "block_calls", "block_times", "price_calls", "check_total", "tile_bound",
+           "sample_documents", "read_documents"]
 
 
 @dataclass(frozen=True)
@@ -63,18 +63,19 @@ class UnpaddedDocuments:
     def with_tile(self, tile: int) -> "UnpaddedDocuments":
         return UnpaddedDocuments(self.lengths, tile, self.label)
 
-    def mask(self, chunks: int, causal: bool) -> DocumentMask:
-        """The runtime's description of these documents over ``chunks`` mesh chunks (cached)."""
-        return _mask(self, chunks, bool(causal))
+    def mask(self, chunks: int, causal: bool, window=None) -> DocumentMask:
+        """The runtime's description of these documents (and sliding ``window``, (left, right)) over
+        ``chunks`` mesh chunks (cached)."""
+        return _mask(self, chunks, bool(causal), window)
 
-    def nonempty(self, chunks: int, causal: bool) -> np.ndarray:
+    def nonempty(self, chunks: int, causal: bool, window=None) -> np.ndarray:
         """Bool [chunks, chunks]: the blocks that run any kernel call (the runtime's own mask)."""
-        return self.mask(chunks, causal).nonempty()
+        return self.mask(chunks, causal, window).nonempty()
 
-    def needed(self, a: int, b: int, causal: bool) -> FrozenSet[Tuple[int, int]]:
+    def needed(self, a: int, b: int, causal: bool, window=None) -> FrozenSet[Tuple[int, int]]:
         """Tile blocks (Q offset, KV offset) some rank of the a x b mesh must compute: what the
         pruned plan keeps (:meth:`DocumentMask.needed`)."""
-        return _needed(self, a, b, bool(causal))
+        return _needed(self, a, b, bool(causal), window)
 
     def sequence_work(self, causal: bool = True) -> int:
         """Work of one call over the whole sequence (Ulysses' view): each document's own triangle."""
@@ -95,13 +96,13 @@ class UnpaddedDocuments:
 
 
 @lru_cache(maxsize=64)
-def _mask(docs: UnpaddedDocuments, chunks: int, causal: bool) -> DocumentMask:
-    return DocumentMask(Documents(docs.cu), chunks, causal)
+def _mask(docs: UnpaddedDocuments, chunks: int, causal: bool, window) -> DocumentMask:
+    return DocumentMask(Documents(docs.cu), chunks, causal, window)
 
 
 @lru_cache(maxsize=256)
-def _needed(docs: UnpaddedDocuments, a: int, b: int, causal: bool) -> FrozenSet[Tuple[int, int]]:
-    return _mask(docs, a * b, causal).needed(MeshShape(a, b))
+def _needed(docs: UnpaddedDocuments, a: int, b: int, causal: bool, window) -> FrozenSet[Tuple[int, int]]:
+    return _mask(docs, a * b, causal, window).needed(MeshShape(a, b))
 
 
 class BlockCalls(NamedTuple):
@@ -194,10 +195,19 @@ def block_times(w, cluster, backward: bool, ranks: int) -> np.ndarray:
     call's fixed costs (:meth:`Workload._call_cost` over its rows, :meth:`Workload._keys_cost` over its
     keys); 0 for an empty block."""
     docs = w.documents
+    check_total(docs, w, ranks)
+    return price_calls(w, cluster, backward, ranks, block_calls(docs, ranks, w.causal))
+
+
+def check_total(docs: UnpaddedDocuments, w, ranks: int) -> None:
+    """``ValueError`` unless the documents fill the ``ranks`` chunks of ``w``."""
     if docs.total != w.seq_local * ranks:
         raise ValueError(f"the documents span {docs.total} tokens but {ranks} CP ranks of {w.seq_local} tokens "
                          f"hold {w.seq_local * ranks}; the documents must fill the global sequence length")
-    calls = block_calls(docs, ranks, w.causal)
+
+
+def price_calls(w, cluster, backward: bool, ranks: int, calls: BlockCalls) -> np.ndarray:
+    """[ranks, ranks] seconds: every block's calls, each its kernel and its fixed costs."""
     rows = calls.rows.astype(float)
     sec = (cluster.attention_time(w.pair_flops(calls.work.astype(float), backward), rows, backward)
            + w._call_cost(cluster, rows, backward) + w._keys_cost(cluster, calls.keys.astype(float), backward))
@@ -216,7 +226,7 @@ def tile_bound(w, cluster, a: int, b: int, backward: bool) -> Tuple[float, Dict[
     kj = ((r[:, None] - np.arange(b)[None, :]) % b) * a + c[:, None]  # [rank, KV offset] -> KV chunk
     t = w.block_times(cluster, backward, n)
     compute = float(t[qi[:, :, None], kj[:, None, :]].sum(axis=(1, 2)).max())
-    keep = w.documents.needed(a, b, w.causal)
+    keep = w.needed(a, b)
     q, kv = len({qo for qo, _ in keep if qo}), len({ko for _, ko in keep if ko})
     return compute, {"q": q, "o": q, "dq": q, "kv": kv, "dkv": kv}
 

@@ -15,8 +15,8 @@ Hiding communication is not free (docs/calibration.md): a block kernel runs slow
 more concurrent channels cost more; every kernel call pays a call overhead and an fp32 correction
 pass (:meth:`Workload.call_time`; a grouped compute that runs several blocks in one call pays them
 once) beside its blocks' work (:meth:`Workload.block_times`, which prices a packed sequence's blocks
-by their work inside documents: ``packing``; unpadded ``documents``: each block's own calls, and a
-rank waits only for the chunks of the blocks it runs). A ring hop uses its own link (on a PCIe node it
+by their work inside documents: ``packing``; unpadded ``documents`` or a ``window``: each block's own
+calls, and a rank waits only for the chunks of the blocks it runs). A ring hop uses its own link (on a PCIe node it
 crosses each switch uplink once per direction, so rings do not contend on the host bridge; all-to-alls do, see
 ``baselines``).
 
@@ -99,7 +99,7 @@ def _block_durations(plan: Plan, w: Workload, cluster: Cluster, backward: bool) 
         if len(op.kvs) == 1:  # one block is one call, in its own buffer or alone in a slab
             out[op] = t[i, js[0]]
             continue
-        if w.packing is not None or w.documents is not None:  # masked: the executor runs it block by block
+        if w.packing is not None or w.pruned:  # masked: the executor runs it block by block
             out[op] = sum(t[i, j] for j in js)
             continue
         if w.causal:
@@ -140,8 +140,8 @@ def replay(
     dims = workload_dims(w)
     backward = plan.phase == BACKWARD
     blocks = _block_durations(plan, w, cluster, backward)
-    # unpadded documents: a rank waits only for the chunks of the blocks it runs (none for an empty one)
-    runs = None if w.documents is None else w.documents.nonempty(n, w.causal)
+    # documents or a window: a rank waits only for the chunks of the blocks it runs (none for an empty one)
+    runs = w.nonempty(n) if w.pruned else None
 
     compute_free = np.zeros(n)
     busy = np.zeros(n)

@@ -3,8 +3,8 @@
 ``build_plans`` is the entry point: ``greedy`` (default, :mod:`megatron_mesh_cp.planning.greedy`, scored on a
 cluster by the simulator) or ``in-order``. Plans are pure functions of their inputs and cached.
 
-``document_plans`` gives the plans a workload of unpadded documents runs: the full plans of the
-same layer (chains split both ways), pruned to the blocks the documents leave, as the runtime does.
+``document_plans`` gives the plans a workload of unpadded documents or a sliding window runs: the full
+plans of the same layer (chains split both ways), pruned to the blocks the mask leaves, as the runtime does.
 
 ``in_order_plan`` is the straightforward overlapped schedule: gather Q and KV hop by hop around
 their rings (one transfer in flight per ring), compute each block as soon as both of its chunks
@@ -119,11 +119,11 @@ def build_plans(
 @lru_cache(maxsize=256)
 def document_plans(a: int, b: int, planner: str = "greedy", *, cluster: Optional[Cluster] = None,
                    workload: Workload, stride: int = 1, max_live: Optional[int] = None) -> Tuple[Plan, Plan]:
-    """(forward, backward) plans for ``workload``'s unpadded documents, as ``mesh_attention`` runs
-    them: the full plans of the same layer without documents, chains split both ways (a document
-    reaches its neighbours on both sides), pruned to the tile blocks some rank needs."""
-    keep = workload.documents.needed(a, b, workload.causal)
-    full = build_plans(a, b, planner, cluster=cluster, workload=replace(workload, documents=None), stride=stride,
+    """(forward, backward) plans for ``workload``'s unpadded documents or window, as ``mesh_attention``
+    runs them: the full plans of the same layer without the mask, chains split both ways (a document
+    or a window reaches its neighbours on both sides), pruned to the tile blocks some rank needs."""
+    keep = workload.needed(a, b)
+    full = build_plans(a, b, planner, cluster=cluster, workload=workload.unmasked, stride=stride,
                        max_live=max_live, chains="both-ways")
     return prune(full[0], keep), prune(full[1], keep)
 
