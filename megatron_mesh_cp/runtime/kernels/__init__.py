@@ -96,7 +96,7 @@ def select_kernel(kernel: Union[str, BlockKernel, None], q: torch.Tensor, k: tor
         blk = get_kernel(kernel, q.device, deterministic=deterministic)
         blk.check(q, k)
         if packed:
-            blk.check_varlen(q)
+            blk.check_varlen(q, k)
         return blk
     sig = (q.device.type, getattr(q.device, "index", None), q.dtype, tuple(q.shape[1:]), k.shape[2], bool(deterministic),
            bool(packed))
@@ -112,7 +112,7 @@ def select_kernel(kernel: Union[str, BlockKernel, None], q: torch.Tensor, k: tor
             blk = _instance(name, **_options(name, deterministic))
             blk.check(q, k)
             if packed:
-                blk.check_varlen(q)
+                blk.check_varlen(q, k)
         except ValueError as exc:
             skipped.append(f"{name}: {exc}")
             continue

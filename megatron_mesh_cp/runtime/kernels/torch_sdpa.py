@@ -64,7 +64,7 @@ class TorchKernel(BlockKernel):
         if q.device.type not in ("cpu", "cuda"):
             raise ValueError(f"the torch kernel runs on cpu or cuda, not {q.device.type}")
 
-    def check_varlen(self, q: torch.Tensor) -> None:
+    def check_varlen(self, q: torch.Tensor, k: Optional[torch.Tensor] = None) -> None:
         if q.device.type != "cpu":
             raise ValueError("the torch attention kernel runs packed sequences (THD) on CPU only; "
                              "use --mesh-kernel te or flash on GPU")
