@@ -173,6 +173,12 @@ def test_megatron_start_up_checks_the_kernel_for_the_model(monkeypatch):
     assert SETTINGS.deterministic is False
     with pytest.raises(MeshArgumentError, match="no deterministic fused-attention backward .*--deterministic-mode"):
         apply_mesh_args(args(kv_channels=128, deterministic_mode=True), argv=[])
+    # issue 20, defect 7: --mesh-packed-data needs a backend for packed (THD) blocks; on sm80 TE has
+    # none and auto falls to the torch kernel, whose CUDA path has no varlen
+    packed = dict(kv_channels=128, mesh_packed_data=True, tensor_model_parallel_size=1, calculate_per_token_loss=True)
+    with pytest.raises(MeshArgumentError, match=r"--mesh-kernel auto: .*torch: the torch attention kernel runs packed "
+                                                r"sequences \(THD\) on CPU only"):
+        apply_mesh_args(args(mesh_kernel="auto", **packed), argv=[])
 
 
 # --- packed sequences (THD, varlen) through the TE and flash adapters --------------------------

@@ -281,7 +281,8 @@ def _check_kernel(args, cp: int) -> None:
     """Choose and check the block kernel for this model's attention inputs now, before any process
     group: a forced backend that cannot run them (or TE without a fused backend for them on this GPU
     and cuDNN, e.g. head dim > 128 off sm90, or --deterministic-mode where TE has no deterministic
-    backward) fails here, naming the alternative. On CUDA the check runs on this rank's own GPU."""
+    backward) fails here, naming the alternative; with --mesh-packed-data the backend must also run
+    packed (THD) blocks. On CUDA the check runs on this rank's own GPU."""
     from ..runtime.kernels import get_kernel, input_spec, select_kernel
 
     try:
@@ -296,7 +297,7 @@ def _check_kernel(args, cp: int) -> None:
         dev = torch.device("cuda", local % max(1, torch.cuda.device_count()))
         with torch.cuda.device(dev):
             select_kernel(SETTINGS.kernel, input_spec((s, b, h, d), half, dev), input_spec((s, b, hk, d), half, dev),
-                          deterministic=SETTINGS.deterministic)
+                          deterministic=SETTINGS.deterministic, packed=bool(_get(args, "mesh_packed_data", False)))
     except ValueError as exc:
         raise MeshArgumentError(f"--mesh-kernel {SETTINGS.kernel}: {exc}") from None
 

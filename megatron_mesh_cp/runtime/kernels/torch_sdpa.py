@@ -5,9 +5,14 @@
 * CUDA, fp16/bf16, head dim <= 256 and a multiple of 8, sm80+: the SDPA flash op
   (``_scaled_dot_product_flash_attention`` and its backward; GQA native).
 * CUDA otherwise (fp32, other head dims, older GPUs): the memory-efficient op, K/V heads expanded
-  for GQA (it has no native GQA).
+  for GQA. It has fp32, fp16 and bf16 kernels only, bf16 from sm80 (``sdp_utils.cpp``,
+  ``can_use_mem_efficient_attention``; its dispatch raises "Only fp32, half & bf16 supported"), so
+  ``check`` refuses fp64 on CUDA (and bf16 below sm80) before any communication.
 
-The ops take ``[b, h, s, d]`` views of our sequence-major tensors; no input is copied.
+The ops take ``[b, h, s, d]`` views of our sequence-major tensors, and the forwards copy no input.
+The CUDA flash backward makes ``dout`` and ``out`` contiguous in ``[b, s, h, d]``, a copy of each
+per call when b > 1 (for b = 1 the view already is); the efficient op gets expanded K/V copies for
+GQA and its backward sums the expanded gradients back.
 
 Packed sequences (THD) run on CPU only: the CPU op takes an additive mask, so a packed block is
 one call with a block-diagonal (per-document, causal) mask, made once per batch and mask kind --
@@ -56,13 +61,19 @@ class TorchKernel(BlockKernel):
     name = "torch"
 
     def __init__(self) -> None:
-        self._gqa_native = True  # CUDA flash: falls back to expanded K/V once if the op refuses
+        self._gqa_native = True  # CUDA flash: expanded K/V from the first call the op refuses GQA on
         self._consts = {}  # per device: the (unused, dropout-free) philox seed and offset
         self._masks: "OrderedDict[tuple, tuple]" = OrderedDict()  # packed blocks' masks, per batch
 
     def check(self, q: torch.Tensor, k: torch.Tensor) -> None:
         if q.device.type not in ("cpu", "cuda"):
             raise ValueError(f"the torch kernel runs on cpu or cuda, not {q.device.type}")
+        if q.device.type == "cuda" and cuda_path(q) == "efficient":
+            sm80 = torch.cuda.get_device_capability(q.device)[0] >= 8
+            if q.dtype not in ((torch.float16, torch.bfloat16, torch.float32) if sm80 else (torch.float16, torch.float32)):
+                raise ValueError(f"the torch kernel's CUDA memory-efficient op has no {str(q.dtype)[6:]} kernel "
+                                 f"(fp32, fp16{', bf16' if sm80 else ''} only); cast to float32 or bfloat16, or run "
+                                 "float64 on CPU")
 
     def check_varlen(self, q: torch.Tensor, k: Optional[torch.Tensor] = None) -> None:
         if q.device.type != "cpu":
@@ -113,11 +124,14 @@ class TorchKernel(BlockKernel):
                 out, lse, *_ = _aten._scaled_dot_product_flash_attention(
                     _bhsd(q), kk, vv, 0.0, causal, False, scale=scale
                 )
-            except RuntimeError:
-                if not self._gqa_native or k.shape[2] == q.shape[2]:
-                    raise
-                self._gqa_native = False
-                return self.forward(q, k, v, causal=causal, scale=scale)
+            except RuntimeError as exc:
+                if not self._gqa_native or k.shape[2] == q.shape[2] or not _refuses_gqa(exc):
+                    raise  # an OOM or any other failure is not the op refusing GQA
+                kk, vv = _expand(q, k, v)
+                out, lse, *_ = _aten._scaled_dot_product_flash_attention(
+                    _bhsd(q), kk, vv, 0.0, causal, False, scale=scale
+                )
+                self._gqa_native = False  # only once expanded K/V ran where native K/V did not
             return _sbhd(out), lse
         kk, vv = _expand(q, k, v)
         out, lse, _, _ = _aten._scaled_dot_product_efficient_attention(
@@ -189,6 +203,11 @@ class TorchKernel(BlockKernel):
                 [True, True, True, False], causal, scale=scale,
             )
         return _sbhd(dq), _fold_heads(dk, hk), _fold_heads(dv, hk)
+
+
+def _refuses_gqa(exc: RuntimeError) -> bool:
+    """Whether the flash op's error is about the K/V head count (not an OOM, not anything else)."""
+    return not isinstance(exc, torch.cuda.OutOfMemoryError) and "head" in str(exc).lower()
 
 
 def _expand(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
