@@ -145,7 +145,7 @@ def plans_for(q, k, mesh, causal: bool, layout: str, partial_dtype, planner: str
     w = Workload(
         seq_local=q.shape[s_dim], heads=q.shape[2], kv_heads=k.shape[2], head_dim=q.shape[3],
         batch=q.shape[b_dim], causal=bool(causal), bytes_per_element=q.element_size(),
-        partial_bytes=torch.empty((), dtype=partial_dtype or acc).element_size(),
+        partial_bytes=(partial_dtype or acc).itemsize,
     )
     cluster = getattr(mesh, "cluster", None) or default_cluster()
     # a2a+mesh: consecutive super-ranks are u CP ranks apart
