@@ -85,6 +85,7 @@ def virtual_mesh_attention(
     deterministic: bool = False,
     cu_seqlens: Optional[torch.Tensor] = None,
     cu_seqlens_padded: Optional[torch.Tensor] = None,
+    hubs: Optional[List[VirtualHub]] = None,
 ) -> Dict[str, object]:
     """Full-sequence ``q, k, v`` (and ``dout`` for a backward) -> gathered results.
 
@@ -92,6 +93,8 @@ def virtual_mesh_attention(
     Returns ``{"out", "lse" ([b, h, s]), "dq", "dk", "dv" (with dout), "traffic" (per CP rank)}``.
     Packed: ``layout="thd"`` (q ``[t, h, d]``), causal, the documents' offsets as in
     :func:`~megatron_mesh_cp.attention.mesh_attention`; lse is ``[h, t]``, padding rows give 0 and -inf.
+    ``hubs``: a list the in-memory transports (one per Ulysses slot) are kept in; passing the same
+    list to every call keeps their buffer pools warm, as a real mesh's are (an empty list is filled).
     """
     from .attention import plans_for
 
@@ -154,8 +157,10 @@ def virtual_mesh_attention(
 
     def run(plan, per_rank):
         results: List[object] = [None] * n
-        for ranks in slots:
-            hub = VirtualHub(mesh_shape)
+        for j, ranks in enumerate(slots):
+            if hubs is not None and len(hubs) <= j:
+                hubs.append(VirtualHub(mesh_shape))
+            hub = hubs[j] if hubs is not None else VirtualHub(mesh_shape)
             res, counts = run_virtual(plan, mesh_shape, [per_rank[g] for g in ranks], blk, causal=causal,
                                       scale=scale, hub=hub, partial_dtype=partial_dtype,
                                       varlen=lay.varlen if lay is not None else None)
