@@ -62,8 +62,18 @@ def flash_forward(query, key, value, dropout_p=0.0, is_causal=False, return_debu
     return out, lse.float().contiguous(), None, None, q.shape[1], k.shape[1], rng, unused, torch.empty(0, dtype=q.dtype)
 
 
+#: what the stand-ins saw: whether the op ran under torch.use_deterministic_algorithms(True) (the
+#: CUDA backward ops read it to pick their deterministic algorithm, attention_backward.cu)
+SEEN = {}
+
+
+def _deterministic_seen(op):
+    SEEN[op] = torch.are_deterministic_algorithms_enabled() and not torch.is_deterministic_algorithms_warn_only_enabled()
+
+
 def flash_backward(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p,
                    is_causal, philox_seed, philox_offset, *, scale=None):
+    _deterministic_seen("flash_backward")
     do, q, k, v, o = _bshd(grad_out, query, key, value, out)
     if cum_seq_q is not None:  # _flash_attention_backward: defined => mha_varlen_bwd
         if cum_seq_q.numel() - 1 <= 0:
@@ -93,6 +103,7 @@ def efficient_forward(query, key, value, attn_bias, compute_log_sumexp, dropout_
 
 def efficient_backward(grad_out_, query, key, value, attn_bias, out, logsumexp, philox_seed, philox_offset,
                        dropout_p, grad_input_mask, is_causal=False, *, scale=None):
+    _deterministic_seen("efficient_backward")
     q, k, v = _bshd(query, key, value)
     _efficient_dtypes(q)
     _same_heads(q, k, v)

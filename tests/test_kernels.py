@@ -167,3 +167,21 @@ def test_torch_kernel_gqa_fallback_only_when_the_op_refuses_gqa(monkeypatch):
     errors.append(RuntimeError("Number of heads in key/value must equal the number of heads in query"))
     out2, lse2 = kern.forward(q, k, k, causal=True, scale=0.25)
     assert not kern._gqa_native and torch.equal(out, out2) and torch.equal(lse, lse2)
+
+
+@pytest.mark.parametrize("path,dtype", [("flash", torch.float16), ("efficient", torch.float32)])
+def test_torch_kernel_deterministic_backward_on_cuda(monkeypatch, path, dtype):
+    """The CUDA SDPA backward ops are deterministic only under torch.use_deterministic_algorithms(True)
+    (attention_backward.cu: "Flash Attention defaults to a non-deterministic algorithm"); a
+    deterministic torch kernel runs them so, restoring the setting, and a default one leaves it."""
+    monkeypatch.setattr(torch_sdpa, "_aten", fake_aten.namespace())
+    monkeypatch.setattr(torch_sdpa.TorchKernel, "_is_cuda", staticmethod(lambda t: True))
+    monkeypatch.setattr(torch_sdpa, "cuda_path", lambda q: path)
+    q = torch.randn(32, 1, 2, 16, dtype=dtype)
+    for det in (False, True):
+        kern = K.get_kernel("torch", "cpu", deterministic=det)
+        assert kern.deterministic is det
+        out, lse = kern.forward(q, q, q, causal=True, scale=0.25)
+        kern.backward(q, q, q, q, out, kern.lse_for_backward(lse.permute(2, 0, 1)), causal=True, scale=0.25)
+        assert fake_aten.SEEN[f"{path}_backward"] is det
+        assert not torch.are_deterministic_algorithms_enabled()  # restored

@@ -55,7 +55,7 @@ def _instance(name: str, **options) -> BlockKernel:
 
 
 def _options(name: str, deterministic: bool) -> dict:
-    return {"deterministic": True} if deterministic and name != "torch" else {}
+    return {"deterministic": True} if deterministic else {}
 
 
 def get_kernel(kernel: Union[str, BlockKernel, None] = "auto", device: Optional[torch.device] = None,

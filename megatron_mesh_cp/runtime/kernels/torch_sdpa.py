@@ -18,6 +18,11 @@ Packed sequences (THD) run on CPU only: the CPU op takes an additive mask, so a 
 one call with a block-diagonal (per-document, causal) mask, made once per batch and mask kind --
 exact, and dense (O(rows^2) mask memory, fine for CPU-sized blocks). On CUDA use te or flash.
 
+Deterministic backward (``deterministic=True``, Megatron's ``--deterministic-mode``): the CUDA ops
+read ``torch.are_deterministic_algorithms_enabled()`` when called (``attention_backward.cu``:
+"Flash Attention defaults to a non-deterministic algorithm"), so the backward op runs with it on
+(and the setting restored after); the CPU op is deterministic anyway.
+
 The CUDA flash backward decides dense vs varlen by whether ``cum_seq_q`` is *defined*
 (``attention_backward.cu``, ``_flash_attention_backward``); the dense forward returns undefined
 tensors (``None`` in Python) there, so the backward is given ``None``, never an empty tensor.
@@ -26,6 +31,7 @@ tensors (``None`` in Python) there, so the backward is given ``None``, never an 
 from __future__ import annotations
 
 from collections import OrderedDict
+from contextlib import contextmanager
 from typing import Optional, Tuple
 
 import torch
@@ -60,7 +66,8 @@ def cuda_path(q: torch.Tensor) -> str:
 class TorchKernel(BlockKernel):
     name = "torch"
 
-    def __init__(self) -> None:
+    def __init__(self, deterministic: bool = False) -> None:
+        self.deterministic = bool(deterministic)
         self._gqa_native = True  # CUDA flash: expanded K/V from the first call the op refuses GQA on
         self._consts = {}  # per device: the (unused, dropout-free) philox seed and offset
         self._masks: "OrderedDict[tuple, tuple]" = OrderedDict()  # packed blocks' masks, per batch
@@ -191,18 +198,34 @@ class TorchKernel(BlockKernel):
             kk, vv = self._kv(q, k, v)
             seed, offset = self._philox(path, q.device)
             lse = lse if lse.is_contiguous() else lse.contiguous()  # only when sq % 32 != 0
-            dq, dk, dv = _aten._scaled_dot_product_flash_attention_backward(
-                _bhsd(dout), _bhsd(q), kk, vv, _bhsd(out), lse, None, None, sq, sk, 0.0, causal,
-                seed, offset, scale=scale,
-            )
+            with _deterministic(self.deterministic):
+                dq, dk, dv = _aten._scaled_dot_product_flash_attention_backward(
+                    _bhsd(dout), _bhsd(q), kk, vv, _bhsd(out), lse, None, None, sq, sk, 0.0, causal,
+                    seed, offset, scale=scale,
+                )
         else:
             kk, vv = _expand(q, k, v)
             seed, offset = self._philox(path, q.device)
-            dq, dk, dv, _ = _aten._scaled_dot_product_efficient_attention_backward(
-                _bhsd(dout), _bhsd(q), kk, vv, None, _bhsd(out), lse, seed, offset, 0.0,
-                [True, True, True, False], causal, scale=scale,
-            )
+            with _deterministic(self.deterministic):
+                dq, dk, dv, _ = _aten._scaled_dot_product_efficient_attention_backward(
+                    _bhsd(dout), _bhsd(q), kk, vv, None, _bhsd(out), lse, seed, offset, 0.0,
+                    [True, True, True, False], causal, scale=scale,
+                )
         return _sbhd(dq), _fold_heads(dk, hk), _fold_heads(dv, hk)
+
+
+@contextmanager
+def _deterministic(on: bool):
+    """``torch.use_deterministic_algorithms(True)`` around one op when ``on`` (restored after)."""
+    was, warn = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    if not on or (was and not warn):
+        yield
+        return
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(was, warn_only=warn)
 
 
 def _refuses_gqa(exc: RuntimeError) -> bool:
