@@ -12,7 +12,9 @@ tokens, 32 heads / 8 kv, d 128, h100-ib400), so grouping and chains are those a 
 Counts come from the torch profiler: top-level aten events (no aten parent), split into views
 (the event and its whole subtree only alias), launching ops (everything else; on a GPU each is a
 kernel launch or at least a dispatcher round trip) and allocations (``aten::empty*``, included in
-the launching count as HOST_COST.md counts them), divided by the ranks. For a2a+mesh the mesh part
+the launching count as HOST_COST.md counts them), divided by the ranks; of the launching ops, the
+in-memory transport's ``copy_`` per delivered tensor stands for the wire (NCCL: one grouped launch
+per transfer, the "transfers" column), the rest is the executor's own. For a2a+mesh the mesh part
 runs on the super-ranks and the Ulysses part (pack, all-to-all, reorder; the all-to-all stood in
 for by an ``empty_like`` + ``copy_``) is counted on one rank's tensors and added; the profiler
 runs piece by piece (:func:`lockstep`), so 256 ranks fit in memory. Times are the main thread's
@@ -129,6 +131,20 @@ def lockstep(plan, shape, per, kern, hub, scale, chunk):
     yield finish
 
 
+class CountingHub(VirtualHub):
+    """The in-memory transport, counting the ``copy_`` ops its deliveries issue: they stand for the
+    wire (on NCCL a transfer is one grouped send/recv launch, not one copy per tensor)."""
+
+    def __init__(self, shape) -> None:
+        super().__init__(shape)
+        self.copies = 0
+
+    def _deliver(self, src_key, dst_key) -> None:
+        if src_key in self._posted and dst_key in self._posted and dst_key not in self._delivered:
+            self.copies += len(self._posted[dst_key][1])
+        super()._deliver(src_key, dst_key)
+
+
 class CountingKernel(TorchKernel):
     """The torch kernel, counting its calls and the CPU time spent inside them."""
 
@@ -163,7 +179,7 @@ def mesh_layer(a: int, b: int, plans, heads: int, seq: int, d: int = 16):
     """``(layer, pieces, kernel, ranks)``: ``layer()`` runs one layer (forward then backward) of all
     a x b virtual ranks, warm; ``pieces()`` the same as profiling pieces (:func:`lockstep`)."""
     shape = MeshShape(a, b)
-    hub = VirtualHub(shape)
+    hub = CountingHub(shape)
     kern = CountingKernel()
     per = _inputs(shape.n, heads, heads, seq, d)
     scale = d ** -0.5
@@ -180,7 +196,7 @@ def mesh_layer(a: int, b: int, plans, heads: int, seq: int, d: int = 16):
         yield from lockstep(plans[1], shape, bwd, kern, hub, scale, chunk)
 
     layer()  # warm: pools sized for both phases
-    return layer, pieces, kern, shape.n
+    return layer, pieces, kern, hub, shape.n
 
 
 def ulysses_layer(u: int, heads: int, seq: int, d: int = 16):
@@ -215,8 +231,10 @@ def measure(n: int, repeats: int):
         w = Workload(seq_local=131072 * u // n, heads=32 // u, kv_heads=max(1, 8 // u), head_dim=128)
         plans = build_plans(a, b, "greedy", cluster=cluster, workload=w)
         heads, seq = 8 // u, 4 * u  # tiny: 2 tokens per piece of every rank's share
-        layer, pieces, kern, ranks = mesh_layer(a, b, plans, heads, seq)
+        layer, pieces, kern, hub, ranks = mesh_layer(a, b, plans, heads, seq)
+        hub.copies = 0
         launch, views, alloc = count_ops(pieces())
+        copies = hub.copies
         best = None
         for _ in range(repeats):
             kern.calls, kern.seconds = 0, 0.0
@@ -229,6 +247,8 @@ def measure(n: int, repeats: int):
         blocks = 2 * a * b * ranks  # every rank computes its a x b tile forward and backward
         row = dict(algo=label, n=n, shape=f"{u}x{a}x{b}" if u > 1 else f"{a}x{b}", ranks=ranks,
                    launching=launch / ranks, views=views / ranks, allocations=alloc / ranks,
+                   transport_copies=copies / ranks, executor_launching=(launch - copies) / ranks,
+                   transfers=sum(len(p.transfers) for p in plans),
                    kernel_calls=calls / ranks, blocks=blocks / ranks,
                    us_per_call=wall / calls * 1e6, us_per_block=wall / blocks * 1e6,
                    host_us_per_call=(wall - inside) / calls * 1e6, kernel_us_per_call=inside / calls * 1e6)
@@ -238,6 +258,7 @@ def measure(n: int, repeats: int):
             l1, v1, a1 = count_ops([ul])
             l0, v0, a0 = count_ops([extra])
             row.update(launching=row["launching"] + l1 - l0, views=row["views"] + v1 - v0,
+                       executor_launching=row["executor_launching"] + l1 - l0,  # its copy_ = the all-to-all
                        allocations=row["allocations"] + a1 - a0, ulysses_launching=l1 - l0)
         rows.append(row)
         print(f"  {label} {row['shape']}: {row['launching']:.0f} launching ops, {row['views']:.0f} views, "
@@ -247,12 +268,14 @@ def measure(n: int, repeats: int):
 
 
 def table(rows) -> str:
-    head = ("algorithm", "n", "shape", "launching ops", "views", "aten::empty*", "kernel calls", "blocks",
-            "us / kernel call", "us / block", "host us / call (less kernel)")
+    head = ("algorithm", "n", "shape", "launching ops", "of which transport copies", "views", "aten::empty*",
+            "transfers", "kernel calls", "blocks", "CPU us / kernel call", "CPU us / block", "host us / call (less kernel)")
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        out.append("| " + " | ".join([r["algo"], str(r["n"]), r["shape"], f"{r['launching']:.0f}", f"{r['views']:.0f}",
-                                      f"{r['allocations']:.0f}", f"{r['kernel_calls']:.0f}", f"{r['blocks']:.0f}",
+        out.append("| " + " | ".join([r["algo"], str(r["n"]), r["shape"], f"{r['launching']:.0f}",
+                                      f"{r['transport_copies']:.0f}", f"{r['views']:.0f}",
+                                      f"{r['allocations']:.0f}", str(r["transfers"]), f"{r['kernel_calls']:.0f}",
+                                      f"{r['blocks']:.0f}",
                                       f"{r['us_per_call']:.0f}", f"{r['us_per_block']:.0f}",
                                       f"{r['host_us_per_call']:.0f}"]) + " |")
     return "\n".join(out)
