@@ -225,32 +225,33 @@ def section_f(device, quick):
     q, k, v, do = (torch.randn(1, s, x, d, generator=g).to(device=device, dtype=dtype) for x in (h, hk, hk, h))
     hubs: list = []
     kw = dict(dout=do, partial_dtype=torch.bfloat16, deterministic=True, hubs=hubs)
-    with _deterministic(cuda):
-        first = virtual_mesh_attention(q, k, v, (2, 2, 2), **kw)
-        notes = []
-        if cuda:
-            torch.cuda.synchronize()
-            torch.cuda.set_sync_debug_mode("error")
-            try:
-                second = virtual_mesh_attention(q, k, v, (2, 2, 2), **kw)
-                synced = "none"
-            except RuntimeError as exc:
-                synced = str(exc).splitlines()[0][:120]
-                second = None
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            peaks = []
-            for _ in range(10):
-                virtual_mesh_attention(q, k, v, (2, 2, 2), **kw)
-                torch.cuda.synchronize()
-                peaks.append(torch.cuda.max_memory_allocated())
-            flat = len(set(peaks)) == 1
-        else:
+    # deterministic: the torch kernel runs its CUDA backward under use_deterministic_algorithms (TE, flash:
+    # their deterministic flag), so two calls must agree bit for bit
+    first = virtual_mesh_attention(q, k, v, (2, 2, 2), **kw)
+    notes = []
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
             second = virtual_mesh_attention(q, k, v, (2, 2, 2), **kw)
-            synced, flat, peaks = None, None, []
-            notes.append("CPU: no sync debug mode and no CUDA allocator stats; pool bytes and bitwise checked")
+            synced = "none"
+        except RuntimeError as exc:
+            synced = str(exc).splitlines()[0][:120]
+            second = None
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        peaks = []
+        for _ in range(10):
+            virtual_mesh_attention(q, k, v, (2, 2, 2), **kw)
+            torch.cuda.synchronize()
+            peaks.append(torch.cuda.max_memory_allocated())
+        flat = len(set(peaks)) == 1
+    else:
+        second = virtual_mesh_attention(q, k, v, (2, 2, 2), **kw)
+        synced, flat, peaks = None, None, []
+        notes.append("CPU: no sync debug mode and no CUDA allocator stats; pool bytes and bitwise checked")
     names = ("out", "dq", "dk", "dv")
     bitwise = second is not None and all(torch.equal(first[x], second[x]) for x in names)
     pools = _pool_check(hubs, q, k, (2, 2, 2))
@@ -258,22 +259,6 @@ def section_f(device, quick):
     yield dict(check="a2a+mesh 2x2x2, bf16 partials, deterministic", host_syncs=synced, memory_flat=flat,
                peak_mib=[round(p / 2**20, 1) for p in peaks[:1] + peaks[-1:]], pool_bytes=pools["pool"],
                peak_live_bytes=pools["peak"], bitwise=bitwise, notes="; ".join(notes), result="ok" if ok else "FAIL")
-
-
-class _deterministic:
-    """torch.use_deterministic_algorithms(True) while on CUDA: the SDPA flash backward is deterministic
-    only then (attention_backward.cu), which is what Megatron's --deterministic-mode sets."""
-
-    def __init__(self, cuda: bool) -> None:
-        self.cuda = cuda
-
-    def __enter__(self):
-        self.was = torch.are_deterministic_algorithms_enabled()
-        if self.cuda:
-            torch.use_deterministic_algorithms(True)
-
-    def __exit__(self, *exc):
-        torch.use_deterministic_algorithms(self.was)
 
 
 def _pool_check(hubs, q, k, shape) -> dict:
