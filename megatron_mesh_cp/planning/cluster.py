@@ -6,7 +6,8 @@ memory bandwidth, plus the costs of *hiding* communication that published measur
 (docs/calibration.md): compute slows down while transfers run beside it, every block call pays a
 launch and the fp32 correction of the running output, and nodes without NVSwitch share one host
 bridge. The host's own time per kernel call (``host_per_call``) bounds a compute step from below:
-the host issues the steps while the GPU runs them, so a step cannot end before it was issued. Presets are YAML files shipped in the package (``megatron_mesh_cp/configs/clusters/``;
+the host issues the steps while the GPU runs them, so a step cannot end before it was issued.
+Presets are YAML files shipped in the package (``megatron_mesh_cp/configs/clusters/``;
 ``MESH_CP_CLUSTER_DIR`` adds a directory searched first); ``load_cluster`` takes a preset name or a
 path. Rank placement follows Megatron's order (TP innermost, then CP): CP position p of a group
 with tensor-parallel size t sits on global rank ``p * t`` (plus the TP rank), so whether a ring hop
@@ -30,7 +31,8 @@ from ..runtime.packed import packed_slices
 from ..runtime.plan import ChunkDims
 from .packing import Packing
 
-__all__ = ["Cluster", "Workload", "CALIBRATED", "HOST_PER_CALL_US", "load_cluster", "cluster_presets", "CLUSTER_DIRS", "workload_dims"]
+__all__ = ["Cluster", "Workload", "CALIBRATED", "HOST_PER_CALL_US", "load_cluster", "cluster_presets", "CLUSTER_DIRS",
+           "workload_dims"]
 
 #: Where preset names are looked up (``MESH_CP_CLUSTER_DIR`` adds one, first).
 CLUSTER_DIRS: List[Path] = [Path(str(resources.files("megatron_mesh_cp") / "configs" / "clusters"))]

@@ -14,13 +14,15 @@ Hiding communication is not free (docs/calibration.md): a block kernel runs slow
 ``overlap_slowdown_*`` for every transfer in flight beside it, in proportion to their overlap, so
 more concurrent channels cost more; every kernel call pays a call overhead and an fp32 correction
 pass (:meth:`Workload.call_time`; a grouped compute that runs several blocks in one call pays them
-once) beside its blocks' work. The host issues the compute steps while the GPU runs them (launches
-are asynchronous): it spends ``cluster.host_per_call`` per kernel call, runs ahead of the GPU, and a
-step cannot end before the host has issued it -- back-to-back steps cost max(host, GPU) each, so a
-host-bound plan shows as such (the host never waits for the GPU: NCCL waits are stream waits) (:meth:`Workload.block_times`, which prices a packed sequence's blocks
+once) beside its blocks' work (:meth:`Workload.block_times`, which prices a packed sequence's blocks
 by their work inside documents: ``packing``). A ring hop uses its own link (on a PCIe node it crosses each switch
 uplink once per direction, so rings do not contend on the host bridge; all-to-alls do, see
 ``baselines``).
+
+The host issues the compute steps while the GPU runs them (launches are asynchronous): it spends
+``cluster.host_per_call`` per kernel call, runs ahead of the GPU (it never waits for it: NCCL waits
+are stream waits), and a step cannot end before the host has issued it -- back-to-back steps cost
+max(host, GPU) each, so a host-bound plan shows as such (``PhaseResult.host_bound``).
 
 All ranks advance together op by op (vectorised over ranks), so n = 256 replays in milliseconds.
 Bytes come from :func:`megatron_mesh_cp.runtime.plan.payload`, the same function the executor allocates
