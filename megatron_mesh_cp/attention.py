@@ -47,6 +47,9 @@ __all__ = ["mesh_attention", "check_inputs", "resolve_scale"]
 
 #: agreed call signatures kept per mesh (a new sequence length every step must not grow memory)
 MAX_AGREED = 64
+#: tensor scales already read to the host, by object: id -> (tensor, version, value); reading a CUDA
+#: tensor syncs the device, so a scale tensor passed on every call is read once per in-place change
+_SCALES: "OrderedDict[int, tuple]" = OrderedDict()
 
 
 def _check_mesh(mesh) -> None:
@@ -63,12 +66,26 @@ def resolve_scale(softmax_scale, head_dim: int) -> float:
     if softmax_scale is None:
         return 1.0 / math.sqrt(head_dim)
     x = softmax_scale
-    ok = (isinstance(x, torch.Tensor) and x.dim() == 0 and not x.is_complex() and x.dtype != torch.bool) or (
+    tensor = isinstance(x, torch.Tensor)
+    ok = (tensor and x.dim() == 0 and not x.is_complex() and x.dtype != torch.bool) or (
         isinstance(x, numbers.Real) and not isinstance(x, bool))
-    value = float(x) if ok else float("nan")
+    value = (_tensor_scale(x) if tensor else float(x)) if ok else float("nan")
     if not (math.isfinite(value) and value > 0):
         raise ValueError(f"softmax_scale must be a positive finite real number (or None), got {softmax_scale!r}")
     return value
+
+
+def _tensor_scale(x: torch.Tensor) -> float:
+    """``float(x)`` for a 0-d tensor, read (a device sync on CUDA) once per tensor object and version."""
+    if x.is_inference():  # no version counter: read every time
+        return float(x)
+    hit = _SCALES.pop(id(x), None)
+    if hit is None or hit[0] is not x or hit[1] != x._version:
+        hit = (x, x._version, float(x))
+    _SCALES[id(x)] = hit  # most recent last; at most 8 kept
+    while len(_SCALES) > 8:
+        _SCALES.popitem(last=False)
+    return hit[2]
 
 
 def check_inputs(q, k, v, mesh, layout: str, softmax_scale) -> None:
@@ -139,7 +156,7 @@ def plans_for(q, k, mesh, causal: bool, layout: str, partial_dtype, planner: str
     w = Workload(
         seq_local=q.shape[s_dim], heads=q.shape[2], kv_heads=k.shape[2], head_dim=q.shape[3],
         batch=q.shape[b_dim], causal=bool(causal), bytes_per_element=q.element_size(),
-        partial_bytes=torch.empty((), dtype=partial_dtype or acc).element_size(), head_dim_v=v_head_dim,
+        partial_bytes=(partial_dtype or acc).itemsize, head_dim_v=v_head_dim,
     )
     cluster = getattr(mesh, "cluster", None) or default_cluster()
     # a2a+mesh: consecutive super-ranks are u CP ranks apart
@@ -384,7 +401,8 @@ def mesh_attention(
     (Megatron's ``--deterministic-mode``; off by default, as some GPUs have no such TE backend).
     ``partial_dtype`` is the wire dtype of partial results (O, dQ, dK/dV); the default keeps them
     in fp32, exact to accumulation precision; the input dtype halves their bytes.
-    ``softmax_scale``: any positive real scalar (Python or numpy number, 0-d tensor).
+    ``softmax_scale``: any positive real scalar (Python or numpy number, 0-d tensor; a tensor is read
+    to the host once per object and in-place change, so passing the same one every call costs no sync).
     ``check_finite=True`` checks q, k, v (and, in backward, the output gradient) for NaN/Inf on
     every call and raises the same ``ValueError`` on every rank, naming the ranks that have them,
     before any ring transfer (one tiny collective per call, and a device sync on GPU).

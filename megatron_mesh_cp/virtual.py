@@ -92,6 +92,7 @@ def virtual_mesh_attention(
     window: Optional[Tuple[int, int]] = None,
     sink: Optional[torch.Tensor] = None,
     return_max_logit: bool = False,
+    hubs: Optional[List[VirtualHub]] = None,
 ) -> Dict[str, object]:
     """Full-sequence ``q, k, v`` (and ``dout`` for a backward) -> gathered results.
 
@@ -103,6 +104,8 @@ def virtual_mesh_attention(
     sliding ``window`` (left, right) as in ``mesh_attention``; ``result["plans"]`` then holds the
     pruned (forward, backward) plans that ran. ``sink`` (fp32 ``[h]``) adds ``result["dsink"]`` (with
     ``dout``); ``return_max_logit`` adds ``result["max_logit"]`` (fp32 ``[h]``).
+    ``hubs``: a list the in-memory transports (one per Ulysses slot) are kept in; passing the same
+    list to every call keeps their buffer pools warm, as a real mesh's are (an empty list is filled).
     """
     from .attention import plans_for, sink_grad
 
@@ -189,7 +192,9 @@ def virtual_mesh_attention(
     def run(plan, per_rank, forward=False):
         results: List[object] = [None] * n
         for j, ranks in enumerate(slots):
-            hub = VirtualHub(mesh_shape)
+            if hubs is not None and len(hubs) <= j:
+                hubs.append(VirtualHub(mesh_shape))
+            hub = hubs[j] if hubs is not None else VirtualHub(mesh_shape)
             extra = dict(sinks=None if sinks is None else [sinks[j]] * len(ranks), max_logit=return_max_logit) \
                 if forward else {}
             res, counts = run_virtual(plan, mesh_shape, [per_rank[g] for g in ranks], blk, causal=causal,

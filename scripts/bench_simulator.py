@@ -7,7 +7,8 @@
 For n in {16, 64, 128, 256}, S in {128K, 1M}, MHA (32/32) and GQA (32/8), d = 128, causal, on every
 cluster preset: time of each algorithm, the chosen shapes, speed of the best mesh-family algorithm
 vs USP and Ring, bytes vs Ring, exposed communication, peak attention memory per rank, how the
-calibration moved the n = 256 rows, and the auto choices' planner time at n = 256.
+calibration moved the n = 256 rows, and the auto choices' planner time at n = 256. The measured
+"Host cost" section (scripts/bench_host.py, CPU) is carried over from the page it replaces.
 Partials travel in bf16 for every algorithm here, as Megatron/TE's Ring sends dK/dV; a second
 table repeats n = 256 with fp32 partials (the library's exact default).
 ``--packed`` writes only docs/packing.md (scripts/bench_documents.py): documents at n = 256, 1M tokens,
@@ -210,8 +211,24 @@ def main():
         "",
     ]
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text("\n".join(out))
+    Path(args.out).write_text("\n".join(out) + kept_sections(args.out))
     print(f"wrote {args.out} in {time.perf_counter() - t0:.0f} s")
+
+
+#: measured (not simulated) sections of docs/performance.md, carried over when it is regenerated
+KEPT = ("## Host cost",)
+
+
+def kept_sections(path) -> str:
+    """The measured sections (:data:`KEPT`) of the page at ``path`` as it is now, to append again."""
+    old = Path(path).read_text() if Path(path).exists() else ""
+    out = []
+    for head in KEPT:
+        at = old.find("\n" + head)
+        if at >= 0:
+            end = old.find("\n## ", at + 1)
+            out.append(old[at: end if end >= 0 else len(old)].rstrip("\n") + "\n")
+    return "".join(out)
 
 
 if __name__ == "__main__":

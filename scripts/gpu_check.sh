@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The prepared GPU check (~2-3 minutes on one H200, hard limit ~4.5): kernel accuracy per backend,
+# The prepared GPU check (a few minutes on one H200, hard limit ~7.5): kernel accuracy per backend,
 # virtual-rank mesh attention for n = 4 and 16, a block-time sweep alone and under concurrent
-# copies, and block-work efficiency. Writes gpu_results.md and gpu_results.json into the directory
+# copies, block-work efficiency, the executor on NCCL-like streams, warm-call hygiene and the host
+# cost per kernel call. `--device cpu --quick` runs every section on CPU (CI does). Writes gpu_results.md and gpu_results.json into the directory
 # given as the first argument, else $OUT, else ./gpu_check_out. Needs CUDA and torch; Transformer
 # Engine and flash-attn are used when installed and reported as "not installed" otherwise.
 set -uo pipefail

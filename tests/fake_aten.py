@@ -6,7 +6,8 @@ the flash backward takes the *varlen* path whenever ``cum_seq_q`` is defined (a 
 undefined; ``torch.empty(0)`` is defined and gives batch size -1, "batch size must be positive");
 the flash backward reads the lse through its data pointer as a contiguous ``[b, h, sq]`` array
 (so a padded or strided lse is read wrongly, as on the GPU); the efficient ops need equal head
-counts, pad the lse to a multiple of 32 and read it through its batch and head strides. FA2 aligns
+counts, take fp32/fp16/bf16 only ("Only fp32, half & bf16 supported at the moment"), pad the lse to
+a multiple of 32 and read it through its batch and head strides. FA2 aligns
 a causal mask bottom-right, the efficient op top-left. fp16/bf16 only for flash. Test doubles.
 """
 
@@ -41,6 +42,12 @@ def _flash_rules(q, k, v, *more):
         raise RuntimeError("Number of heads in key/value must divide number of heads in query")
 
 
+def _efficient_dtypes(q):
+    """The mem-efficient kernels' dispatch (DISPATCH_TYPES): fp32, fp16, bf16."""
+    if q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise RuntimeError("Only fp32, half & bf16 supported at the moment")
+
+
 def _same_heads(q, k, v):
     if not (q.shape[2] == k.shape[2] == v.shape[2]):
         raise RuntimeError("Expected query, key and value to have the same number of heads")
@@ -55,8 +62,18 @@ def flash_forward(query, key, value, dropout_p=0.0, is_causal=False, return_debu
     return out, lse.float().contiguous(), None, None, q.shape[1], k.shape[1], rng, unused, torch.empty(0, dtype=q.dtype)
 
 
+#: what the stand-ins saw: whether the op ran under torch.use_deterministic_algorithms(True) (the
+#: CUDA backward ops read it to pick their deterministic algorithm, attention_backward.cu)
+SEEN = {}
+
+
+def _deterministic_seen(op):
+    SEEN[op] = torch.are_deterministic_algorithms_enabled() and not torch.is_deterministic_algorithms_warn_only_enabled()
+
+
 def flash_backward(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p,
                    is_causal, philox_seed, philox_offset, *, scale=None):
+    _deterministic_seen("flash_backward")
     do, q, k, v, o = _bshd(grad_out, query, key, value, out)
     if cum_seq_q is not None:  # _flash_attention_backward: defined => mha_varlen_bwd
         if cum_seq_q.numel() - 1 <= 0:
@@ -73,6 +90,7 @@ def flash_backward(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_s
 
 def efficient_forward(query, key, value, attn_bias, compute_log_sumexp, dropout_p=0.0, is_causal=False, *, scale=None):
     q, k, v = _bshd(query, key, value)
+    _efficient_dtypes(q)
     _same_heads(q, k, v)
     assert attn_bias is None and compute_log_sumexp
     out, lse = math_forward(*_f32(query, key, value), scale, is_causal, align="top-left")
@@ -85,7 +103,9 @@ def efficient_forward(query, key, value, attn_bias, compute_log_sumexp, dropout_
 
 def efficient_backward(grad_out_, query, key, value, attn_bias, out, logsumexp, philox_seed, philox_offset,
                        dropout_p, grad_input_mask, is_causal=False, *, scale=None):
+    _deterministic_seen("efficient_backward")
     q, k, v = _bshd(query, key, value)
+    _efficient_dtypes(q)
     _same_heads(q, k, v)
     assert attn_bias is None and list(grad_input_mask) == [True, True, True, False]
     b, sq, h, _ = q.shape

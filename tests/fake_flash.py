@@ -8,7 +8,8 @@
 * FA3 2024-07 (first release): ``(q, k, v, softmax_scale, causal)`` -> 7-tuple with the lse at 5.
 * FA3 2025-03: many required leading arguments, ``causal`` and ``window_size`` in both directions.
 * FA3 2025-08+: custom ops with defaults, ``is_causal`` and ``window_size_left/right`` in the
-  backward, which returns ``softmax_d`` only; a custom op may not return an input (``out``).
+  backward, which returns ``softmax_d`` only; a custom op may not return an input (``out``); as
+  hopper/flash_api.cpp since 2025-09-17, no deterministic backward for head dims rounded up to 256.
 
 All enforce the kernels' rules: fp16/bf16, unit last stride, caller-owned dq/dk/dv of the right
 shape, the lse read as a contiguous ``[b, h, s]`` array, a causal mask aligned bottom-right.
@@ -249,6 +250,8 @@ def fa3_2025_08_backward(
     softmax_scale: Optional[float] = None, is_causal: bool = False, window_size_left: int = -1,
     window_size_right: int = -1, softcap: float = 0.0, deterministic: bool = False, sm_margin: int = 0,
 ) -> Tensor:
+    if deterministic and max(q.shape[-1], v.shape[-1]) > 192:  # round_up_headdim(...) == 256
+        raise RuntimeError("Deterministic backward not supported for hdim 256.")
     if cu_seqlens_q is not None:
         return _varlen_bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                            max_seqlen_k, softmax_scale, is_causal)

@@ -5,7 +5,13 @@ TE: ``fused_attn_fwd``/``fused_attn_bwd`` in both call forms (2.0-2.14 with a po
 (``get_attention_backend`` with the F16 rules of the real one), enforcing TE's rules (packed sbhd,
 fp16/bf16, causal with ``window_size=(-1, 0)``). THD (``thd_thd_thd``, ``padding_causal`` /
 ``padding``): int32 ``cu_seqlens`` and ``cu_seqlens_*_padded`` on the device, ``[t, h, d]``
-tensors, softmax stats ``[t, h, 1]`` with cuDNN >= 9.6 and ``[b, h, max_seqlen, 1]`` before. flash-attn's surfaces are in ``fake_flash``, the
+tensors; softmax stats as TE's ``fused_attn_f16_arbitrary_seqlen.cu`` allocates them: ragged with
+cuDNN >= 9.6 (``[get_max_tokens(t), h, 1]`` up to TE 2.10, the rows past t unwritten; ``[t, h, 1]``
+from 2.11), dense ``[b, h, max_seqlen, 1]`` before 9.6 and on sm120 from TE 2.14 (2.14-2.17
+allocate that layout as ``[t, h, 1]``, too small: what does not fit is lost); the backward reads the
+ragged form through its first t rows, the dense one whole. The selection stand-in has TE's THD
+rules (sm90+; heads == kv heads below cuDNN 9.6; sm120 only from TE 2.14 with cuDNN >= 9.18.1) and
+its determinism filter (``core_attention_bias_requires_grad``, default True). flash-attn's surfaces are in ``fake_flash``, the
 CUDA SDPA ops in ``fake_aten``. All compute with plain math from the lse and out they are given, so
 our adapters' argument passing, layouts, lse handling and the delta stand-in are checked on CPU.
 They are test doubles, not kernels.
@@ -73,6 +79,25 @@ TE_DTYPE = {torch.float16: 5, torch.bfloat16: 6, torch.float32: 4}
 SEEN = {}
 #: the cuDNN version TE's backend selection stand-in assumes
 CUDNN = {"version": (9, 10, 0)}
+#: the TE release the stand-ins model (``install`` sets it from its ``te`` argument)
+TE = {"version": (2, 15)}
+
+
+def get_max_tokens(t: int) -> int:
+    """TE's ``get_max_tokens`` (common/fused_attn/utils.cu, 2.0-2.10): 1024 up to 1024 tokens, then the
+    next power of two up to 32K, then multiples of 32K."""
+    log2_t = math.ceil(math.log2(t)) if t > 0 else 0
+    if log2_t <= 10:
+        return 1024
+    if log2_t <= 15:
+        return 2 ** log2_t
+    return (t + 32767) // 32768 * 32768
+
+
+def _ragged_stats() -> bool:
+    """TE's ``use_ragged_stats``: cuDNN >= 9.6, and (from TE 2.14, which runs THD on sm120) not on sm120."""
+    sm120 = tuple(torch.cuda.get_device_capability()) == (12, 0) and TE["version"] >= (2, 14)
+    return CUDNN["version"] >= (9, 6, 0) and not sm120
 
 
 def _from_sbhd(x):
@@ -109,6 +134,7 @@ def _te_thd_rules(q, k, fake_dtype, attn_mask_type, window_size, dropout, backen
     assert backend == FusedAttnBackend.F16_arbitrary_seqlen and dropout == 0.0
     assert (attn_mask_type, tuple(window_size)) in (("padding_causal", (-1, 0)), ("padding", (-1, -1))), (attn_mask_type, window_size)
     assert q.dim() == 3 and k.dim() == 3 and q.is_contiguous() and k.is_contiguous(), "thd: contiguous [t, h, d]"
+    assert CUDNN["version"] >= (9, 6, 0) or q.shape[1] == k.shape[1], "no fused backend: thd below cuDNN 9.6 needs h == h_kv"
     for cu, pad, x, m in ((cu_q, cu_q_pad, q, max_q), (cu_kv, cu_kv_pad, k, max_kv)):
         assert pad is not None and pad.dtype == cu.dtype == torch.int32 and cu.device == pad.device == x.device
         assert int(pad[-1]) <= x.shape[0] and bool(((cu[1:] - cu[:-1]) <= (pad[1:] - pad[:-1])).all())
@@ -129,12 +155,18 @@ def _te_thd_forward(q, k, v, attn_scale, attn_mask_type, cu_q, cu_kv, pad_q, pad
             o, l = math_forward(*(x.transpose(0, 1).unsqueeze(0).float() for x in (q[a:b], k[c:d], v[c:d])), attn_scale,
                                 attn_mask_type == "padding_causal")
             out[a:b], lse[a:b] = o[0].transpose(0, 1), l[0].T
-    if CUDNN["version"] >= (9, 6, 0):
-        stats = lse.unsqueeze(-1).contiguous()  # [t, h, 1]
-    else:  # [b, h, max_seqlen, 1]
-        stats = torch.zeros(cu_q.numel() - 1, q.shape[1], max_q, 1)
+    t, h = q.shape[0], q.shape[1]
+    if _ragged_stats():  # [max_tokens(t), h, 1] through TE 2.10 (rows past t never written), [t, h, 1] after
+        rows = get_max_tokens(t) if TE["version"] < (2, 11) else t
+        stats = torch.full((rows, h, 1), float("nan"))
+        stats[:t, :, 0] = lse
+    else:  # dense [b, h, max_seqlen, 1]
+        dense = torch.zeros(cu_q.numel() - 1, h, max_q, 1)
         for i, ((a, b), _) in enumerate(_te_thd_segments(cu_q, cu_kv, pad_q, pad_kv)):
-            stats[i, :, : b - a, 0] = lse[a:b].T
+            dense[i, :, : b - a, 0] = lse[a:b].T
+        stats = dense
+        if CUDNN["version"] >= (9, 6, 0) and TE["version"] < (2, 18):  # sm120, TE 2.14-2.17: allocated [t, h, 1]
+            stats = dense.reshape(-1)[: t * h].reshape(t, h, 1).clone()  # cuDNN wrote the rest past its end
     return out.to(q.dtype), [stats, torch.zeros(2, dtype=torch.int64)]
 
 
@@ -143,9 +175,10 @@ def _te_thd_backward(q, k, v, o, d_o, aux_ctx_tensors, attn_scale, attn_mask_typ
     SEEN["deterministic"] = deterministic
     stats = aux_ctx_tensors[0]
     segments = _te_thd_segments(cu_q, cu_kv, pad_q, pad_kv)
-    if CUDNN["version"] >= (9, 6, 0):
-        assert stats.is_contiguous() and stats.shape == (q.shape[0], q.shape[1], 1), stats.shape
-    else:
+    if _ragged_stats():  # read through ragged offsets: the first t rows of a [>= t, h, 1] tensor
+        assert stats.is_contiguous() and stats.dim() == 3 and stats.shape[0] >= q.shape[0], stats.shape
+        assert stats.shape[1:] == (q.shape[1], 1), stats.shape
+    else:  # dense: [b, h, max_seqlen, 1]
         assert stats.is_contiguous() and stats.shape == (cu_q.numel() - 1, q.shape[1], max_q, 1), stats.shape
     grads = [torch.zeros(x.shape, dtype=q.dtype) for x in (q, k, v)]
     for i, ((a, b), (c, d)) in enumerate(segments):
@@ -248,6 +281,9 @@ class AttentionParams:
     head_dim_v: int = 64
     attn_mask_type: str = "no_mask"
     window_size: tuple = None
+    core_attention_bias_type: str = "no_bias"
+    core_attention_bias_shape: str = "1hss"
+    core_attention_bias_requires_grad: bool = True  # TE's default; its DotProductAttention passes False without a bias
     attention_dropout: float = 0.0
     context_parallel: bool = False
     deterministic: bool = False
@@ -258,24 +294,34 @@ class AttentionParams:
 def get_attention_backend(params: AttentionParams):
     """The F16 fused-attention rules of TE 2.14's selection (``get_attention_backend`` and
     ``nvte_get_fused_attn_backend``): sm80+, fp16/bf16, head dim <= 128 (<= 256 in training only on
-    sm90 with cuDNN >= 9.5); a deterministic training backward needs sm90+, and cuDNN >= 9.18.1 on
-    sm100+, and none on sm120. Returns the 2.2+ 6-tuple."""
+    sm90 with cuDNN >= 9.5); thd needs sm90+ and, below cuDNN 9.6, as many heads as kv heads, and on
+    sm120 TE >= 2.14 with cuDNN >= 9.18.1; a deterministic training backward needs sm90+, and cuDNN
+    >= 9.18.1 on sm100+, none on sm120, and ``core_attention_bias_requires_grad`` False (TE's
+    determinism filter reads it whatever the bias type). Returns the 2.2+ 6-tuple."""
     cap, cudnn, d = tuple(torch.cuda.get_device_capability()), CUDNN["version"], params.head_dim_qk
     ok = params.qkv_dtype in (torch.float16, torch.bfloat16) and cap >= (8, 0) and d % 8 == 0
     ok = ok and (d <= 128 or (d <= 256 and (not params.is_training or (cap == (9, 0) and cudnn >= (9, 5, 0)))))
+    if params.qkv_layout == "thd_thd_thd":  # fused_attn.cpp's qkv-format rule; utils.py's sm120 filter
+        ok = ok and cap >= (9, 0) and (cudnn >= (9, 6, 0) or (cudnn >= (9, 1, 0) and params.num_heads == params.num_gqa_groups))
+        ok = ok and (cap != (12, 0) or (TE["version"] >= (2, 14) and cudnn >= (9, 18, 1)))
     if params.deterministic and params.is_training:
         ok = ok and cap >= (9, 0) and cap != (12, 0) and (cap < (10, 0) or cudnn >= (9, 18, 1))
+        ok = ok and not params.core_attention_bias_requires_grad
     backend = FusedAttnBackend.F16_arbitrary_seqlen if ok else None
     return False, None, ok, backend, True, [False, ok, True]
 
 
 def install(monkeypatch, te: Optional[str] = "2.15", flash: Optional[str] = "2.8", fa3: Optional[str] = None) -> None:
-    """Put the stand-ins where ``import transformer_engine...`` (``te``: ``"2.0"`` for 2.0-2.14's call
-    form, ``"2.15"`` for 2.15+) and ``import flash_attn...`` (see ``fake_flash.install``) find them."""
+    """Put the stand-ins where ``import transformer_engine...`` (``te``: the release, e.g. ``"2.0"``,
+    ``"2.10"``, ``"2.15"``: 2.0-2.14's call form below 2.15, the selection module where that release
+    has it, its stats layouts) and ``import flash_attn...`` (see ``fake_flash.install``) find them."""
     import fake_flash
 
     if te:
-        sel = "transformer_engine.pytorch.attention" if te == "2.0" else \
+        version = tuple(int(x) for x in te.split(".")[:2])
+        monkeypatch.setitem(TE, "version", version)
+        sel = "transformer_engine.pytorch.attention" if version < (2, 2) else \
+            "transformer_engine.pytorch.dot_product_attention.utils" if version < (2, 4) else \
             "transformer_engine.pytorch.attention.dot_product_attention.utils"
         mods = {name: types.ModuleType(name) for name in (
             "transformer_engine", "transformer_engine.pytorch", "transformer_engine.pytorch.constants",
@@ -283,8 +329,9 @@ def install(monkeypatch, te: Optional[str] = "2.15", flash: Optional[str] = "2.8
             "transformer_engine.pytorch.utils", sel)}
         mods["transformer_engine.pytorch.utils"].get_cudnn_version = lambda: CUDNN["version"]
         fa = mods["transformer_engine.pytorch.cpp_extensions.fused_attn"]
-        fa.fused_attn_fwd, fa.fused_attn_bwd = (fused_attn_fwd_2_0, fused_attn_bwd_2_0) if te == "2.0" else \
+        fa.fused_attn_fwd, fa.fused_attn_bwd = (fused_attn_fwd_2_0, fused_attn_bwd_2_0) if version < (2, 15) else \
             (fused_attn_fwd_2_15, fused_attn_bwd_2_15)
+        mods["transformer_engine"].__version__ = f"{te}.0"
         fa.FusedAttnBackend = FusedAttnBackend
         mods["transformer_engine.pytorch.cpp_extensions"].fused_attn = fa
         mods["transformer_engine.pytorch.constants"].TE_DType = TE_DTYPE

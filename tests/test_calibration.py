@@ -38,10 +38,13 @@ def test_uncalibrated_model_fails_the_same_bar():
 
 
 def test_presets_carry_the_calibrated_costs():
+    from megatron_mesh_cp.planning.cluster import HOST_PER_CALL_US
+
     for name, path in cluster_presets().items():
         with open(path) as f:
             d = yaml.safe_load(f)
         assert d.get("overlap") == CALIBRATED, f"{name}: overlap section differs from cluster.CALIBRATED"
+        assert d.get("host") == {"per_call_us": HOST_PER_CALL_US}, f"{name}: host section differs from HOST_PER_CALL_US"
 
 
 def test_docs_table_matches_the_model(rows):
@@ -113,3 +116,34 @@ def test_calibration_script_regenerates_the_docs(tmp_path):
     assert res.returncode == 0, res.stderr
     table = lambda t: [ln for ln in t.splitlines() if re.match(r"\| S\d \|", ln)]  # noqa: E731
     assert table(out.read_text()) == table((ROOT / "docs" / "calibration.md").read_text())
+
+
+def test_host_cost_per_kernel_call_bounds_compute_steps():
+    """Issue 20: the host spends ``host_per_call`` issuing each kernel call while the GPU runs the
+    steps; a step cannot end before the host issued it, so a plan whose calls take longer on the host
+    than on the GPU runs at the host's pace (``host_bound``), and GPU-bound plans do not move."""
+    from megatron_mesh_cp.planning.schedule import build_plans
+    from megatron_mesh_cp.planning.replay import replay
+    from megatron_mesh_cp.runtime.layout import block_case, kernel_calls
+    from megatron_mesh_cp.runtime.topology import MeshShape
+
+    c = load_cluster("h100-ib400")
+    w = _w(seq_local=512)
+    fwd, _ = build_plans(4, 4, "greedy", cluster=c, workload=w)
+    shape = MeshShape(4, 4)
+    calls = [sum(len(kernel_calls(op.kvs, {kv: block_case(shape.q_chunk(g, op.q), shape.kv_chunk(g, kv), True)
+                                           for kv in op.kvs}, fwd.slab_of, shape.coords(g)[0])) for op in fwd.computes)
+             for g in range(16)]  # what the executor calls on every rank
+    free, slow = (replay(fwd, replace(c, host_per_call=x), w) for x in (0.0, 1e-3))
+    assert list(slow.host) == pytest.approx([1e-3 * k for k in calls])
+    assert slow.time >= max(slow.host) and slow.host_bound and not free.host_bound
+    assert list(slow.busy) == pytest.approx(list(free.busy), rel=0.01)  # the GPU's work (overlaps shift a little)
+    big = _w(seq_local=65536)  # blocks of milliseconds: the default host cost never binds
+    fwd, _ = build_plans(4, 4, "greedy", cluster=c, workload=big)
+    assert replay(fwd, c, big).time == pytest.approx(replay(fwd, replace(c, host_per_call=0.0), big).time)
+    d = yaml.safe_load(open(cluster_presets()["h100-ib400"]))
+    d["host"] = {"per_call_us": 25}
+    assert Cluster.from_dict(d).host_per_call == pytest.approx(25e-6)
+    d["host"] = {"per_call_us": -1}
+    with pytest.raises(ValueError, match="host.per_call_us too"):
+        Cluster.from_dict(d)

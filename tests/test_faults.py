@@ -105,6 +105,29 @@ def test_check_finite_raises_on_every_rank_naming_the_rank_with_the_nan(pools):
     assert all(r[0] is None for r in pool.run("rank_tasks_faults:nan_check", 1, False))  # opt-in
 
 
+def test_a_tensor_softmax_scale_is_read_to_the_host_once_per_version():
+    """Issue 20, defect 7: reading a 0-d CUDA tensor is a device sync, and every call keys its cached
+    plan by the scale; the same tensor object is read once (again only after an in-place change)."""
+    from types import SimpleNamespace
+
+    from megatron_mesh_cp.attention import _call_key
+
+    reads = []
+
+    class Counting(torch.Tensor):
+        def __float__(self):
+            reads.append(1)
+            return super().__float__()
+
+    scale = torch.tensor(0.25).as_subclass(Counting)
+    q = torch.zeros(1, 8, 2, 4)
+    mesh = SimpleNamespace()
+    keys = [_call_key(q, q, q, mesh, True, scale, "bshd", "auto", None, None, "greedy", False, False) for _ in range(5)]
+    assert len(reads) == 1 and len(set(keys)) == 1 and resolve_scale(scale, 4) == 0.25 and len(reads) == 1
+    scale.fill_(0.5)  # in place: a new version, read again
+    assert resolve_scale(scale, 4) == 0.5 and len(reads) == 2
+
+
 def test_softmax_scale_accepts_any_real_scalar(pools):
     assert pools.get(4).run("rank_tasks_faults:scales") == [True] * 4
     assert resolve_scale(np.float32(0.5), 64) == 0.5 and resolve_scale(torch.tensor(2), 64) == 2.0

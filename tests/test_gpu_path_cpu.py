@@ -44,8 +44,12 @@ def test_buffers_are_allocated_once_per_layer_shape_and_never_alias_results():
 
 
 def test_gpu_check_script_smoke_on_cpu(tmp_path):
-    """The GPU check's CPU smoke run: every section runs in its own process and reports rows, and
-    both the markdown and the JSON of raw numbers land in the output directory."""
+    """The GPU check end to end on CPU (``--device cpu --quick``, what CI runs): every section runs in
+    its own process and reports rows, and both the markdown and the JSON of raw numbers land in the
+    output directory. The executor sections (issue 20) pass on CPU: the stream stand-in (copies
+    deferred to the first wait) is bitwise equal to the same-stream run on slab plans for 2x2, 4x4
+    and 8x2; warm a2a+mesh calls are bitwise equal with every pool at peak_live_bytes; the n = 16
+    run reports its host cost per kernel call."""
     import json
 
     env = dict(os.environ, PYTHON=sys.executable, OUT=str(tmp_path))
@@ -53,15 +57,25 @@ def test_gpu_check_script_smoke_on_cpu(tmp_path):
                          capture_output=True, text=True, timeout=400, cwd=ROOT, env=env)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-2000:]
     text = (tmp_path / "gpu_results.md").read_text()
-    for section in ("(a) Block kernels", "(b) Mesh attention on virtual ranks", "(d) Block-time sweep", "(c) One rank's block work"):
+    for section in ("(a) Block kernels", "(b) Mesh attention on virtual ranks", "(d) Block-time sweep", "(c) One rank's block work",
+                    "(e) NCCL-like streams", "(f) Warm-call hygiene", "(g) n = 16 at 64K tokens"):
         assert section in text
     assert "FAIL" not in text and "ERROR" not in text
-    assert text.count("| torch | float32 |") == 4 and text.count("| torch | bfloat16 |") == 4
+    kernels = text.split("## (b)")[0]
+    assert kernels.count("| torch | float32 |") == 4 and kernels.count("| torch | bfloat16 |") == 4
     assert "te: not installed; flash: not installed; torch: available" in text
     raw = json.loads((tmp_path / "gpu_results.json").read_text())["results"]
     assert [r["n"] for r in raw["b"]["data"]] == [4, 16] and len(raw["c"]["data"]) == 2
     sweep = raw["d"]["data"][1:]
     assert len(sweep) == 8 and all(r["ms"] > 0 and r["ms_copies"] is None for r in sweep)  # no copy stream on CPU
+    streams = raw["e"]["data"]
+    assert [r["shape"] for r in streams] == ["2x2", "4x4", "8x2"] and all(r["result"] == "ok" for r in streams)
+    assert all(r["slabs"] != "()" and r["deliveries"] > 0 and "deferred" in r["transport"] for r in streams)
+    (warm,) = raw["f"]["data"]
+    assert warm["result"] == "ok" and warm["bitwise"] and warm["pool_bytes"] == [warm["peak_live_bytes"]]
+    assert warm["host_syncs"] is None and "CPU: no sync debug mode" in warm["notes"]
+    (host,) = raw["g"]["data"]
+    assert host["n"] == 16 and host["kernel_calls"] > 0 and host["host_us_per_call"] > 0 and host["mono_ms"] > 0
 
 
 def test_attention_benchmark_on_gloo(tmp_path):

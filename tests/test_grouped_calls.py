@@ -236,13 +236,15 @@ def test_simulator_prices_the_executors_kernel_calls_and_bytes(a, b, causal):
     kern = _CountingKernel()
     hub = VirtualHub(shape)
     res, traffic = run_virtual(fwd, shape, fwd_in, kern, causal=causal, scale=0.3, hub=hub)
-    priced = sum(d.sum() for d in _block_durations(fwd, w, unit, False).values())
-    assert kern.calls == round(priced) < n * a * b  # fewer calls than blocks
+    durations, calls = _block_durations(fwd, w, unit, False)
+    priced = sum(d.sum() for d in durations.values())
+    assert kern.calls == round(priced) == round(sum(c.sum() for c in calls.values())) < n * a * b  # fewer calls than blocks
     kern.calls = 0
     bwd_in = [dict(fwd_in[r], out=res[r][0], lse=res[r][1], dout=sh(do, r), delta=(sh(do, r) * res[r][0]).sum(-1))
               for r in range(n)]
     _, traffic_b = run_virtual(bwd, shape, bwd_in, kern, causal=causal, scale=0.3, hub=VirtualHub(shape))
-    assert kern.calls == round(sum(d.sum() for d in _block_durations(bwd, w, unit, True).values()))
+    durations, calls = _block_durations(bwd, w, unit, True)
+    assert kern.calls == round(sum(d.sum() for d in durations.values())) == round(sum(c.sum() for c in calls.values()))
     sim = {**replay(fwd, H100, w).sent_by_category, **replay(bwd, H100, w).sent_by_category}
     for r in range(n):
         assert {**traffic[r].sent, **traffic_b[r].sent} == sim

@@ -38,7 +38,7 @@ def test_flash_attn_2_surfaces_through_the_executor(monkeypatch, fa2, shape, cau
     on the module attribute); 2.6 takes a ``window_size`` tuple and returns an 8-tuple."""
     fake_kernels.pretend_cuda(monkeypatch, te=None, flash=fa2)
     kern = _through_executor(monkeypatch, "flash", shape, causal, heads)
-    assert kern._surface("cuda").label.startswith(f"flash-attn {fa2}")
+    assert kern._surface("cuda", 16).label.startswith(f"flash-attn {fa2}")
 
 
 def test_flash_attn_older_than_2_6_is_refused_by_version(monkeypatch):
@@ -57,7 +57,7 @@ def test_flash_attn_3_surfaces_through_the_executor(monkeypatch, fa3, shape, cau
     return its input)."""
     fake_kernels.pretend_cuda(monkeypatch, te=None, flash="2.8", fa3=fa3)
     kern = _through_executor(monkeypatch, "flash", shape, causal, heads)
-    assert kern.version == 3 and kern._surface("cuda").label == "flash-attn 3"
+    assert kern.version == 3 and kern._surface("cuda", 16).label == "flash-attn 3"
 
 
 @pytest.mark.parametrize("fa3,label", [("2024-07", "flash-attn 2.8.3"), ("2025-08", "flash-attn 3")])
@@ -69,7 +69,7 @@ def test_flash_attn_3_on_sm80_runs_where_the_build_can_else_fa2(monkeypatch, fa3
     monkeypatch.setattr(K, "_INSTANCES", {})
     fake_kernels.pretend_cuda(monkeypatch, capability=(8, 0), te=None, flash="2.8", fa3=fa3)
     kern = _through_executor(monkeypatch, "flash", (2, 2), True, (8, 2))
-    assert kern._surface("cuda").label == label
+    assert kern._surface("cuda", 16).label == label
 
 
 @pytest.mark.parametrize("te", ["2.0", "2.15"])
@@ -173,6 +173,12 @@ def test_megatron_start_up_checks_the_kernel_for_the_model(monkeypatch):
     assert SETTINGS.deterministic is False
     with pytest.raises(MeshArgumentError, match="no deterministic fused-attention backward .*--deterministic-mode"):
         apply_mesh_args(args(kv_channels=128, deterministic_mode=True), argv=[])
+    # issue 20, defect 7: --mesh-packed-data needs a backend for packed (THD) blocks; on sm80 TE has
+    # none and auto falls to the torch kernel, whose CUDA path has no varlen
+    packed = dict(kv_channels=128, mesh_packed_data=True, tensor_model_parallel_size=1, calculate_per_token_loss=True)
+    with pytest.raises(MeshArgumentError, match=r"--mesh-kernel auto: .*torch: the torch attention kernel runs packed "
+                                                r"sequences \(THD\) on CPU only"):
+        apply_mesh_args(args(mesh_kernel="auto", **packed), argv=[])
 
 
 # --- packed sequences (THD, varlen) through the TE and flash adapters --------------------------
@@ -180,7 +186,7 @@ def test_megatron_start_up_checks_the_kernel_for_the_model(monkeypatch):
 def _packed_through_executor(monkeypatch, name, shape, heads, **kw):
     kern = K.get_kernel(name, "cuda", **kw)
     monkeypatch.setattr(type(kern), "check", lambda self, q, k, v=None: None)  # CPU tensors stand in for CUDA ones
-    monkeypatch.setattr(type(kern), "check_varlen", lambda self, q: None)
+    monkeypatch.setattr(type(kern), "check_varlen", lambda self, q, k=None: None)
     fake_kernels.assert_packed_through_executor(kern, shape, heads, torch.float16)
     return kern
 
@@ -198,13 +204,13 @@ def test_flash_attn_3_varlen_through_the_executor(monkeypatch, fa3):
     """FA3 builds since 2025-01 take cu_seqlens in their one forward/backward entry point."""
     fake_kernels.pretend_cuda(monkeypatch, te=None, flash=None, fa3=fa3)
     kern = _packed_through_executor(monkeypatch, "flash", (2, 2), (4, 2))
-    assert kern._varlen_surface("cuda").label == "flash-attn 3"
+    assert kern._varlen_surface("cuda", 16).label == "flash-attn 3"
 
 
 def test_flash_varlen_needs_a_build_with_varlen_entry_points(monkeypatch):
     """The first FA3 builds' varlen surface is not wired: packed inputs use FA2 if present, else refuse."""
     fake_kernels.pretend_cuda(monkeypatch, te=None, flash="2.8", fa3="2024-07")
-    assert K.get_kernel("flash", "cuda")._varlen_surface("cuda").label == "flash-attn 2.8.3"
+    assert K.get_kernel("flash", "cuda")._varlen_surface("cuda", 16).label == "flash-attn 2.8.3"
     monkeypatch.setattr(K, "_INSTANCES", {})
     fake_kernels.pretend_cuda(monkeypatch, te=None, flash=None, fa3="2024-07")
     q = K.input_spec((8, 1, 2, 16), torch.float16, "cuda")
@@ -212,15 +218,86 @@ def test_flash_varlen_needs_a_build_with_varlen_entry_points(monkeypatch):
         K.select_kernel("flash", q, q, packed=True)
 
 
-@pytest.mark.parametrize("te", ["2.0", "2.15"])
-@pytest.mark.parametrize("cudnn", [(9, 10, 0), (9, 5, 0)], ids=["stats-th1", "stats-bhs1"])
+@pytest.mark.parametrize("te", ["2.0", "2.10", "2.11", "2.15"])
+@pytest.mark.parametrize("cudnn", [(9, 10, 0), (9, 5, 0)], ids=["stats-ragged", "stats-bhs1"])
 def test_te_thd_through_the_executor(monkeypatch, te, cudnn):
-    """TE's thd_thd_thd with padding_causal / padding; softmax stats [t, h, 1] from cuDNN 9.6 on,
-    [b, h, max_seqlen, 1] before -- both converted to and from ours."""
+    """TE's thd_thd_thd with padding_causal / padding; softmax stats ragged from cuDNN 9.6 on --
+    [max_tokens(t), h, 1] through TE 2.10 (issue 20, defect 1: at least 1024 rows, the ones past t
+    unwritten), [t, h, 1] from 2.11 -- and [b, h, max_seqlen, 1] before; all converted to and from ours.
+    Below cuDNN 9.6 TE's thd needs as many kv heads as heads."""
     fake_kernels.pretend_cuda(monkeypatch, te=te, flash=None)
     monkeypatch.setitem(fake_kernels.CUDNN, "version", cudnn)
-    _packed_through_executor(monkeypatch, "te", (2, 2), (4, 2))
+    _packed_through_executor(monkeypatch, "te", (2, 2), (4, 2) if cudnn >= (9, 6, 0) else (4, 4))
     _packed_through_executor(monkeypatch, "te", (1, 2, 2), (4, 4))
+
+
+@pytest.mark.parametrize("te", ["2.14", "2.18"])
+def test_te_thd_on_sm120_uses_the_dense_stats_layout(monkeypatch, te):
+    """Defect 3: on sm120 TE (2.14+, cuDNN >= 9.18.1) runs thd with dense [b, h, max_seqlen, 1] stats in
+    both directions (``use_ragged_stats = ... && sm_arch_ != 120``), so the backward gets them dense;
+    2.14-2.17 allocate that layout as [t, h, 1], too small for what cuDNN writes: refused at the check."""
+    fake_kernels.pretend_cuda(monkeypatch, capability=(12, 0), te=te, flash=None)
+    monkeypatch.setitem(fake_kernels.CUDNN, "version", (9, 19, 0))
+    q = K.input_spec((64, 1, 4, 16), torch.float16, "cuda")
+    if te == "2.14":
+        with pytest.raises(ValueError, match=r"2\.14-2\.17 allocate sm120's dense thd softmax stats .*2\.18\+"):
+            K.select_kernel("te", q, q, packed=True)
+        return
+    assert K.select_kernel("te", q, q, packed=True).name == "te"
+    _packed_through_executor(monkeypatch, "te", (2, 2), (4, 4))
+
+
+def test_te_thd_below_cudnn_9_6_needs_as_many_kv_heads_as_heads(monkeypatch):
+    """Defect 4: ``nvte_get_fused_attn_backend`` takes thd only with cuDNN >= 9.6 or (>= 9.1 and
+    heads == kv heads), on sm90+; the varlen check asks TE with the real kv heads."""
+    fake_kernels.pretend_cuda(monkeypatch, te="2.15", flash=None)
+    monkeypatch.setitem(fake_kernels.CUDNN, "version", (9, 5, 0))
+    q, k = K.input_spec((64, 1, 4, 16), torch.float16, "cuda"), K.input_spec((64, 1, 2, 16), torch.float16, "cuda")
+    with pytest.raises(ValueError, match=r"packed sequences .*4 heads \(2 kv\).*as many heads as kv heads below cuDNN 9\.6"):
+        K.select_kernel("te", q, k, packed=True)
+    assert K.select_kernel("te", q, q, packed=True).name == "te"
+    assert K.select_kernel("auto", q, k).name == "te"  # unpacked GQA is fine
+    monkeypatch.setitem(fake_kernels.CUDNN, "version", (9, 6, 0))
+    monkeypatch.setattr(K, "_INSTANCES", {})
+    assert K.select_kernel("te", q, k, packed=True).name == "te"
+    fake_kernels.pretend_cuda(monkeypatch, capability=(8, 0), te="2.15", flash=None)
+    monkeypatch.setattr(K, "_INSTANCES", {})
+    with pytest.raises(ValueError, match="thd needs sm90"):
+        K.select_kernel("te", q, q, packed=True)
+
+
+def test_te_deterministic_is_selected_without_a_bias(monkeypatch):
+    """Defect 2: TE's determinism filter drops FusedAttention while ``core_attention_bias_requires_grad``
+    (default True) is set; the kernel passes False (no bias), as TE's DotProductAttention does."""
+    fake_kernels.pretend_cuda(monkeypatch, te="2.15", flash=None)
+    q, k = _spec(128)
+    assert K.select_kernel("auto", q, k, deterministic=True).name == "te"
+    assert K.select_kernel("te", K.input_spec((64, 1, 4, 16), torch.bfloat16, "cuda"),
+                           K.input_spec((64, 1, 4, 16), torch.bfloat16, "cuda"), deterministic=True, packed=True).name == "te"
+
+
+@pytest.mark.parametrize("fa2", [None, "2.8"])
+def test_flash_attn_3_deterministic_head_dim_256_is_refused_or_runs_on_fa2(monkeypatch, fa2):
+    """Defect 5: FA3 (hopper/flash_api.cpp, since 2025-09-17) refuses a deterministic backward for head
+    dims rounded up to 256; the check refuses it before the forward (or FA2 runs it when installed)."""
+    fake_kernels.pretend_cuda(monkeypatch, te=None, flash=fa2, fa3="2025-08")
+    kern = K.get_kernel("flash", "cuda", deterministic=True)
+    spec = K.input_spec((16, 1, 2, 256), torch.float16, "cuda")
+    g = torch.Generator().manual_seed(0)
+    q, k, v, do = (torch.randn(16, 1, 2, d, generator=g, dtype=torch.float16) for d in (256,) * 4)
+    if fa2 is None:
+        with pytest.raises(ValueError, match=r"flash-attn 3 has no deterministic backward for head dim 256.*flash-attn 2"):
+            K.select_kernel("flash", spec, spec, deterministic=True)
+        q1 = q[..., :192].contiguous()
+        K.select_kernel("flash", K.input_spec(q1.shape, torch.float16, "cuda"), K.input_spec(q1.shape, torch.float16, "cuda"),
+                        deterministic=True)  # 192 rounds to 192: FA3 has it
+        q, k, v, do = (x[..., :192].contiguous() for x in (q, k, v, do))
+    else:
+        assert K.select_kernel("flash", spec, spec, deterministic=True) is kern
+    out, lse = kern.forward(q, k, v, causal=True, scale=0.1)
+    kern.backward(do, q, k, v, out, kern.lse_for_backward(lse.permute(2, 0, 1)), causal=True, scale=0.1)
+    if fa2:
+        assert kern._surface("cuda", 256).label == "flash-attn 2.8.3" and kern._surface("cuda", 128).label == "flash-attn 3"
 
 
 def test_auto_kernel_for_packed_inputs_on_gpu(monkeypatch):

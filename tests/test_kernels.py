@@ -120,3 +120,68 @@ def test_rectangular_causal_blocks_are_refused(monkeypatch, name):
         kern.backward(q, q, k, k, q, torch.zeros(1, 2, 8), causal=True, scale=0.25)
     if name == "torch":
         kern.forward(q, k, k, causal=False, scale=0.25)  # non-causal rectangles are fine
+
+
+def test_torch_kernel_refuses_dtypes_the_cuda_efficient_op_has_no_kernel_for(monkeypatch):
+    """Defect 6: fp32/fp64 on CUDA go to the memory-efficient op, whose kernels are fp32, fp16 and bf16
+    only (bf16 from sm80; ``sdp_utils.cpp``); check() refuses fp64 (and bf16 below sm80) naming the fix,
+    instead of the op raising inside the forward. The stand-in is as strict as the op."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    kern = torch_sdpa.TorchKernel()
+    with pytest.raises(ValueError, match="memory-efficient op has no float64 kernel.*float32 or bfloat16.*on CPU"):
+        K.select_kernel("torch", _fake_q(torch.float64), _fake_q(torch.float64))
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        kern.check(_fake_q(dtype), _fake_q(dtype))
+    kern.check(_fake_q(torch.float64, device="cpu"), _fake_q(torch.float64, device="cpu"))  # the CPU op has fp64
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (7, 5))
+    with pytest.raises(ValueError, match="no bfloat16 kernel"):
+        kern.check(_fake_q(torch.bfloat16), _fake_q(torch.bfloat16))
+    x = torch.randn(1, 2, 8, 16, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="Only fp32, half & bf16 supported"):
+        fake_aten.efficient_forward(x, x, x, None, True, 0.0, False, scale=0.25)
+
+
+def test_torch_kernel_gqa_fallback_only_when_the_op_refuses_gqa(monkeypatch):
+    """Defect 7: an OOM (or any error that is not about the K/V heads) is re-raised and leaves the
+    native-GQA path on; only the op refusing GQA switches to expanded K/V, and only once that runs."""
+    ns = fake_aten.namespace()
+    real, errors = ns._scaled_dot_product_flash_attention, []
+
+    def flaky(q, k, *args, **kw):
+        if errors and q.shape[1] != k.shape[1]:
+            raise errors.pop(0)
+        return real(q, k, *args, **kw)
+
+    ns._scaled_dot_product_flash_attention = flaky
+    monkeypatch.setattr(torch_sdpa, "_aten", ns)
+    monkeypatch.setattr(torch_sdpa.TorchKernel, "_is_cuda", staticmethod(lambda t: True))
+    monkeypatch.setattr(torch_sdpa, "cuda_path", lambda q: "flash")
+    kern = torch_sdpa.TorchKernel()
+    q, k = torch.randn(32, 1, 4, 16, dtype=torch.float16), torch.randn(32, 1, 2, 16, dtype=torch.float16)
+    for exc in (torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), RuntimeError("boom")):
+        errors.append(exc)
+        with pytest.raises(type(exc)):
+            kern.forward(q, k, k, causal=True, scale=0.25)
+        assert kern._gqa_native
+    out, lse = kern.forward(q, k, k, causal=True, scale=0.25)  # native GQA again
+    errors.append(RuntimeError("Number of heads in key/value must equal the number of heads in query"))
+    out2, lse2 = kern.forward(q, k, k, causal=True, scale=0.25)
+    assert not kern._gqa_native and torch.equal(out, out2) and torch.equal(lse, lse2)
+
+
+@pytest.mark.parametrize("path,dtype", [("flash", torch.float16), ("efficient", torch.float32)])
+def test_torch_kernel_deterministic_backward_on_cuda(monkeypatch, path, dtype):
+    """The CUDA SDPA backward ops are deterministic only under torch.use_deterministic_algorithms(True)
+    (attention_backward.cu: "Flash Attention defaults to a non-deterministic algorithm"); a
+    deterministic torch kernel runs them so, restoring the setting, and a default one leaves it."""
+    monkeypatch.setattr(torch_sdpa, "_aten", fake_aten.namespace())
+    monkeypatch.setattr(torch_sdpa.TorchKernel, "_is_cuda", staticmethod(lambda t: True))
+    monkeypatch.setattr(torch_sdpa, "cuda_path", lambda q: path)
+    q = torch.randn(32, 1, 2, 16, dtype=dtype)
+    for det in (False, True):
+        kern = K.get_kernel("torch", "cpu", deterministic=det)
+        assert kern.deterministic is det
+        out, lse = kern.forward(q, q, q, causal=True, scale=0.25)
+        kern.backward(q, q, q, q, out, kern.lse_for_backward(lse.permute(2, 0, 1)), causal=True, scale=0.25)
+        assert fake_aten.SEEN[f"{path}_backward"] is det
+        assert not torch.are_deterministic_algorithms_enabled()  # restored

@@ -5,7 +5,9 @@ A :class:`Cluster` says how many GPUs share a node, the per-GPU bandwidth and la
 memory bandwidth, plus the costs of *hiding* communication that published measurements show
 (docs/calibration.md): compute slows down while transfers run beside it, every block call pays a
 launch and the fp32 correction of the running output, and nodes without NVSwitch share one host
-bridge. Presets are YAML files shipped in the package (``megatron_mesh_cp/configs/clusters/``;
+bridge. The host's own time per kernel call (``host_per_call``) bounds a compute step from below:
+the host issues the steps while the GPU runs them, so a step cannot end before it was issued.
+Presets are YAML files shipped in the package (``megatron_mesh_cp/configs/clusters/``;
 ``MESH_CP_CLUSTER_DIR`` adds a directory searched first); ``load_cluster`` takes a preset name or a
 path. Rank placement follows Megatron's order (TP innermost, then CP): CP position p of a group
 with tensor-parallel size t sits on global rank ``p * t`` (plus the TP rank), so whether a ring hop
@@ -28,11 +30,12 @@ from ..runtime.documents import check_window
 from ..runtime.layout import BlockCase
 from ..runtime.packed import packed_slices
 from ..runtime.plan import ChunkDims
-from .documents import UnpaddedDocuments, block_times as document_block_times
+from .documents import UnpaddedDocuments, block_calls as document_block_calls, block_times as document_block_times
 from .packing import Packing
-from .windows import block_times as window_block_times
+from .windows import block_times as window_block_times, window_block_calls
 
-__all__ = ["Cluster", "Workload", "CALIBRATED", "load_cluster", "cluster_presets", "CLUSTER_DIRS", "workload_dims"]
+__all__ = ["Cluster", "Workload", "CALIBRATED", "HOST_PER_CALL_US", "load_cluster", "cluster_presets", "CLUSTER_DIRS",
+           "workload_dims"]
 
 #: Where preset names are looked up (``MESH_CP_CLUSTER_DIR`` adds one, first).
 CLUSTER_DIRS: List[Path] = [Path(str(resources.files("megatron_mesh_cp") / "configs" / "clusters"))]
@@ -46,6 +49,14 @@ CALIBRATED: Dict[str, float] = {
     "block_overhead_us": 40.0,
     "correction_passes": 6.0,
 }
+
+#: Host (CPU) time the executor spends per block-kernel call, in microseconds: the call's issue, its
+#: merge and accumulation and the plan walk around it (transfers, frees), amortised over the calls.
+#: Measured with scripts/bench_host.py (docs/performance.md, "Host cost"): the executor's CPU time
+#: per kernel call less the kernel's own, on virtual ranks with tiny tensors, on this project's
+#: CPUs. A CPU-side figure until a GPU run measures it (scripts/gpu_check.sh, section g); a cluster
+#: YAML's ``host: {per_call_us: ...}`` overrides it.
+HOST_PER_CALL_US = 100.0
 
 
 @dataclass(frozen=True)
@@ -78,10 +89,14 @@ class Cluster:
     intra_shared_bw: Optional[float] = None
     #: GPUs that share one PCIe switch and talk peer-to-peer at ``intra_bw`` without the bridge.
     p2p_group: int = 0
+    #: Host time per block-kernel call (seconds; :data:`HOST_PER_CALL_US`): the host and the GPU run
+    #: concurrently, so back-to-back compute steps cost the larger of the two.
+    host_per_call: float = HOST_PER_CALL_US * 1e-6
 
     @classmethod
     def from_dict(cls, d: Dict) -> "Cluster":
-        """A cluster from its YAML description; absent overlap/overhead keys take the calibrated defaults."""
+        """A cluster from its YAML description; absent overlap/overhead keys take the calibrated defaults,
+        an absent ``host`` section :data:`HOST_PER_CALL_US`."""
         try:
             att = d["attention"]
             intra = d["intra_node"]
@@ -105,6 +120,7 @@ class Cluster:
                 correction_passes=float(ovl["correction_passes"]),
                 intra_shared_bw=float(intra["shared_GBps"]) * 1e9 if intra.get("shared_GBps") else None,
                 p2p_group=int(intra.get("p2p_group", 0)),
+                host_per_call=float((d.get("host") or {}).get("per_call_us", HOST_PER_CALL_US)) * 1e-6,
             )
         except (KeyError, TypeError) as exc:
             raise ValueError(
@@ -113,8 +129,9 @@ class Cluster:
             ) from None
         if c.gpus_per_node < 1 or min(c.intra_bw, c.inter_bw, c.fwd_flops, c.bwd_flops, c.hbm_bw) <= 0:
             raise ValueError(f"cluster {c.name}: gpus_per_node, bandwidths and throughputs must be positive")
-        if min(c.overlap_slowdown_intra, c.overlap_slowdown_inter, c.block_overhead, c.correction_passes) < 0:
-            raise ValueError(f"cluster {c.name}: overlap slowdowns and overheads must be >= 0")
+        if min(c.overlap_slowdown_intra, c.overlap_slowdown_inter, c.block_overhead, c.correction_passes,
+               c.host_per_call) < 0:
+            raise ValueError(f"cluster {c.name}: overlap slowdowns and overheads (host.per_call_us too) must be >= 0")
         return c
 
     def with_inter_bandwidth(self, gbps: float) -> "Cluster":
@@ -305,6 +322,22 @@ class Workload:
         (:func:`~megatron_mesh_cp.planning.documents.block_times`), 0 for an empty block. Read-only, cached.
         """
         return _block_times(self, cluster, backward, ranks)
+
+    def block_calls(self, ranks: int) -> np.ndarray:
+        """Kernel calls the executor makes for every block on ``ranks`` CP ranks: one, or (packed) one
+        per sub-block of its case (:func:`~megatron_mesh_cp.runtime.packed.packed_slices`), or (documents,
+        window) one per call the mask makes, 0 for an empty block. [ranks, ranks]."""
+        if self.pruned:
+            docs = self.mask_documents(ranks)
+            calls = (document_block_calls(docs, ranks, self.causal) if self.window is None
+                     else window_block_calls(docs, ranks, self.causal, self.window))
+            out = np.zeros((ranks, ranks))
+            np.add.at(out, (calls.i, calls.j), 1.0)
+            return out
+        if self.packing is None or not self.causal:
+            return np.ones((ranks, ranks))
+        i, j = np.indices((ranks, ranks))
+        return np.where(i == j, 3.0, 2.0)
 
     def mean_block_time(self, cluster: Cluster, backward: bool, ranks: int) -> float:
         """What the greedy planner charges per block: unpacked, the time of a below-diagonal block

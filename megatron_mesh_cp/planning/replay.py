@@ -20,6 +20,11 @@ calls, and a rank waits only for the chunks of the blocks it runs). A ring hop u
 crosses each switch uplink once per direction, so rings do not contend on the host bridge; all-to-alls do, see
 ``baselines``).
 
+The host issues the compute steps while the GPU runs them (launches are asynchronous): it spends
+``cluster.host_per_call`` per kernel call, runs ahead of the GPU (it never waits for it: NCCL waits
+are stream waits), and a step cannot end before the host has issued it -- back-to-back steps cost
+max(host, GPU) each, so a host-bound plan shows as such (``PhaseResult.host_bound``).
+
 All ranks advance together op by op (vectorised over ranks), so n = 256 replays in milliseconds.
 Bytes come from :func:`megatron_mesh_cp.runtime.plan.payload`, the same function the executor allocates
 its buffers from, so the simulator's bytes equal the executor's byte counters.
@@ -51,6 +56,7 @@ class PhaseResult:
     sent_by_category: Dict[Tuple[str, str], int]  # (phase, category) -> bytes per rank (SPMD: equal)
     timeline: List[Tuple[str, float, float, str]] = field(default_factory=list)  # recorded rank
     arrivals: Dict[Tuple[str, int], float] = field(default_factory=dict)  # recorded rank: chunk -> time
+    host: Optional[np.ndarray] = None  # per rank: host time issuing the kernel calls (host_per_call each)
 
     @property
     def time(self) -> float:
@@ -62,8 +68,13 @@ class PhaseResult:
 
     @property
     def exposed(self) -> float:
-        """Time the slowest rank's compute stream was idle (communication not hidden)."""
+        """Time the slowest rank's compute stream was idle (communication not hidden, or the host late)."""
         return self.time - float(self.busy[self.critical])
+
+    @property
+    def host_bound(self) -> bool:
+        """Whether the slowest rank's host issued kernels longer than its GPU ran them."""
+        return self.host is not None and float(self.host[self.critical]) > float(self.busy[self.critical])
 
 
 #: block cases by code, for the vectorised case arrays below
@@ -79,8 +90,9 @@ def _calls_by_case(kvs: Tuple[int, ...], pattern: Tuple[int, ...], slabs) -> Tup
     return tuple(_CASES.index(k.case) for k in calls)
 
 
-def _block_durations(plan: Plan, w: Workload, cluster: Cluster, backward: bool) -> Dict[Compute, np.ndarray]:
-    """Per compute op, its compute-stream seconds on every rank (Q rank i, KV ranks j of its blocks).
+def _block_durations(plan: Plan, w: Workload, cluster: Cluster, backward: bool):
+    """Per compute op, its compute-stream seconds on every rank (Q rank i, KV ranks j of its blocks),
+    and its kernel calls on every rank (what the host spends ``host_per_call`` on): two dicts.
 
     A single block: the block's time (equal per causal case unpacked, its real work when the
     workload is packed), which includes one kernel call's overhead and output correction.
@@ -91,16 +103,17 @@ def _block_durations(plan: Plan, w: Workload, cluster: Cluster, backward: bool) 
     pos = np.arange(a * b)
     r, c = pos // a, pos % a
     t = w.block_times(cluster, backward, a * b)
+    per_block = w.block_calls(a * b)
     call = np.array([w.call_time(cluster, k, backward) for k in _CASES])
-    out = {}
+    out, calls = {}, {}
     for op in plan.computes:
         i = r * a + (c - op.q) % a
         js = [((r - kv) % b) * a + c for kv in op.kvs]
         if len(op.kvs) == 1:  # one block is one call, in its own buffer or alone in a slab
-            out[op] = t[i, js[0]]
+            out[op], calls[op] = t[i, js[0]], per_block[i, js[0]]
             continue
         if w.packing is not None or w.pruned:  # masked: the executor runs it block by block
-            out[op] = sum(t[i, j] for j in js)
+            out[op], calls[op] = sum(t[i, j] for j in js), sum(per_block[i, j] for j in js)
             continue
         if w.causal:
             codes = np.stack([np.where(i == j, 1, np.where(j < i, 2, 3)) for j in js])
@@ -110,9 +123,11 @@ def _block_durations(plan: Plan, w: Workload, cluster: Cluster, backward: bool) 
         # the ranks fall into a few (cases, row) patterns; count each pattern's calls once
         split = r if w.causal else np.zeros(a * b, dtype=int)  # runtime.layout.slab_piece
         patterns, which = np.unique(np.vstack([codes, split]), axis=1, return_inverse=True)
-        cost = np.array([call[list(_calls_by_case(op.kvs, tuple(col), plan.slabs))].sum() for col in patterns.T])
+        made = [list(_calls_by_case(op.kvs, tuple(col), plan.slabs)) for col in patterns.T]
+        cost = np.array([call[m].sum() for m in made])
         out[op] = dur + cost[np.asarray(which).reshape(-1)]
-    return out
+        calls[op] = np.array([float(len(m)) for m in made])[np.asarray(which).reshape(-1)]
+    return out, calls
 
 
 def replay(
@@ -139,11 +154,12 @@ def replay(
     slow = {k: np.where(v, cluster.overlap_slowdown_inter, cluster.overlap_slowdown_intra) for k, v in inter.items()}
     dims = workload_dims(w)
     backward = plan.phase == BACKWARD
-    blocks = _block_durations(plan, w, cluster, backward)
+    blocks, calls = _block_durations(plan, w, cluster, backward)
     # documents or a window: a rank waits only for the chunks of the blocks it runs (none for an empty one)
     runs = w.nonempty(n) if w.pruned else None
 
     compute_free = np.zeros(n)
+    host_free = np.zeros(n)  # when the host has issued everything so far (it runs ahead of the GPU)
     busy = np.zeros(n)
     chan_free = {"row": np.zeros(n), "col": np.zeros(n)}
     egress = {False: np.zeros(n), True: np.zeros(n)}
@@ -188,8 +204,9 @@ def replay(
                 for t0, t1 in spans:
                     stretch += slow[key] * np.clip(np.minimum(t1, end) - np.maximum(t0, start), 0.0, None)
                 in_flight[key] = [(t0, t1) for t0, t1 in spans if (t1 > end).any()]
-            compute_free = end + stretch
-            busy += compute_free - start
+            host_free = host_free + cluster.host_per_call * calls[op]
+            compute_free = np.maximum(end + stretch, host_free)  # not before the host issued it
+            busy += end + stretch - start  # the GPU's work; waiting for the host is not
             last_compute = (start, compute_free)
             if rec:
                 timeline.append(("compute", float(start[record]), float(compute_free[record]), f"blk {op.q},{'+'.join(map(str, op.kvs))}"))
@@ -245,4 +262,4 @@ def replay(
     finish = compute_free.copy()
     for v in chan_free.values():
         finish = np.maximum(finish, v)
-    return PhaseResult(finish, busy, sent, by_cat, timeline, arrivals)
+    return PhaseResult(finish, busy, sent, by_cat, timeline, arrivals, host_free)

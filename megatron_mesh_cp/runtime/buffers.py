@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Dict, Optional, Tuple
 
+import numpy as np
 import torch
 
 from .memory import Layout, layout
@@ -98,10 +99,27 @@ class _Bound:
     def __init__(self, buf: torch.Tensor, lay: Layout) -> None:
         self.layout, self.buf = lay, buf
         self._views: Dict[tuple, torch.Tensor] = {}
+        self._spans: Dict[tuple, Tuple[int, int]] = {}
+        self._near: Dict[tuple, Tuple[tuple, ...]] = {}
+        self._roles, self._bounds = list(lay.offsets), None  # every role, and its [lo, hi) bytes once asked
 
     def span(self, role: tuple) -> Tuple[int, int]:
-        off = self.layout.offsets[role]
-        return off, off + self.layout.specs[role].nbytes
+        hit = self._spans.get(role)
+        if hit is None:
+            off = self.layout.offsets[role]
+            hit = self._spans[role] = (off, off + self.layout.specs[role].nbytes)
+        return hit
+
+    def overlapping(self, role: tuple) -> Tuple[tuple, ...]:
+        """The roles whose bytes overlap those of ``role`` (itself included), found once per role."""
+        hit = self._near.get(role)
+        if hit is None:
+            if self._bounds is None:
+                self._bounds = np.array([self.span(r) for r in self._roles], dtype=np.int64).reshape(-1, 2)
+            lo, hi = self.span(role)
+            near = np.nonzero((self._bounds[:, 0] < hi) & (self._bounds[:, 1] > lo))[0]
+            hit = self._near[role] = tuple(self._roles[i] for i in near)
+        return hit
 
     def tensor(self, role: tuple) -> torch.Tensor:
         t = self._views.get(role)

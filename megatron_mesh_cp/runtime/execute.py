@@ -7,9 +7,9 @@ accumulated in fp32 (fp64 for fp64 inputs).
 
 Tensors are sequence-major (``[s, b, h, d]``, Megatron's layout), so every block's row or column
 range is a contiguous view and no block copies its inputs. A KV chunk travels as its two zigzag
-pieces, so that each lands where the receiver keeps it: in the chunk's own buffer, or apart in a
-KV slab (plan.py), where the keys of a grouped compute's blocks lie side by side and one kernel
-call covers them (layout.kernel_calls). Receive buffers, accumulators and merge
+pieces where a KV slab (plan.py) keeps it on either side, so that each lands where the receiver
+keeps it -- apart, in the slab, where the keys of a grouped compute's blocks lie side by side and
+one kernel call covers them (layout.kernel_calls) -- and whole (k, v) otherwise. Receive buffers, accumulators and merge
 scratch come from a :class:`BufferPool` that lives with the communicator and is reused by every
 layer of the same shape; inside it, bytes are reused as the plan's liveness allows (memory.py, buffers.py),
 and a tensor placed where a dead one was first waits for that one's send to finish (and, on GPU,
@@ -49,16 +49,16 @@ def delta_stand_in(dout: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
 
     Block-kernel backwards read ``out`` only through ``delta = rowsum(dout * out)``; sending the
     tiny ``delta`` instead of a foreign Q row's ``out`` saves one chunk per hop. ``x`` is parallel
-    to ``dout`` and scaled by its largest element, so nothing under- or overflows; rows with
-    ``dout == 0`` have ``delta == 0`` and get ``x = 0``.
+    to ``dout`` and scaled by its largest element, so nothing under- or overflows (``u * u`` sums to
+    at least 1); rows with ``dout == 0`` have ``delta == 0`` and get ``x = 0`` (their 0 / 0 is NaN,
+    mapped to 0 once at the end). Seven ops for fp32 (every one a launch on a GPU).
     """
     acc = lse_dtype(dout.dtype)
     g = dout.to(acc)
-    scale = g.abs().amax(dim=-1, keepdim=True)
-    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    u = g / safe
-    x = u * ((delta.to(acc).unsqueeze(-1) / safe) / (u * u).sum(dim=-1, keepdim=True).clamp_min(1.0))
-    return torch.where(scale > 0, x, torch.zeros_like(x)).to(dout.dtype)
+    scale = torch.linalg.vector_norm(g, float("inf"), dim=-1, keepdim=True)  # max |dout| per row
+    u = g / scale
+    x = u * ((delta.to(acc) / scale[..., 0]) / torch.linalg.vecdot(u, u)).unsqueeze(-1)
+    return x.nan_to_num_(nan=0.0).to(dout.dtype)
 
 
 def _recorded_event():
@@ -114,8 +114,8 @@ class Executor:
         self.acc_dtype = lse_dtype(q.dtype)
         self.dims = ChunkDims.of(q, k, self.acc_dtype, partial_dtype, tensors["v"])
         self.bufs = self.pool.arena(plan, self.dims, self.device)
-        self._pending: List[Tuple[int, int, object]] = []  # (lo, hi, handle): sends reading pool bytes
-        self._deaths: List[Tuple[int, int, object]] = []  # (lo, hi, CUDA event): reads of dead tensors
+        self._pending: Dict[tuple, list] = {}  # role -> handles of sends still reading its pool bytes
+        self._deaths: Dict[tuple, object] = {}  # role -> CUDA event: the compute stream's last read of it
         self.seq = q.shape[0]
         fwd = plan.phase == FORWARD
         q_payload = [q] if fwd else [q, tensors["dout"], tensors["delta"], tensors["lse"]]
@@ -133,7 +133,14 @@ class Executor:
         self.sends: Dict[Tuple[str, int], list] = {}  # (kind, offset) -> [(handle, tensors)]
         self.stand_ins: Dict[int, torch.Tensor] = {0: tensors["out"]} if not fwd else {}
         self.kernel_lse: Dict[Tuple[int, int, int], object] = {}
+        self._specs: Dict[str, list] = {}  # per kind: payload(phase, kind, dims), made once
         self.comm.phase = plan.phase
+
+    def _payload(self, kind: str) -> list:
+        specs = self._specs.get(kind)
+        if specs is None:
+            specs = self._specs[kind] = payload(self.plan.phase, kind, self.dims)
+        return specs
 
     # --- public driving ----------------------------------------------------------------------
     def run(self):
@@ -181,30 +188,32 @@ class Executor:
     def _take(self, role: tuple, after: list = None) -> torch.Tensor:
         """The pool tensor of ``role``, safe to overwrite: sends still reading its bytes are waited
         for; with ``after`` (a transfer writes it, on GPU), the marks of the compute that read the
-        bytes' previous tensors are appended for the transfer's stream to wait on."""
-        lo, hi = self.bufs.span(role)
-        overlaps = lambda x: x[0] < hi and lo < x[1]  # noqa: E731
-        if any(overlaps(x) for x in self._pending):
-            for x in self._pending:
-                if overlaps(x):
-                    x[2].wait()
-            self._pending = [x for x in self._pending if not overlaps(x)]
-            if after is not None and self.device.type == "cuda":  # the writer waits for those waits
-                self._deaths.append((lo, hi, _recorded_event()))
+        bytes' previous tensors are appended for the transfer's stream to wait on. Only the roles
+        whose bytes overlap (``bufs.overlapping``, fixed by the layout) are looked at."""
+        near = self.bufs.overlapping(role)
+        waited = False
+        for r in near:
+            for h in self._pending.pop(r, ()):
+                h.wait()
+                waited = True
+        if waited and after is not None and self.device.type == "cuda":  # the writer waits for those waits
+            self._deaths[role] = _recorded_event()
         if after is not None and self._deaths:
-            after.extend(_EventWait(x[2]) for x in self._deaths if overlaps(x))
+            # the newest mark per role: marks are recorded on the compute stream, so it covers older ones
+            after.extend(_EventWait(self._deaths[r]) for r in near if r in self._deaths)
         return self.bufs.tensor(role)
 
     def _sending(self, tensor: torch.Tensor, role: tuple, handle) -> None:
         if tensor.data_ptr() == self.bufs.tensor(role).data_ptr():
-            self._pending.append(self.bufs.span(role) + (handle,))
+            self._pending.setdefault(role, []).append(handle)
 
     def _died(self, roles) -> None:
         """On GPU, mark where the compute stream stopped reading these tensors (for later writers)."""
         if self.device.type != "cuda":
             return
         event = _recorded_event()
-        self._deaths += [self.bufs.span(r) + (event,) for r in roles]
+        for r in roles:
+            self._deaths[r] = event
 
     # --- ops ---------------------------------------------------------------------------------
     def _chunk(self, kind: str, off: int) -> List[torch.Tensor]:
@@ -216,7 +225,7 @@ class Executor:
 
     def _transfer(self, op: Transfer) -> None:
         dst = self.plan.dst(op)
-        specs = payload(self.plan.phase, op.kind, self.dims)
+        specs = self._payload(op.kind)
         after = ()
         categories = [s.category for s in specs]
         if op.kind in ("q", "kv"):
@@ -224,7 +233,12 @@ class Executor:
             after = (self.arrivals[(op.kind, op.src)],) if (op.kind, op.src) in self.arrivals else ()
             key = (op.kind, op.src)
             roles = [("recv", op.kind, dst, i) for i in range(len(specs))]
-            if op.kind == "kv":  # the wire carries pieces: each lands where this rank keeps it
+            # neither side keeps the chunk in a slab (a fact of the plan, so the same on every rank):
+            # it travels whole, as k and v, half the messages of the four pieces
+            whole = op.kind == "kv" and self.plan.slab_of(dst) is None and self.plan.slab_of(op.src) is None
+            if whole:
+                send = self.kv_whole[op.src]
+            elif op.kind == "kv":  # the wire carries pieces: each lands where this rank keeps it
                 categories = [c for c in categories for _ in range(2)]
                 slab = self.plan.slab_of(dst)
                 if slab is not None:
@@ -242,7 +256,7 @@ class Executor:
             slab = self.plan.slab_of(dst)
             if slab is None:
                 self.kv_whole[dst] = recv
-                recv = _pieces(recv)
+                recv = recv if whole else _pieces(recv)
             else:
                 m = self.seq // 2
                 at = [slab_piece(slab, dst, p, self.split) * m for p in (0, 1)]
@@ -257,7 +271,7 @@ class Executor:
                 self._sending(t, r, handle)
             self._died(acc_roles)
         if op.kind in ("q", "kv"):
-            self.chunks[op.kind][dst] = recv
+            self.chunks[op.kind][dst] = _pieces(recv) if whole else recv
             self.arrivals[(op.kind, dst)] = handle
         else:
             self.incoming[op.kind].setdefault(dst, []).append((handle, recv))
@@ -269,8 +283,7 @@ class Executor:
         del self.chunks[kind][off]
         slab = self.plan.slab_of(off) if kind == "kv" else None
         if slab is None:
-            n = len(payload(self.plan.phase, kind, self.dims))
-            roles = [("recv", kind, off, i) for i in range(n)]
+            roles = [("recv", kind, off, i) for i in range(len(self._payload(kind)))]
             if kind == "kv":
                 del self.kv_whole[off]
         else:  # the slab's bytes die with its last chunk
@@ -286,14 +299,12 @@ class Executor:
     def _partial(self, kind: str, off: int) -> List[torch.Tensor]:
         acc = self.acc[kind]
         if off not in acc:
-            n = len(payload(self.plan.phase, kind, self.dims))
-            bufs = [self._take(("acc", kind, off, i)) for i in range(n)]
+            bufs = [self._take(("acc", kind, off, i)) for i in range(len(self._payload(kind)))]
             if kind == "o":  # untouched rows: out = 0, lse = -inf
                 bufs[0].zero_()
                 bufs[1].fill_(float("-inf"))
-            else:
-                for b in bufs:
-                    b.zero_()
+            else:  # dq, or dk and dv: one multi-tensor zero
+                torch._foreach_zero_(bufs)
             acc[off] = bufs
         return acc[off]
 
@@ -305,11 +316,11 @@ class Executor:
             handle.wait()
             if kind == "o":
                 merge_into(mine[0], mine[1], theirs[0], theirs[1], scratch=self._scratch)
-            else:
-                for m, t in zip(mine, theirs):
-                    m.add_(t)
+            else:  # dq, or dk and dv: one multi-tensor add
+                torch._foreach_add_(mine, theirs)
         if incoming and self.device.type == "cuda":
-            self._died([r for r in self.bufs.layout.offsets if r[:3] == ("in", kind, off)])
+            n = len(self._payload(kind))
+            self._died([r for d in (1, -1) for i in range(n) if (r := ("in", kind, off, d, i)) in self.bufs.layout.offsets])
         return mine
 
     def _scratch(self, like: torch.Tensor) -> torch.Tensor:

@@ -41,17 +41,16 @@ def merge_into(
 
     Shapes: out ``[..., d]``, lse ``[...]`` (views allowed); acc tensors in fp32/fp64.
     ``scratch(like)`` may supply reusable buffers shaped like ``like`` so the merge allocates nothing.
+    Five ops when ``out`` has the accumulator's dtype (``acc + w * (out - acc)`` is one ``lerp_``),
+    six otherwise (``lerp_`` takes one dtype): on a GPU each is a kernel launch.
     """
-    if scratch is None:
-        w = torch.sigmoid(lse - acc_lse)
-        diff = acc_out - out
+    w = torch.sub(lse, acc_lse) if scratch is None else torch.sub(lse, acc_lse, out=scratch(acc_lse))
+    w.sigmoid_().nan_to_num_(nan=0.0)  # rows untouched on both sides: sigmoid(NaN) -> 0, they stay so
+    if out.dtype == acc_out.dtype:
+        acc_out.lerp_(out, w.unsqueeze(-1))
     else:
-        w = torch.sub(lse, acc_lse, out=scratch(acc_lse))
-        w.sigmoid_()
-        diff = torch.sub(acc_out, out, out=scratch(acc_out))
-    w.nan_to_num_(nan=0.0)
-    diff.mul_(w.unsqueeze(-1))
-    acc_out.sub_(diff)
+        diff = torch.sub(out, acc_out) if scratch is None else torch.sub(out, acc_out, out=scratch(acc_out))
+        acc_out.addcmul_(diff, w.unsqueeze(-1))
     torch.logaddexp(acc_lse, lse, out=acc_lse)
 
 

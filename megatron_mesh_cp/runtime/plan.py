@@ -207,7 +207,9 @@ class TensorSpec(NamedTuple):
 
 
 def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    """Bytes per element (``torch.dtype.itemsize``: a table lookup, no tensor; it runs on every
+    buffer-span lookup of the executor)."""
+    return dtype.itemsize
 
 
 def payload(phase: str, kind: str, dims: ChunkDims) -> List[TensorSpec]:

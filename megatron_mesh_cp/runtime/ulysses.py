@@ -124,7 +124,7 @@ def a2a_bytes(send: torch.Tensor) -> int:
 
 
 def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    return dtype.itemsize  # no tensor: this runs per traffic count
 
 
 def ulysses_traffic(u: int, dims: ChunkDims, phase: str, return_lse: bool = False) -> Dict[Tuple[str, str], int]:

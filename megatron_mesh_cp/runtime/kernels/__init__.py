@@ -55,7 +55,7 @@ def _instance(name: str, **options) -> BlockKernel:
 
 
 def _options(name: str, deterministic: bool) -> dict:
-    return {"deterministic": True} if deterministic and name != "torch" else {}
+    return {"deterministic": True} if deterministic else {}
 
 
 def get_kernel(kernel: Union[str, BlockKernel, None] = "auto", device: Optional[torch.device] = None,
@@ -97,7 +97,7 @@ def select_kernel(kernel: Union[str, BlockKernel, None], q: torch.Tensor, k: tor
         blk = get_kernel(kernel, q.device, deterministic=deterministic)
         blk.check(q, k, v)
         if packed:
-            blk.check_varlen(q)
+            blk.check_varlen(q, k)
         return blk
     sig = (q.device.type, getattr(q.device, "index", None), q.dtype, tuple(q.shape[1:]), k.shape[2], bool(deterministic),
            bool(packed), None if v is None else v.shape[-1])
@@ -113,7 +113,7 @@ def select_kernel(kernel: Union[str, BlockKernel, None], q: torch.Tensor, k: tor
             blk = _instance(name, **_options(name, deterministic))
             blk.check(q, k, v)
             if packed:
-                blk.check_varlen(q)
+                blk.check_varlen(q, k)
         except ValueError as exc:
             skipped.append(f"{name}: {exc}")
             continue

@@ -13,7 +13,9 @@ The call surfaces, read from the sources (flash-attention v2.6.0 .. v2.8.3 and h
   forward returns ``(out, q, k, v, out_padded, lse, S_dmask)``; sm90 only.
 * FA3 since 2025-01: many leading arguments (``k_new``, ``out``, ``cu_seqlens_*``, ...), required
   until 2025-08 and defaulted after; ``causal`` in the backward until 2025-07, ``is_causal`` after;
-  ``window_size`` tuple until 2025-07, ``_left``/``_right`` after; sm80+ (from 2025-01-08).
+  ``window_size`` tuple until 2025-07, ``_left``/``_right`` after; sm80+ (from 2025-01-08). Since
+  2025-09-17 ``hopper/flash_api.cpp`` refuses a deterministic backward for head dims rounded up to
+  256 (193..256); builds cannot be told apart from Python, so FA3 is never used for that (FA2 is).
 
 Arguments are bound by the parameter names the installed build declares, so every form gets
 exactly what it asks for; a required parameter we do not know makes the build unusable (the kernel
@@ -79,11 +81,11 @@ def _bshd(x: torch.Tensor) -> torch.Tensor:
 class _Surface:
     """One installed build's forward/backward, called by parameter name."""
 
-    def __init__(self, label: str, mod, min_sm: int, lse_index: int, deterministic_ok: bool):
+    def __init__(self, label: str, mod, min_sm: int, lse_index: int, deterministic_ok: bool, det_head_dim: int = 256):
         self.label, self.min_sm, self.lse_index = label, min_sm, lse_index
         self.fwd, self.bwd = mod._flash_attn_forward, mod._flash_attn_backward
         self.fwd_sig, self.bwd_sig = _signature(self.fwd), _signature(self.bwd)
-        self.deterministic_ok = deterministic_ok
+        self.deterministic_ok, self.det_head_dim = deterministic_ok, det_head_dim
         # an output buffer only where the forward is a plain function: a custom op may not return
         # (an alias of) one of its inputs, so FA3 builds wrapped as custom ops allocate their own
         self.takes_out = not hasattr(self.fwd, "_init_fn") and "out" in self.fwd_sig.parameters
@@ -99,6 +101,10 @@ class _Surface:
                 self._bind(self.vbwd_sig, _FIXED, f"{label} varlen backward")
             except ValueError as exc:
                 self.varlen_error = str(exc)
+
+    def deterministic_for(self, head_dim: int) -> bool:
+        """Whether this build has a deterministic backward for ``head_dim``."""
+        return self.deterministic_ok and head_dim <= self.det_head_dim
 
     @staticmethod
     def _bind(sig: inspect.Signature, values: Dict, what: str) -> Dict:
@@ -174,7 +180,10 @@ def _fa3_surface() -> _Surface:
     params = _signature(mod._flash_attn_forward).parameters
     first_form = "k_new" not in params  # 2024-07 .. 2024-12: returns (out, q, k, v, out_padded, lse, S_dmask)
     bwd_params = _signature(mod._flash_attn_backward).parameters
-    s = _Surface("flash-attn 3", mod, 9 if first_form else 8, 5 if first_form else 1, "deterministic" in bwd_params)
+    # hopper/flash_api.cpp (since 2025-09-17): "Deterministic backward not supported for hdim 256", i.e.
+    # head dims rounded up to 256 (193..256); refused for every FA3 build (their Python surface is the same)
+    s = _Surface("flash-attn 3", mod, 9 if first_form else 8, 5 if first_form else 1, "deterministic" in bwd_params,
+                 det_head_dim=192)
     s.check_known()
     return s
 
@@ -210,7 +219,7 @@ class FlashKernel(BlockKernel):
         if not self._surfaces:
             raise ValueError("; ".join(errors) or "flash-attn is not importable")
         self.version = 3 if self._surfaces[0].label == "flash-attn 3" else 2
-        self._by_device: Dict[Tuple[int, int], _Surface] = {}
+        self._by_device: Dict[Tuple, _Surface] = {}
         self._grads: Dict[Tuple, torch.Tensor] = {}
 
     @classmethod
@@ -221,23 +230,24 @@ class FlashKernel(BlockKernel):
             return False
         return torch.cuda.is_available()
 
-    def _surface(self, device) -> _Surface:
-        """FA3 where its build runs on this GPU (and offers determinism if asked), else FA2."""
+    def _surface(self, device, head_dim: int) -> _Surface:
+        """FA3 where its build runs on this GPU (and offers determinism for this head dim if asked), else FA2."""
         cap = torch.cuda.get_device_capability(device)
-        if cap not in self._by_device:
-            ok = [s for s in self._surfaces if cap[0] >= s.min_sm and (s.deterministic_ok or not self.deterministic)]
-            self._by_device[cap] = ok[0] if ok else self._surfaces[-1]
-        return self._by_device[cap]
+        key = (cap, head_dim)
+        if key not in self._by_device:
+            ok = [s for s in self._surfaces if cap[0] >= s.min_sm and (s.deterministic_for(head_dim) or not self.deterministic)]
+            self._by_device[key] = ok[0] if ok else self._surfaces[-1]
+        return self._by_device[key]
 
-    def _varlen_surface(self, device) -> Optional[_Surface]:
+    def _varlen_surface(self, device, head_dim: int) -> Optional[_Surface]:
         """The first build (FA3, then FA2) that runs here and has usable varlen entry points."""
         cap = torch.cuda.get_device_capability(device)
         ok = [s for s in self._surfaces if s.varlen_error is None and cap[0] >= s.min_sm
-              and (s.deterministic_ok or not self.deterministic)]
+              and (s.deterministic_for(head_dim) or not self.deterministic)]
         return ok[0] if ok else None
 
-    def check_varlen(self, q: torch.Tensor) -> None:
-        s = self._varlen_surface(q.device)
+    def check_varlen(self, q: torch.Tensor, k: Optional[torch.Tensor] = None) -> None:
+        s = self._varlen_surface(q.device, q.shape[-1])
         if s is None:
             why = "; ".join(x.varlen_error or f"{x.label} cannot run here" for x in self._surfaces)
             raise ValueError(f"the flash kernel cannot run packed sequences (THD) here: {why}; "
@@ -245,16 +255,21 @@ class FlashKernel(BlockKernel):
         check_cuda_half(f"the flash kernel ({s.label}, varlen)", q, s.min_sm)
 
     def check(self, q: torch.Tensor, k: torch.Tensor, v=None) -> None:
-        s = self._surface(q.device)
-        if v is not None and v.shape[-1] != q.shape[-1]:
-            d, dv = q.shape[-1], v.shape[-1]
+        d = q.shape[-1]
+        s = self._surface(q.device, d)
+        if v is not None and v.shape[-1] != d:
+            dv = v.shape[-1]
             # FA3 (hopper/flash_api.cpp, builds since 2025-01) takes a value head dim of its own in these
             # ranges; FA2 and the first FA3 form take one head dim
             mla = s.label == "flash-attn 3" and s.min_sm == 8 and (128 < d <= 192 and 96 < dv <= 128 or d <= 64 and dv <= 512)
             if not mla or dv % 8:
                 raise ValueError(f"{s.label} cannot run a value head dim {dv} with query/key head dim {d} (MLA); "
                                  "use --mesh-kernel te")
-        if self.deterministic and not s.deterministic_ok:
+        if self.deterministic and not s.deterministic_for(d):
+            if s.deterministic_ok:  # FA3: hopper/flash_api.cpp refuses a deterministic backward for hdim 256
+                raise ValueError(f"{s.label} has no deterministic backward for head dim {d} (> {s.det_head_dim}; "
+                                 "hopper/flash_api.cpp refuses head dims rounded up to 256); install flash-attn 2, "
+                                 "drop deterministic mode or use --mesh-kernel te / torch")
             raise ValueError(f"{s.label} has no deterministic backward; drop deterministic mode or use --mesh-kernel torch")
         check_cuda_half(f"the flash kernel ({s.label})", q, s.min_sm,
                         " or install flash-attn 2" if s.label == "flash-attn 3" else "")
@@ -262,11 +277,13 @@ class FlashKernel(BlockKernel):
     def forward(self, q, k, v, *, causal: bool, scale: float, varlen: Optional[Varlen] = None, window=None):
         check_square(q, k, causal)
         if varlen is not None:  # batch 1: [t, 1, h, d] views -> [t, h, d]
-            o, lse = self._varlen_surface(q.device).forward_varlen(q[:, 0], k[:, 0], v[:, 0], varlen, causal, scale,
-                                                                   window)
+            o, lse = self._varlen_surface(q.device, q.shape[-1]).forward_varlen(q[:, 0], k[:, 0], v[:, 0], varlen,
+                                                                                causal, scale, window)
             return o.unsqueeze(1), lse.unsqueeze(0)
-        s = self._surface(q.device)
-        out = torch.empty_like(q) if s.takes_out else None  # sequence-major; FA3 writes through the view
+        s = self._surface(q.device, q.shape[-1])
+        out = None
+        if s.takes_out:  # sequence-major; FA3 writes through the view (MLA: the value head dim)
+            out = torch.empty_like(q) if v.shape[-1] == q.shape[-1] else q.new_empty(q.shape[:-1] + v.shape[-1:])
         o, lse = s.forward(_bshd(q), _bshd(k), _bshd(v), causal, scale, None if out is None else _bshd(out), window)
         return (out if out is not None else _bshd(o)), lse
 
@@ -287,10 +304,11 @@ class FlashKernel(BlockKernel):
         check_square(q, k, causal)
         dq, dk, dv = self._buffer("dq", q), self._buffer("dk", k), self._buffer("dv", v)
         if varlen is not None:
-            self._varlen_surface(q.device).backward_varlen(
+            self._varlen_surface(q.device, q.shape[-1]).backward_varlen(
                 dout[:, 0], q[:, 0], k[:, 0], v[:, 0], out[:, 0], lse, dq[:, 0], dk[:, 0], dv[:, 0], varlen, causal,
                 scale, self.deterministic, window)
             return dq, dk, dv
-        self._surface(q.device).backward(_bshd(dout), _bshd(q), _bshd(k), _bshd(v), _bshd(out), lse,
-                                         _bshd(dq), _bshd(dk), _bshd(dv), causal, scale, self.deterministic, window)
+        self._surface(q.device, q.shape[-1]).backward(_bshd(dout), _bshd(q), _bshd(k), _bshd(v), _bshd(out), lse,
+                                                      _bshd(dq), _bshd(dk), _bshd(dv), causal, scale,
+                                                      self.deterministic, window)
         return dq, dk, dv

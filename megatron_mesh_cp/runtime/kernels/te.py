@@ -16,8 +16,13 @@ whatever the installed TE and cuDNN say.
 
 Packed sequences (THD): ``thd_thd_thd`` with ``padding_causal`` / ``padding`` masks, q and kv sharing
 the batch's ``cu_seqlens`` (also passed as the ``_padded`` offsets: a packed sub-block has no gaps).
-TE's softmax stats for THD are ``[t, h, 1]`` with cuDNN >= 9.6 and ``[b, h, max_seqlen, 1]`` before
-(TE's own context-parallel code makes the same distinction); both are converted to and from ours.
+TE's softmax stats for THD (``fused_attn_f16_arbitrary_seqlen.cu``) are *ragged* where TE's
+``use_ragged_stats`` holds -- cuDNN >= 9.6 and not sm120 -- and dense ``[b, h, max_seqlen, 1]``
+otherwise. Ragged stats come back as ``[max_tokens(t), h, 1]`` up to TE 2.10 (``get_max_tokens``:
+at least 1024 rows, the ones past t unwritten) and ``[t, h, 1]`` from 2.11, so only their first t
+rows are read; the backward reads ragged stats through their first t rows, so ``[t, h, 1]`` is
+passed. TE 2.14-2.17 run THD on sm120 but allocate its dense stats as ``[t, h, 1]``, smaller than
+what cuDNN writes; they are refused there (2.18 allocates ``[b, h, max_seqlen, 1]``).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import inspect
+import re
 from typing import Dict, Optional, Tuple
 
 import torch
@@ -69,6 +75,17 @@ def _cudnn_version() -> Tuple[int, ...]:
     return tuple(get_cudnn_version())
 
 
+def _te_version() -> Tuple[int, ...]:
+    import transformer_engine
+
+    return tuple(int(x) for x in re.findall(r"\d+", str(getattr(transformer_engine, "__version__", "0")))[:2])
+
+
+def _ragged_stats(device) -> bool:
+    """TE's ``use_ragged_stats`` (2.14+; before, sm120 never runs THD): cuDNN >= 9.6 and not sm120."""
+    return _cudnn_version() >= (9, 6, 0) and tuple(torch.cuda.get_device_capability(device)) != (12, 0)
+
+
 class TEKernel(BlockKernel):
     name = "te"
 
@@ -89,6 +106,7 @@ class TEKernel(BlockKernel):
         self._checked: Dict[Tuple, str] = {}
         self._cu: Dict[Tuple[int, int, str], torch.Tensor] = {}
         self._rng: Dict[str, torch.Tensor] = {}
+        self._ragged_stats: Dict[str, bool] = {}  # per device: TE's use_ragged_stats
         self._rows: Dict[int, tuple] = {}  # per packed batch: each row's (document, offset), for [b, h, s, 1] stats
 
     @classmethod
@@ -106,10 +124,13 @@ class TEKernel(BlockKernel):
         sq, b, h, d = q.shape
         fields = {f.name for f in dataclasses.fields(self._params)}
         mask = ("padding_causal" if causal else "padding") if thd else ("causal" if causal else "no_mask")
+        # no bias: TE's determinism filter drops FusedAttention while core_attention_bias_requires_grad
+        # (default True) is set, so pass what TE's DotProductAttention passes without a bias
         values = dict(qkv_type=torch.Tensor, qkv_dtype=q.dtype, qkv_layout="thd_thd_thd" if thd else "sbhd_sbhd_sbhd",
                       batch_size=b, num_heads=h, num_gqa_groups=(k.shape[2] if k is not None else h), max_seqlen_q=sq,
                       max_seqlen_kv=(k.shape[0] if k is not None else sq), head_dim_qk=d, head_dim_v=dv or d,
                       attn_mask_type=mask,
+                      core_attention_bias_type="no_bias", core_attention_bias_requires_grad=False,
                       window_size=window or _window(causal), attention_dropout=0.0, context_parallel=False,
                       deterministic=deterministic, is_training=True, fp8=False,
                       bottom_right_diagonal=True if window is not None else None)
@@ -161,15 +182,22 @@ class TEKernel(BlockKernel):
             raise ValueError("this Transformer Engine cannot return the max logit (return_max_logit: TE >= 2.10); "
                              "upgrade TE")
 
-    def check_varlen(self, q: torch.Tensor) -> None:
+    def check_varlen(self, q: torch.Tensor, k: Optional[torch.Tensor] = None) -> None:
         check_cuda_half("the te kernel (TE fused attention, thd)", q, 8)
+        k = q if k is None else k
         major, minor = torch.cuda.get_device_capability(q.device)
-        key = ("thd", q.dtype, tuple(q.shape[1:]), major, minor)
+        key = ("thd", q.dtype, tuple(q.shape[1:]), k.shape[2], major, minor)
         if key not in self._checked:
-            ok = self._supported(q, None, True, self.deterministic, thd=True)
-            self._checked[key] = "" if ok else (
-                f"Transformer Engine has no fused-attention backend for packed sequences (thd, padding_causal) with "
-                f"{str(q.dtype)[6:]}, head dim {q.shape[-1]} on sm{major}{minor} with this cuDNN; use --mesh-kernel flash")
+            why = ""
+            if not self._supported(q, k, True, self.deterministic, thd=True):
+                why = (f"Transformer Engine has no fused-attention backend for packed sequences (thd, padding_causal) "
+                       f"with {str(q.dtype)[6:]}, {q.shape[2]} heads ({k.shape[2]} kv), head dim {q.shape[-1]} on "
+                       f"sm{major}{minor} with this cuDNN (thd needs sm90+, and as many heads as kv heads below "
+                       "cuDNN 9.6); use --mesh-kernel flash")
+            elif (major, minor) == (12, 0) and _te_version() < (2, 18):
+                why = ("Transformer Engine 2.14-2.17 allocate sm120's dense thd softmax stats as [t, h, 1], smaller "
+                       "than the [b, h, max_seqlen, 1] cuDNN writes; upgrade TE to 2.18+ or use --mesh-kernel flash")
+            self._checked[key] = why
         if self._checked[key]:
             raise ValueError(self._checked[key])
 
@@ -199,18 +227,27 @@ class TEKernel(BlockKernel):
                         **self._thd_common(causal, scale, self._fwd_params, window), **top)
         out, aux = res[:2]
         stats = aux[0]
-        if stats.dim() == 3:  # [t, h, 1] (cuDNN >= 9.6)
-            lse = stats[..., 0].T
+        if self._ragged(q.device):  # [>= t, h, 1]: rows past t are TE 2.0-2.10's max_tokens padding
+            lse = stats[: q.shape[0], :, 0].T
         else:  # [b, h, max_seqlen, 1]
+            if stats.dim() != 4:
+                raise ValueError(f"Transformer Engine returned thd softmax stats {tuple(stats.shape)} where this GPU "
+                                 "uses the dense [b, h, max_seqlen, 1] layout; upgrade TE to 2.18+ or use --mesh-kernel flash")
             doc, off = self._row_index(varlen)
             lse = stats[doc, :, off, 0].T
         if top:
             return out.unsqueeze(1), lse.unsqueeze(0), res[2].float()
         return out.unsqueeze(1), lse.unsqueeze(0)
 
+    def _ragged(self, device) -> bool:
+        key = str(device)
+        if key not in self._ragged_stats:
+            self._ragged_stats[key] = _ragged_stats(device)
+        return self._ragged_stats[key]
+
     def _stats_thd(self, lse_sbh: torch.Tensor, varlen: Varlen) -> torch.Tensor:
-        """Our [t, 1, h] lse as TE's THD softmax stats for the backward."""
-        if _cudnn_version() >= (9, 6, 0):
+        """Our [t, 1, h] lse as TE's THD softmax stats for the backward (the layout TE's backward reads)."""
+        if self._ragged(lse_sbh.device):
             return lse_sbh[:, 0].unsqueeze(-1).contiguous()  # [t, h, 1]
         doc, off = self._row_index(varlen)
         buf = torch.zeros(len(varlen.lens), lse_sbh.shape[2], max(varlen.max_len, 1), 1, dtype=lse_sbh.dtype,

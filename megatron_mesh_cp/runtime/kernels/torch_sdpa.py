@@ -5,14 +5,24 @@
 * CUDA, fp16/bf16, head dim <= 256 and a multiple of 8, sm80+: the SDPA flash op
   (``_scaled_dot_product_flash_attention`` and its backward; GQA native).
 * CUDA otherwise (fp32, other head dims, older GPUs): the memory-efficient op, K/V heads expanded
-  for GQA (it has no native GQA).
+  for GQA. It has fp32, fp16 and bf16 kernels only, bf16 from sm80 (``sdp_utils.cpp``,
+  ``can_use_mem_efficient_attention``; its dispatch raises "Only fp32, half & bf16 supported"), so
+  ``check`` refuses fp64 on CUDA (and bf16 below sm80) before any communication.
 
-The ops take ``[b, h, s, d]`` views of our sequence-major tensors; no input is copied.
+The ops take ``[b, h, s, d]`` views of our sequence-major tensors, and the forwards copy no input.
+The CUDA flash backward makes ``dout`` and ``out`` contiguous in ``[b, s, h, d]``, a copy of each
+per call when b > 1 (for b = 1 the view already is); the efficient op gets expanded K/V copies for
+GQA and its backward sums the expanded gradients back.
 
 Packed sequences (THD) and sliding windows run on CPU only: the CPU op takes an additive mask, so a
 packed or windowed block is one call with a block-diagonal (per-document, causal, windowed) mask,
 made once per batch and mask kind -- exact, and dense (O(rows^2) mask memory, fine for CPU-sized
 blocks). On CUDA use te or flash.
+
+Deterministic backward (``deterministic=True``, Megatron's ``--deterministic-mode``): the CUDA ops
+read ``torch.are_deterministic_algorithms_enabled()`` when called (``attention_backward.cu``:
+"Flash Attention defaults to a non-deterministic algorithm"), so the backward op runs with it on
+(and the setting restored after); the CPU op is deterministic anyway.
 
 The CUDA flash backward decides dense vs varlen by whether ``cum_seq_q`` is *defined*
 (``attention_backward.cu``, ``_flash_attention_backward``); the dense forward returns undefined
@@ -22,6 +32,7 @@ tensors (``None`` in Python) there, so the backward is given ``None``, never an 
 from __future__ import annotations
 
 from collections import OrderedDict
+from contextlib import contextmanager
 from typing import Optional, Tuple
 
 import torch
@@ -56,8 +67,9 @@ def cuda_path(q: torch.Tensor) -> str:
 class TorchKernel(BlockKernel):
     name = "torch"
 
-    def __init__(self) -> None:
-        self._gqa_native = True  # CUDA flash: falls back to expanded K/V once if the op refuses
+    def __init__(self, deterministic: bool = False) -> None:
+        self.deterministic = bool(deterministic)
+        self._gqa_native = True  # CUDA flash: expanded K/V from the first call the op refuses GQA on
         self._consts = {}  # per device: the (unused, dropout-free) philox seed and offset
         self._masks: "OrderedDict[tuple, tuple]" = OrderedDict()  # packed blocks' masks, per batch
 
@@ -67,8 +79,14 @@ class TorchKernel(BlockKernel):
         if v is not None and v.shape[-1] != q.shape[-1] and q.device.type != "cpu":
             raise ValueError(f"the torch kernel runs a value head dim ({v.shape[-1]}) other than the query/key head dim "
                              f"({q.shape[-1]}, MLA) on CPU only; use --mesh-kernel te on GPU")
+        if q.device.type == "cuda" and cuda_path(q) == "efficient":
+            sm80 = torch.cuda.get_device_capability(q.device)[0] >= 8
+            if q.dtype not in ((torch.float16, torch.bfloat16, torch.float32) if sm80 else (torch.float16, torch.float32)):
+                raise ValueError(f"the torch kernel's CUDA memory-efficient op has no {str(q.dtype)[6:]} kernel "
+                                 f"(fp32, fp16{', bf16' if sm80 else ''} only); cast to float32 or bfloat16, or run "
+                                 "float64 on CPU")
 
-    def check_varlen(self, q: torch.Tensor) -> None:
+    def check_varlen(self, q: torch.Tensor, k: Optional[torch.Tensor] = None) -> None:
         if q.device.type != "cpu":
             raise ValueError("the torch attention kernel runs packed sequences (THD) on CPU only; "
                              "use --mesh-kernel te or flash on GPU")
@@ -175,11 +193,14 @@ class TorchKernel(BlockKernel):
                 out, lse, *_ = _aten._scaled_dot_product_flash_attention(
                     _bhsd(q), kk, vv, 0.0, causal, False, scale=scale
                 )
-            except RuntimeError:
-                if not self._gqa_native or k.shape[2] == q.shape[2]:
-                    raise
-                self._gqa_native = False
-                return self.forward(q, k, v, causal=causal, scale=scale)
+            except RuntimeError as exc:
+                if not self._gqa_native or k.shape[2] == q.shape[2] or not _refuses_gqa(exc):
+                    raise  # an OOM or any other failure is not the op refusing GQA
+                kk, vv = _expand(q, k, v)
+                out, lse, *_ = _aten._scaled_dot_product_flash_attention(
+                    _bhsd(q), kk, vv, 0.0, causal, False, scale=scale
+                )
+                self._gqa_native = False  # only once expanded K/V ran where native K/V did not
             return _sbhd(out), lse
         kk, vv = _expand(q, k, v)
         out, lse, _, _ = _aten._scaled_dot_product_efficient_attention(
@@ -248,17 +269,19 @@ class TorchKernel(BlockKernel):
             kk, vv = self._kv(q, k, v)
             seed, offset = self._philox(path, q.device)
             lse = lse if lse.is_contiguous() else lse.contiguous()  # only when sq % 32 != 0
-            dq, dk, dv = _aten._scaled_dot_product_flash_attention_backward(
-                _bhsd(dout), _bhsd(q), kk, vv, _bhsd(out), lse, None, None, sq, sk, 0.0, causal,
-                seed, offset, scale=scale,
-            )
+            with _deterministic(self.deterministic):
+                dq, dk, dv = _aten._scaled_dot_product_flash_attention_backward(
+                    _bhsd(dout), _bhsd(q), kk, vv, _bhsd(out), lse, None, None, sq, sk, 0.0, causal,
+                    seed, offset, scale=scale,
+                )
         else:
             kk, vv = _expand(q, k, v)
             seed, offset = self._philox(path, q.device)
-            dq, dk, dv, _ = _aten._scaled_dot_product_efficient_attention_backward(
-                _bhsd(dout), _bhsd(q), kk, vv, None, _bhsd(out), lse, seed, offset, 0.0,
-                [True, True, True, False], causal, scale=scale,
-            )
+            with _deterministic(self.deterministic):
+                dq, dk, dv, _ = _aten._scaled_dot_product_efficient_attention_backward(
+                    _bhsd(dout), _bhsd(q), kk, vv, None, _bhsd(out), lse, seed, offset, 0.0,
+                    [True, True, True, False], causal, scale=scale,
+                )
         return _sbhd(dq), _fold_heads(dk, hk), _fold_heads(dv, hk)
 
 
@@ -273,6 +296,25 @@ def _one_head_dim(q, k, v):
     """q, k, v padded with zero columns to one head dim (max of q/k's and v's)."""
     width = max(q.shape[-1], v.shape[-1])
     return _pad_last(q, width), _pad_last(k, width), _pad_last(v, width)
+
+
+@contextmanager
+def _deterministic(on: bool):
+    """``torch.use_deterministic_algorithms(True)`` around one op when ``on`` (restored after)."""
+    was, warn = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    if not on or (was and not warn):
+        yield
+        return
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(was, warn_only=warn)
+
+
+def _refuses_gqa(exc: RuntimeError) -> bool:
+    """Whether the flash op's error is about the K/V head count (not an OOM, not anything else)."""
+    return not isinstance(exc, torch.cuda.OutOfMemoryError) and "head" in str(exc).lower()
 
 
 def _expand(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
