@@ -80,6 +80,10 @@ def main(argv=None) -> int:
     pk.add_argument("--doc-dist", choices=DISTRIBUTIONS, default="loguniform",
                     help="distribution for --docs (powerlaw: heavy-tailed, P(length > x) ~ x^-1/2 on LO..HI)")
     pk.add_argument("--doc-seed", type=int, default=0, help="random seed for --docs")
+    pk.add_argument("--doc-order", choices=("balanced", "given"), default="balanced",
+                    help="the order ours run the documents in: balanced (default, as the launcher's "
+                         "--mesh-document-order): reordered per mesh size so the zigzag chunks carry near-equal work "
+                         "(runtime/balance.py); given: as drawn or read. TE's THD partition balances every order")
     pk.add_argument("--kernel-tile", type=int, default=0, metavar="T",
                     help="price document blocks in whole TxT kernel tiles per document segment (flash-style); "
                          "0 (default): exact unmasked pairs")
@@ -110,6 +114,7 @@ def main(argv=None) -> int:
             packing, documents = document_sets(args.seq, args.cp, path=args.doc_lengths, dist=args.doc_dist,
                                                lo_hi=parse_doc_range(args.docs) if args.docs else None,
                                                seed=args.doc_seed, tile=args.kernel_tile)
+            documents = documents.with_balance(args.doc_order == "balanced")
             if args.doc_layout == "padded":
                 documents = None
             elif args.batch != 1:

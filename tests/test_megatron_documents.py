@@ -4,7 +4,8 @@ The stdlib corpus cut into documents of 12 bytes (about ten per 128-token sequen
 ``--reset-attention-mask --reset-position-ids --eod-mask-loss``: CP = 4 mesh 2x2 and a2a+mesh 2x1x2
 take each micro-batch's documents from its EOD tokens (unpadded, pruned plans, no dense mask),
 CP = 1 runs Megatron's own local attention on the dataloader's dense mask. Per-iteration lm loss
-over 10 iterations and every first-step gradient agree to 1e-5. The same runs composed with TP
+over 10 iterations and every first-step gradient agree to 1e-5, with the documents of each
+micro-batch reordered to balance the zigzag chunks (the default --mesh-document-order balanced). The same runs composed with TP
 (and sequence parallel), PP, DP, the distributed optimizer and recompute are in
 test_megatron_composition.py. Refusals (a mask a path would drop) exit before training.
 """
@@ -44,6 +45,8 @@ def test_document_masking_matches_megatrons_dense_mask(runs, name):
           f"{got['attention_bytes_sent_per_rank']} attention bytes per rank (Ring: {got['ring_bytes_per_rank']})")
     assert len(got["losses"]) == ITERS and dl <= 1e-5 and dg <= 1e-5, (name, dl, dg)
     assert got["packed_attention_calls"] == got["attention_calls"] > 0  # every call masked documents
+    # the documents ran reordered (balanced for the mesh's chunks): the loss is still CP = 1's
+    assert got["document_order"] == "balanced" and got["document_batches_reordered"] > 0, got
     assert ref["losses"][-1][1] < ref["losses"][0][1]  # it learns
 
 
@@ -54,6 +57,7 @@ BAD = [
     (["--reset-attention-mask", "--no-create-attention-mask-in-dataloader", "--mesh-packed-data",
       "--calculate-per-token-loss"], "two ways to mask documents"),
     (["--eod-mask-loss"], "--eod-mask-loss with CP > 1 needs --calculate-per-token-loss"),
+    (["--mesh-document-order", "given"], "there are none here: drop it"),
 ]
 
 
@@ -99,3 +103,4 @@ def test_dry_run_states_the_masking(tmp_path):
                          text=True, timeout=300, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "document masking: from EOD (--reset-attention-mask), unpadded" in out.stdout + out.stderr
+    assert "documents reordered per micro-batch to balance the zigzag chunks" in out.stdout + out.stderr

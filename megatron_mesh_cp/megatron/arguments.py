@@ -65,6 +65,10 @@ def add_mesh_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
              "a block-diagonal mask at CP = 1)")
     add("--mesh-pack-multiple", type=int, default=None,
         help="with --mesh-packed-data: pad every document to a multiple of this (default 2 x CP; a multiple of it)")
+    add("--mesh-document-order", choices=("balanced", "given"), default=None,
+        help="with --reset-attention-mask under mesh CP: balanced (default) reorders each micro-batch's documents "
+             "so the zigzag chunks carry near-equal attention work (exact: documents are independent); given keeps "
+             "the dataset's order")
     add("--mesh-pack-doc-tokens", type=int, default=None,
         help="with --mesh-packed-data: cut documents into pieces of at most this many tokens (default: whole files)")
     return escape_stray_percent(parser)
@@ -131,8 +135,19 @@ def apply_mesh_args(args, argv: Optional[Sequence[str]] = None, *, launcher: boo
 
 def _check_document_masking(args, launcher: bool) -> None:
     """``--reset-attention-mask`` (documents end at EOD tokens, Megatron's GPTDataset): honoured by
-    mesh CP through the launcher (each micro-batch's EOD boundaries, unpadded, pruned plans) and by
-    Megatron's local attention at CP = 1 (its dense mask); refused wherever it would be dropped."""
+    mesh CP through the launcher (each micro-batch's EOD boundaries, unpadded, pruned plans, the
+    documents in balanced order) and by Megatron's local attention at CP = 1 (its dense mask);
+    refused wherever it would be dropped, as is ``--mesh-document-order`` without it."""
+    order = _get(args, "mesh_document_order")
+    _check_documents(args, launcher)
+    SETTINGS.document_order = (order or "balanced") if SETTINGS.documents == "eod" else "given"
+    if order is not None and SETTINGS.documents != "eod":
+        raise MeshArgumentError(
+            f"--mesh-document-order {order} orders the documents of --reset-attention-mask under mesh CP (CP > 1, "
+            "this launcher); there are none here: drop it")
+
+
+def _check_documents(args, launcher: bool) -> None:
     SETTINGS.documents = ""
     cp = int(_get(args, "context_parallel_size", 1) or 1)
     algo = _get(args, "context_parallel_algo") or (_as_list(_get(args, "cp_comm_type")) or ["p2p"])[0]

@@ -231,6 +231,8 @@ def _get_batch(data_iterator):
             is_pipeline_first_stage=mpu.is_pipeline_first_stage(), is_pipeline_last_stage=mpu.is_pipeline_last_stage(),
         )
     params = _documents(raw["tokens"] if raw is not None else None, args) if SETTINGS.documents == "eod" else None
+    if params is not None and SETTINGS.document_order == "balanced":
+        batch, params = _balanced(batch, params, args)
     batch = get_batch_on_this_cp_rank(batch, is_hybrid_cp=False, cp_group=mpu.get_context_parallel_group())
     return [batch.get(k) for k in keys] + [params]
 
@@ -256,6 +258,27 @@ def _documents(tokens, args):
         torch.distributed.broadcast(cu, src, group=group)
     s = args.seq_length
     return PackedSeqParams(qkv_format="sbhd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=s, max_seqlen_kv=s)
+
+
+def _balanced(batch, params, args):
+    """--mesh-document-order balanced: the micro-batch's documents reordered so the zigzag chunks of
+    the mesh carry near-equal attention work (runtime/balance.py), before the CP split. Each document
+    keeps its tokens, labels, loss mask and position ids; documents attend only to themselves and
+    RoPE sees only relative positions, so the loss is the same sum over the same tokens. Every rank
+    computes the same order from the same offsets."""
+    from dataclasses import replace
+
+    from ..runtime.balance import balance_documents
+    from .settings import SETTINGS
+
+    sizes = list(args.hierarchical_context_parallel_sizes or [args.context_parallel_size])
+    chunks = sizes[-2] * sizes[-1] if len(sizes) >= 2 else sizes[0]  # the mesh's chunks (a2a+mesh: a * b)
+    cu, index = balance_documents(params.cu_seqlens_q, chunks)
+    if index is None:
+        return batch, params
+    SETTINGS.reordered += 1
+    batch = {k: (v.index_select(1, index.to(v.device)) if v is not None else None) for k, v in batch.items()}
+    return batch, replace(params, cu_seqlens_q=cu, cu_seqlens_kv=cu)
 
 
 def _loss_func(loss_mask, output_tensor):
@@ -374,6 +397,8 @@ def _summary(args, opts, started: float) -> Dict:
         "attention_calls": traffic["calls"],
         "packed_attention_calls": SETTINGS.packed_calls,
         "packed_documents_per_sequence": _documents_per_sequence(),
+        "document_order": SETTINGS.document_order if SETTINGS.documents == "eod" else None,
+        "document_batches_reordered": SETTINGS.reordered,
         "seconds": time.time() - started,
     }
 
@@ -401,7 +426,9 @@ def _masking(args) -> str:
     if getattr(args, "mesh_packed_data", False):
         return f"packed THD (--mesh-packed-data), every document padded to a multiple of {args.mesh_pack_multiple}"
     if SETTINGS.documents == "eod":
-        return "from EOD (--reset-attention-mask), unpadded; blocks and chunks no document needs are pruned"
+        order = ("; documents reordered per micro-batch to balance the zigzag chunks (--mesh-document-order balanced)"
+                 if SETTINGS.document_order == "balanced" else "; documents in the dataset's order")
+        return "from EOD (--reset-attention-mask), unpadded; blocks and chunks no document needs are pruned" + order
     if getattr(args, "reset_attention_mask", False):
         return "from EOD (--reset-attention-mask), Megatron's dense mask (CP = 1)"
     return "none (attention crosses document boundaries)"

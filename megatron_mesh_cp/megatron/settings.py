@@ -22,6 +22,8 @@ class MeshSettings:
     shape_explanation: str = ""
     max_live: Optional[int] = None  # live-chunk limit of the plans mesh_shape=auto chose to fit its memory budget
     documents: str = ""  # "eod": --reset-attention-mask under mesh CP, boundaries from each micro-batch's EOD tokens
+    document_order: str = "given"  # "balanced": each micro-batch's documents reordered (runtime/balance.py)
+    reordered: int = 0  # micro-batches whose documents were reordered so far
     # what Ring would have sent for the calls made so far (like-for-like partial dtype)
     ring_bytes: int = 0
     calls: int = 0

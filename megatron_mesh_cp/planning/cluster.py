@@ -234,8 +234,11 @@ class Workload:
         return replace(self, documents=None, window=None) if self.pruned else self
 
     def mask_documents(self, ranks: int) -> UnpaddedDocuments:
-        """The documents the mask sees on ``ranks`` chunks: ``documents``, or the whole sequence as one."""
-        return self.documents if self.documents is not None else UnpaddedDocuments((self.seq_local * ranks,))
+        """The documents the mask sees on ``ranks`` chunks, in the order they run there (``documents``,
+        balanced for ``ranks`` if asked), or the whole sequence as one."""
+        if self.documents is not None:
+            return self.documents.for_chunks(ranks, self.causal)
+        return UnpaddedDocuments((self.seq_local * ranks,))
 
     def nonempty(self, ranks: int) -> np.ndarray:
         """Bool [ranks, ranks]: the blocks with any (query, key) pair (the runtime's own mask)."""

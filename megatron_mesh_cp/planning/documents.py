@@ -22,6 +22,7 @@ from typing import Dict, FrozenSet, NamedTuple, Tuple
 
 import numpy as np
 
+from ..runtime.balance import balance_order
 from ..runtime.documents import DocumentMask, Documents
 from ..runtime.topology import MeshShape
 from .packing import DISTRIBUTIONS, _fill, _read_lengths, _rect, _tri, length_draws
@@ -42,6 +43,9 @@ class UnpaddedDocuments:
     lengths: Tuple[int, ...]
     tile: int = 0
     label: str = field(default="", compare=False)
+    #: run in the order runtime/balance.py gives each chunk count (as the launcher's
+    #: ``--mesh-document-order balanced`` does per batch) instead of as given
+    balanced: bool = False
 
     def __post_init__(self) -> None:
         if not self.lengths or any(int(x) != x or x < 1 for x in self.lengths):
@@ -61,7 +65,15 @@ class UnpaddedDocuments:
         return sum(self.lengths)
 
     def with_tile(self, tile: int) -> "UnpaddedDocuments":
-        return UnpaddedDocuments(self.lengths, tile, self.label)
+        return UnpaddedDocuments(self.lengths, tile, self.label, self.balanced)
+
+    def with_balance(self, balanced: bool) -> "UnpaddedDocuments":
+        return UnpaddedDocuments(self.lengths, self.tile, self.label, bool(balanced))
+
+    def for_chunks(self, chunks: int, causal: bool = True) -> "UnpaddedDocuments":
+        """The documents in the order they run on ``chunks`` zigzag chunks: balanced
+        (:func:`~megatron_mesh_cp.runtime.balance.balance_order`, cached) or as given."""
+        return _balanced(self, chunks, bool(causal)) if self.balanced else self
 
     def mask(self, chunks: int, causal: bool, window=None) -> DocumentMask:
         """The runtime's description of these documents (and sliding ``window``, (left, right)) over
@@ -92,7 +104,15 @@ class UnpaddedDocuments:
                 f"mean {x.mean():.0f}, median {np.median(x):.0f}, {(x < 4096).mean():.0%} under 4K, "
                 f"{int((x > 256 * 1024).sum())} over 256K; {self.total} tokens, unpadded; causal attention work "
                 f"{self.work_fraction():.2%} of one unmasked sequence")
-        return text + (f" (counted in {self.tile}x{self.tile} tiles)" if self.tile else "")
+        text += f" (counted in {self.tile}x{self.tile} tiles)" if self.tile else ""
+        return text + ("; run in the order balancing each mesh's zigzag chunks" if self.balanced else "")
+
+
+@lru_cache(maxsize=64)
+def _balanced(docs: UnpaddedDocuments, chunks: int, causal: bool) -> UnpaddedDocuments:
+    order = balance_order(docs.lengths, chunks, causal=causal)
+    return UnpaddedDocuments(tuple(docs.lengths[i] for i in order), docs.tile,
+                             (docs.label + ", " if docs.label else "") + f"balanced for {chunks} chunks")
 
 
 @lru_cache(maxsize=64)
@@ -194,7 +214,7 @@ def block_times(w, cluster, backward: bool, ranks: int) -> np.ndarray:
     the sum over the block's calls of the kernel (its work at the throughput of its rows) and the
     call's fixed costs (:meth:`Workload._call_cost` over its rows, :meth:`Workload._keys_cost` over its
     keys); 0 for an empty block."""
-    docs = w.documents
+    docs = w.mask_documents(ranks)
     check_total(docs, w, ranks)
     return price_calls(w, cluster, backward, ranks, block_calls(docs, ranks, w.causal))
 
