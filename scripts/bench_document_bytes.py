@@ -5,7 +5,8 @@ GPTDataset cuts them (documents shuffled, one contiguous window per sequence).
 For every mesh shape of CP = 4 and 8 (and a2a+mesh shapes) it prints the bytes the pruned plans
 move as a share of the full plans' bytes (forward + backward, bf16 inputs, fp32 partials), the
 blocks kept, and the host time to prepare one batch (mask, kept blocks, pruning, the pool layout,
-one rank's kernel calls) at CP = 256. Plan bytes are exact (plan_traffic, which the executor's
+one rank's kernel calls) at CP = 256, and the launcher's document reordering (--mesh-document-order
+balanced, runtime/balance.py: bytes are shown in both orders, and its host time). Plan bytes are exact (plan_traffic, which the executor's
 counters equal); nothing here is simulated.
 
     python scripts/bench_document_bytes.py [--seq 32768 131072 1048576] [--batches 16]
@@ -23,6 +24,7 @@ import torch
 
 from megatron_mesh_cp import valid_shapes
 from megatron_mesh_cp.planning.schedule import build_plans
+from megatron_mesh_cp.runtime.balance import balance_order
 from megatron_mesh_cp.runtime.documents import DocumentMask, Documents
 from megatron_mesh_cp.runtime.memory import layout
 from megatron_mesh_cp.runtime.plan import ChunkDims, plan_traffic
@@ -59,7 +61,14 @@ def bytes_of(plans, dims) -> int:
     return sum(sum(plan_traffic(p, dims).values()) for p in plans)
 
 
-def shares(lengths, seq, count, n, shape, u=1):
+def reordered(docs: Documents, chunks: int) -> Documents:
+    """The batch's documents in the launcher's balanced order for ``chunks`` mesh chunks."""
+    lens = np.diff(docs.cu)
+    order = balance_order(lens.tolist(), chunks)
+    return Documents(tuple([0] + np.cumsum(lens[list(order)]).tolist()))
+
+
+def shares(lengths, seq, count, n, shape, u=1, balanced=False):
     """Mean share of the full plans' bytes the pruned plans move, and mean kept blocks."""
     inner = MeshShape(*shape)
     dims = ChunkDims(1, u * seq // n, 32 // u, 8 * u // np.gcd(8, u) // u, 128, torch.bfloat16)
@@ -67,6 +76,8 @@ def shares(lengths, seq, count, n, shape, u=1):
     total = bytes_of(full, dims)
     got, kept = [], []
     for docs in batches(lengths, seq, count):
+        if balanced:
+            docs = reordered(docs, inner.n)
         keep = DocumentMask(docs, inner.n, True).needed(inner)
         got.append(bytes_of([prune(p, keep) for p in full], dims) / total if total else 1.0)
         kept.append(len(keep))
@@ -101,7 +112,8 @@ def main() -> None:
     lengths = stdlib_lengths()
     print(f"stdlib corpus: {len(lengths)} documents (files), mean {lengths.mean():.0f} tokens, median "
           f"{np.median(lengths):.0f}; {a.batches} sequences per length; bf16, 32 heads / 8 kv heads, d 128")
-    print(f"{'seq':>7} {'CP':>3} {'shape':>8} {'docs/seq':>8} {'kept blocks':>12} {'bytes vs full':>14}")
+    print(f"{'seq':>7} {'CP':>3} {'shape':>8} {'docs/seq':>8} {'kept blocks':>12} {'bytes vs full':>14}"
+          f"{'balanced order':>16}")
     for seq in a.seq:
         docs_per_seq = np.mean([d.count for d in batches(lengths, seq, a.batches)])
         for n in (4, 8):
@@ -109,11 +121,19 @@ def main() -> None:
                                                                 for x, y in valid_shapes(n // u)]
             for shape, u in rows:
                 share, kept, tile = shares(lengths, seq, a.batches, n, shape, u)
+                bal = shares(lengths, seq, a.batches, n, shape, u, balanced=True)[0]
                 name = ("x".join(map(str, shape)) if u == 1 else f"{u}x" + "x".join(map(str, shape)))
-                print(f"{seq:>7} {n:>3} {name:>8} {docs_per_seq:>8.2f} {kept:>6.1f}/{tile:<5} {share:>13.1%}")
+                print(f"{seq:>7} {n:>3} {name:>8} {docs_per_seq:>8.2f} {kept:>6.1f}/{tile:<5} {share:>13.1%}"
+                      f"{bal:>16.1%}")
     for shape in ((1, 256), (16, 16), (8, 32), (8, 4), (1, 32)):
         print(f"host time to prepare one batch at 1M tokens, mesh {shape[0]}x{shape[1]}: "
               f"{prepare_time(lengths, shape) * 1e3:.1f} ms")
+    docs = next(batches(lengths, 1 << 20, 1, seed=1))
+    for chunks in (256, 32, 8):
+        t0 = time.perf_counter()
+        reordered(docs, chunks)
+        print(f"host time to reorder one batch's {docs.count} documents at 1M tokens for {chunks} chunks "
+              f"(--mesh-document-order balanced): {(time.perf_counter() - t0) * 1e3:.1f} ms")
 
 
 if __name__ == "__main__":

@@ -69,21 +69,29 @@ def balance_order(lengths: Sequence[int], chunks: int, *, causal: bool = True, i
         return tuple(int(i) for i in order)
     piece = x.sum() / (2 * chunks)
 
-    def score(o: np.ndarray) -> Tuple[float, float, np.ndarray]:
-        w = chunk_work(x[o], chunks, causal)
-        return float(w.max()), float((w * w).sum()), w
+    bounds = np.arange(2 * chunks + 1) * piece
+    whole = x * (x + 1) / 2 if causal else x * x
 
-    best, best_sq, work = score(order)
+    def score(o: np.ndarray):
+        lens = x[o]
+        cu = np.concatenate(([0.0], np.cumsum(lens)))
+        acc = np.concatenate(([0.0], np.cumsum(whole[o])))
+        d = np.minimum(np.searchsorted(cu, bounds, side="right") - 1, m - 1)
+        k = bounds - cu[d]
+        pw = np.diff(acc[d] + (k * (k + 1) / 2 if causal else k * lens[d]))
+        w = pw[:chunks] + pw[::-1][:chunks]
+        return float(w.max()), float(w @ w), int(np.argmax(w)), cu
+
+    best, best_sq, busiest, cu = score(order)
     rng = np.random.default_rng(seed)
     stale = 0
     for _ in range(iters):
         if rng.random() < 0.5:  # a document touching the busiest chunk's pieces
-            c = int(np.argmax(work))
-            cu = np.concatenate([[0.0], np.cumsum(x[order])])
+            c = busiest
             lo, hi = c * piece, (c + 1) * piece
             lo2, hi2 = (2 * chunks - 1 - c) * piece, (2 * chunks - c) * piece
             touch = np.flatnonzero(((cu[:-1] < hi) & (cu[1:] > lo)) | ((cu[:-1] < hi2) & (cu[1:] > lo2)))
-            i = int(rng.choice(touch))
+            i = int(touch[rng.integers(len(touch))])
         else:
             i = int(rng.integers(m))
         j = int(rng.integers(m))
@@ -94,9 +102,9 @@ def balance_order(lengths: Sequence[int], chunks: int, *, causal: bool = True, i
             cand[i], cand[j] = cand[j], cand[i]
         else:
             cand = np.insert(np.delete(cand, i), j, order[i])
-        mx, sq, w = score(cand)
+        mx, sq, top, ccu = score(cand)
         if (mx, sq) < (best, best_sq):
-            order, best, best_sq, work, stale = cand, mx, sq, w, 0
+            order, best, best_sq, busiest, cu, stale = cand, mx, sq, top, ccu, 0
         else:
             stale += 1
             if stale >= patience:
