@@ -300,7 +300,7 @@ def _prepare(q, k, v, mesh, causal, softmax_scale, layout, kernel, plans, partia
                              f"batch {batch}; run one sequence per micro-batch (Megatron: --micro-batch-size 1)")
     blk = select_kernel(kernel, q, k, deterministic=deterministic, packed=spec is not None, v=v)
     if window is not None:
-        blk.check_window(q)
+        blk.check_window(q, documents=isinstance(spec, Documents))
     if variant.max_logit:
         blk.check_max_logit(q)
     scale = resolve_scale(softmax_scale, q.shape[-1])

@@ -126,9 +126,11 @@ class BlockKernel:
         raise ValueError(f"the {self.name} attention kernel cannot return the max logit; use --mesh-kernel te "
                          "(Transformer Engine >= 2.10) on GPU, torch on CPU")
 
-    def check_window(self, q: torch.Tensor) -> None:
+    def check_window(self, q: torch.Tensor, k: Optional[torch.Tensor] = None, v: Optional[torch.Tensor] = None, *,
+                     documents: bool = False) -> None:
         """Raise ``ValueError`` (naming an alternative) unless this backend runs sliding-window
-        blocks (``window=``) of inputs like ``q``; backends that can override it."""
+        blocks (``window=``) of inputs like ``q`` / ``k`` / ``v`` (``documents``: over documents, whose
+        windowed blocks can have more query rows than keys); backends that can override it."""
         raise ValueError(f"the {self.name} attention kernel has no sliding window; "
                          "use --mesh-kernel te or flash on GPU, torch on CPU")
 

@@ -159,10 +159,19 @@ class TEKernel(BlockKernel):
         if self._checked[key]:
             raise ValueError(self._checked[key])
 
-    def check_window(self, q: torch.Tensor) -> None:
+    def check_window(self, q: torch.Tensor, k: Optional[torch.Tensor] = None, v: Optional[torch.Tensor] = None, *,
+                     documents: bool = False) -> None:
         """Windows need TE's ``bottom_right_diagonal`` (2.12+): our window calls are rectangles whose
         window is aligned to the bottom-right corner, which older TE does not let us ask for; and TE's
-        selection must offer the fused backend for a causal and a two-sided window."""
+        selection must offer the fused backend for a causal and a two-sided window. Not over
+        ``documents``: their windowed calls can have more query rows than keys, which TE's fused
+        attention refuses for any window (``max_seqlen_q <= max_seqlen_kv``, fused_attn.cpp)."""
+        if documents:
+            raise ValueError("the te kernel cannot run a sliding window over documents: their windowed blocks can have "
+                             "more query rows than keys, which Transformer Engine's fused attention refuses for a "
+                             "window (it needs max_seqlen_q <= max_seqlen_kv); no GPU kernel runs this combination "
+                             "yet: drop the window or the document mask (cu_seqlens / --reset-attention-mask), or run "
+                             "it on CPU with --mesh-kernel torch")
         if not {"bottom_right_diagonal"} <= self._fwd_params & self._bwd_params:
             raise ValueError("this Transformer Engine cannot align a sliding window to the bottom-right corner "
                              "(bottom_right_diagonal: TE >= 2.12); upgrade TE or use --mesh-kernel flash")

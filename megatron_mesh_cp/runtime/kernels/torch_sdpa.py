@@ -91,7 +91,8 @@ class TorchKernel(BlockKernel):
             raise ValueError("the torch attention kernel runs packed sequences (THD) on CPU only; "
                              "use --mesh-kernel te or flash on GPU")
 
-    def check_window(self, q: torch.Tensor) -> None:
+    def check_window(self, q: torch.Tensor, k: Optional[torch.Tensor] = None, v: Optional[torch.Tensor] = None, *,
+                     documents: bool = False) -> None:
         if q.device.type != "cpu":
             raise ValueError("the torch attention kernel runs sliding windows on CPU only; use --mesh-kernel te or "
                              "flash on GPU")
