@@ -67,6 +67,19 @@ def math_forward(q, k, v, scale, causal, align="top-left", window=None):
     return torch.matmul(torch.exp(s - lse.unsqueeze(-1)), v), lse
 
 
+def row_max(q, k, scale, causal, align="top-left", window=None):
+    """Every row's largest allowed ``scale * q.k``: ``[b, h, sq]`` (what cuDNN's ``Max`` output holds)."""
+    s = _scores(q, k.repeat_interleave(q.shape[1] // k.shape[1], 1), scale, causal, align, window)
+    return s.amax(-1)
+
+
+def _max_logit_rule(return_max_logit):
+    """TE 2.14+ ask cuDNN for Stats and Max together, which cuDNN < 9.21 rejects (2.17+: no backend,
+    fused_attn.cpp:479@v2.18; 2.14-2.16: the graph fails to build); either way the forward raises."""
+    if return_max_logit and TE["version"] >= (2, 14) and CUDNN["version"] < (9, 21, 0):
+        raise RuntimeError("cuDNN < 9.21 rejects the softmax Stats + Max output combination (return_max_logit)")
+
+
 def math_backward(do, q, k, v, o, lse, scale, causal, align="top-left", window=None):
     """The flash backward: P from the given lse, D = rowsum(dO * O) from the given O."""
     hk = k.shape[1]
@@ -157,10 +170,15 @@ def _te_rules(q, k, fake_dtype, qkv_layout, attn_mask_type, window_size, dropout
     return _te_window(attn_mask_type, tuple(window_size), bottom_right_diagonal, max_seqlen_q, max_seqlen_kv)
 
 
-def _te_forward(q, k, v, attn_scale, attn_mask_type, window=None):
-    out, lse = math_forward(*(_from_sbhd(x).float() for x in (q, k, v)), attn_scale, attn_mask_type == "causal",
-                            window=window)
-    return out.permute(2, 0, 1, 3).to(q.dtype).contiguous(), [lse.unsqueeze(-1).contiguous(), torch.zeros(2, dtype=torch.int64)]
+def _te_forward(q, k, v, attn_scale, attn_mask_type, window=None, return_max_logit=False):
+    _max_logit_rule(return_max_logit)
+    qs, ks, vs = (_from_sbhd(x).float() for x in (q, k, v))
+    out, lse = math_forward(qs, ks, vs, attn_scale, attn_mask_type == "causal", window=window)
+    res = (out.permute(2, 0, 1, 3).to(q.dtype).contiguous(), [lse.unsqueeze(-1).contiguous(), torch.zeros(2, dtype=torch.int64)])
+    if not return_max_logit:
+        return res
+    top = row_max(qs, ks, attn_scale, attn_mask_type == "causal", window=window).amax(dim=(0, 2))
+    return res + (top.to(q.dtype),)  # [h] in O's dtype, as TE returns it
 
 
 def _te_backward(q, k, v, o, d_o, aux_ctx_tensors, attn_scale, attn_mask_type, deterministic, window=None):
@@ -191,14 +209,17 @@ def _te_thd_segments(cu_q, cu_kv, pad_q, pad_kv):
     return [((a, a + x), (c, c + y)) for a, x, c, y in zip(pad_q[:-1].tolist(), lq, pad_kv[:-1].tolist(), lk)]
 
 
-def _te_thd_forward(q, k, v, attn_scale, attn_mask_type, cu_q, cu_kv, pad_q, pad_kv, max_q):
+def _te_thd_forward(q, k, v, attn_scale, attn_mask_type, cu_q, cu_kv, pad_q, pad_kv, max_q, return_max_logit=False):
+    _max_logit_rule(return_max_logit)
     out = torch.zeros(q.shape, dtype=torch.float32)
     lse = torch.zeros(q.shape[0], q.shape[1])
+    top = torch.full((q.shape[0], q.shape[1]), float("-inf"))
     for (a, b), (c, d) in _te_thd_segments(cu_q, cu_kv, pad_q, pad_kv):
         if b > a:
-            o, l = math_forward(*(x.transpose(0, 1).unsqueeze(0).float() for x in (q[a:b], k[c:d], v[c:d])), attn_scale,
-                                attn_mask_type == "padding_causal")
+            qs, ks, vs = (x.transpose(0, 1).unsqueeze(0).float() for x in (q[a:b], k[c:d], v[c:d]))
+            o, l = math_forward(qs, ks, vs, attn_scale, attn_mask_type == "padding_causal")
             out[a:b], lse[a:b] = o[0].transpose(0, 1), l[0].T
+            top[a:b] = row_max(qs, ks, attn_scale, attn_mask_type == "padding_causal")[0].T
     t, h = q.shape[0], q.shape[1]
     if _ragged_stats():  # [max_tokens(t), h, 1] through TE 2.10 (rows past t never written), [t, h, 1] after
         rows = get_max_tokens(t) if TE["version"] < (2, 11) else t
@@ -211,7 +232,14 @@ def _te_thd_forward(q, k, v, attn_scale, attn_mask_type, cu_q, cu_kv, pad_q, pad
         stats = dense
         if CUDNN["version"] >= (9, 6, 0) and TE["version"] < (2, 18):  # sm120, TE 2.14-2.17: allocated [t, h, 1]
             stats = dense.reshape(-1)[: t * h].reshape(t, h, 1).clone()  # cuDNN wrote the rest past its end
-    return out.to(q.dtype), [stats, torch.zeros(2, dtype=torch.int64)]
+    res = (out.to(q.dtype), [stats, torch.zeros(2, dtype=torch.int64)])
+    if not return_max_logit:
+        return res
+    # TE reduces its Max buffer whole: through 2.10 ragged [max_tokens, h, 1] (rows past t never written),
+    # before 2.14 dense [b, h, max_seqlen, 1] with the padding rows; both modelled as holding garbage
+    stale = (_ragged_stats() and TE["version"] < (2, 11)) or (not _ragged_stats() and TE["version"] < (2, 14))
+    reduced = torch.maximum(top.amax(0), torch.full_like(top[0], 1e4)) if stale else top.amax(0)
+    return res + (reduced.to(q.dtype),)
 
 
 def _te_thd_backward(q, k, v, o, d_o, aux_ctx_tensors, attn_scale, attn_mask_type, deterministic, cu_q, cu_kv, pad_q,
@@ -246,10 +274,10 @@ def fused_attn_fwd_2_0(is_training, max_seqlen_q, max_seqlen_kv, cu_seqlens_q, c
         _te_thd_rules(q, k, fake_dtype, attn_mask_type, window_size, dropout, fused_attention_backend, cu_seqlens_q,
                       cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded, max_seqlen_q, max_seqlen_kv)
         return _te_thd_forward(q, k, v, attn_scale, attn_mask_type, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded,
-                               cu_seqlens_kv_padded, max_seqlen_q)
+                               cu_seqlens_kv_padded, max_seqlen_q, return_max_logit)
     window = _te_rules(q, k, fake_dtype, qkv_layout, attn_mask_type, window_size, dropout, fused_attention_backend,
                        cu_seqlens_q, max_seqlen_q, max_seqlen_kv, bottom_right_diagonal)
-    return _te_forward(q, k, v, attn_scale, attn_mask_type, window)
+    return _te_forward(q, k, v, attn_scale, attn_mask_type, window, return_max_logit)
 
 
 def fused_attn_bwd_2_0(max_seqlen_q, max_seqlen_kv, cu_seqlens_q, cu_seqlens_kv, q, k, v, o, d_o, fake_dtype,
@@ -282,11 +310,11 @@ def fused_attn_fwd_2_15(is_training, max_seqlen_q, max_seqlen_kv, cu_seqlens_q, 
         _te_thd_rules(q, k, fake_dtype, attn_mask_type, window_size, dropout, fused_attention_backend, cu_seqlens_q,
                       cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded, max_seqlen_q, max_seqlen_kv)
         return _te_thd_forward(q, k, v, attn_scale, attn_mask_type, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded,
-                               cu_seqlens_kv_padded, max_seqlen_q)
+                               cu_seqlens_kv_padded, max_seqlen_q, return_max_logit)
     assert o_format == "sbhd"
     window = _te_rules(q, k, fake_dtype, qkv_layout, attn_mask_type, window_size, dropout, fused_attention_backend,
                        cu_seqlens_q, max_seqlen_q, max_seqlen_kv, bottom_right_diagonal)
-    return _te_forward(q, k, v, attn_scale, attn_mask_type, window)
+    return _te_forward(q, k, v, attn_scale, attn_mask_type, window, return_max_logit)
 
 
 def fused_attn_bwd_2_15(max_seqlen_q, max_seqlen_kv, cu_seqlens_q, cu_seqlens_kv, q, k, v, o, d_o, fake_dtype,

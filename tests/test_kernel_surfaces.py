@@ -389,3 +389,76 @@ def test_megatron_start_up_refuses_te_for_a_window_over_documents(monkeypatch):
         with pytest.raises(MeshArgumentError, match=f"--mesh-kernel {kernel}: the te kernel cannot run a sliding window "
                                                     "over documents.*drop the window or the document mask"):
             apply_mesh_args(_megatron_args(mesh_kernel=kernel, reset_attention_mask=True, **common), argv=[])
+
+
+# --- the max logit through the TE adapter ---------------------------------------------------------
+
+@pytest.mark.parametrize("te,cudnn,packed,error", [
+    ("2.13", (9, 10, 0), False, None),
+    ("2.15", (9, 10, 0), False, r"Transformer Engine 2\.15 returns the max logit only with cuDNN >= 9\.21.*9\.10\.0"),
+    ("2.17", (9, 20, 0), False, r"only with cuDNN >= 9\.21"),
+    ("2.15", (9, 21, 0), False, None),
+    ("2.10", (9, 10, 0), True, r"2\.10 reduces the max logit of packed .*never wrote; upgrade TE to 2\.11\+"),
+    ("2.11", (9, 10, 0), True, None),
+    ("2.13", (9, 5, 0), True, r"2\.13 reduces the max logit of packed .*padding rows; upgrade TE to 2\.14\+"),
+    ("2.13", (9, 5, 0), False, None),
+    ("2.18", (9, 21, 0), True, None),
+])
+def test_te_max_logit_is_gated_by_te_and_cudnn(monkeypatch, te, cudnn, packed, error):
+    """Review findings 2, 4: TE >= 2.14 return the max logit only with cuDNN >= 9.21; packed (THD)
+    inputs need TE 2.11 (ragged stats) or 2.14 (dense stats, cuDNN < 9.6). What is accepted runs
+    through the stand-in and equals the explicit max (in the input dtype); what is refused would
+    crash there or return a max over rows TE never wrote."""
+    from megatron_mesh_cp.runtime.kernels.base import Varlen
+
+    fake_kernels.pretend_cuda(monkeypatch, te=te, flash=None)
+    monkeypatch.setitem(fake_kernels.CUDNN, "version", cudnn)
+    kern = K.get_kernel("te", "cuda")
+    spec = K.input_spec((64, 1, 4, 16), torch.float16, "cuda")
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(24, 1, 4, 16, generator=g).half() for _ in range(3))
+    varlen = Varlen(torch.tensor([0, 10, 24], dtype=torch.int32), (10, 14), 14) if packed else None
+    want = torch.stack([fake_kernels.row_max(*(x.permute(1, 2, 0, 3).float() for x in (q[a:b], k[a:b])), 0.25, True)
+                        .amax(dim=(0, 2)) for a, b in (((0, 10), (10, 24)) if packed else ((0, 24),))]).amax(0)
+    if error is None:
+        kern.check_max_logit(spec, packed=packed)
+        top = kern.forward(q, k, v, causal=True, scale=0.25, varlen=varlen, return_max_logit=True)[2]
+        assert torch.allclose(top, want.half().float(), rtol=0, atol=0), (top, want)
+        return
+    with pytest.raises(ValueError, match=error):
+        kern.check_max_logit(spec, packed=packed)
+    try:
+        top = kern.forward(q, k, v, causal=True, scale=0.25, varlen=varlen, return_max_logit=True)[2]
+    except RuntimeError:
+        return
+    assert not torch.allclose(top, want.half().float())
+
+
+def test_te_max_logit_through_the_executor(monkeypatch):
+    """TE's max logit (third forward output, [h], O's dtype) reaches mesh attention's max logit."""
+    from megatron_mesh_cp.reference import variant_reference
+
+    kern = _te_window_kernel(monkeypatch)
+    monkeypatch.setitem(fake_kernels.CUDNN, "version", (9, 21, 0))
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(64, 4, 16, generator=g, dtype=torch.float64) for _ in range(3))
+    ref = variant_reference(q, k, v, None, causal=True, window=(9, 0))["max_logit"]
+    res = virtual_mesh_attention(*(x.half()[None] for x in (q, k, v)), (2, 2), causal=True, window=(9, 0),
+                                 return_max_logit=True, kernel=kern)
+    assert torch.allclose(res["max_logit"].double(), ref, rtol=2e-3), (res["max_logit"], ref)
+
+
+def test_megatron_start_up_checks_the_max_logit_of_documents(monkeypatch):
+    """Review finding 4 under Megatron: --qk-clip with documents (--reset-attention-mask) asks TE
+    about the max logit of packed blocks: TE 2.10 reduces rows it never wrote, 2.11 is fine."""
+    from megatron_mesh_cp.megatron.arguments import MeshArgumentError, apply_mesh_args
+
+    common = dict(kv_channels=128, qk_clip=True, create_attention_mask_in_dataloader=False)
+    _megatron_on_gpu(monkeypatch, (9, 0), te="2.10")
+    apply_mesh_args(_megatron_args(**common), argv=[])
+    with pytest.raises(MeshArgumentError, match=r"--mesh-kernel te: Transformer Engine 2\.10 reduces the max logit of "
+                                                r"packed sequences .*2\.11\+"):
+        apply_mesh_args(_megatron_args(reset_attention_mask=True, **common), argv=[])
+    _megatron_on_gpu(monkeypatch, (9, 0), te="2.11")
+    monkeypatch.setattr(K, "_INSTANCES", {})
+    apply_mesh_args(_megatron_args(reset_attention_mask=True, **common), argv=[])

@@ -381,7 +381,7 @@ def _check_kernel(args, cp: int) -> None:
             if _get(args, "window_size") is not None:  # the kernel runs the window layers' partial blocks
                 blk.check_window(q, documents=documents)
             if _get(args, "qk_clip", False) or _get(args, "log_max_attention_logit", False):
-                blk.check_max_logit(q)
+                blk.check_max_logit(q, packed=documents)
     except ValueError as exc:
         raise MeshArgumentError(f"--mesh-kernel {SETTINGS.kernel}: {exc}") from None
 

@@ -186,10 +186,26 @@ class TEKernel(BlockKernel):
         if self._checked[key]:
             raise ValueError(self._checked[key])
 
-    def check_max_logit(self, q: torch.Tensor) -> None:
+    def check_max_logit(self, q: torch.Tensor, *, packed: bool = False) -> None:
+        """``return_max_logit`` exists from TE 2.9. From 2.14 TE's cuDNN graph returns Stats and Max
+        together, which cuDNN < 9.21 rejects (2.17+ find no backend, 2.14-2.16 fail in the forward).
+        Packed (THD): TE < 2.11 reduce ragged stats over rows never written, TE < 2.14 dense stats over
+        the documents' padding rows; the reduced [h] value cannot be repaired from outside."""
         if "return_max_logit" not in self._fwd_params:
-            raise ValueError("this Transformer Engine cannot return the max logit (return_max_logit: TE >= 2.10); "
+            raise ValueError("this Transformer Engine cannot return the max logit (return_max_logit: TE >= 2.9); "
                              "upgrade TE")
+        te, cudnn = _te_version(), _cudnn_version()
+        if te >= (2, 14) and cudnn < (9, 21, 0):
+            raise ValueError(f"Transformer Engine {te[0]}.{te[1]} returns the max logit only with cuDNN >= 9.21 (its "
+                             f"softmax stats and max come from one cuDNN node; this is cuDNN "
+                             f"{'.'.join(map(str, cudnn))}); upgrade cuDNN, or use TE 2.9-2.13 for unpacked inputs")
+        if packed:
+            ragged = self._ragged(q.device)
+            need = (2, 11) if ragged else (2, 14)
+            if te < need:
+                raise ValueError(f"Transformer Engine {te[0]}.{te[1]} reduces the max logit of packed sequences (thd) "
+                                 + ("over softmax-stat rows it never wrote" if ragged else "over the documents' padding "
+                                    "rows") + f"; upgrade TE to {need[0]}.{need[1]}+ (with cuDNN >= 9.21 from TE 2.14)")
 
     def check_varlen(self, q: torch.Tensor, k: Optional[torch.Tensor] = None) -> None:
         check_cuda_half("the te kernel (TE fused attention, thd)", q, 8)
