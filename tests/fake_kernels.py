@@ -94,7 +94,7 @@ def math_backward(do, q, k, v, o, lse, scale, causal, align="top-left", window=N
     dq = torch.matmul(ds, kx) * scale
     dk = torch.matmul(ds.transpose(-1, -2), q) * scale
     b, h, sk, d = dk.shape
-    return dq, dk.reshape(b, hk, g, sk, d).sum(2), dv.reshape(b, hk, g, sk, d).sum(2)
+    return dq, dk.reshape(b, hk, g, sk, d).sum(2), dv.reshape(b, hk, g, sk, dv.shape[-1]).sum(2)
 
 
 # --- Transformer Engine -------------------------------------------------------------------------

@@ -462,3 +462,39 @@ def test_megatron_start_up_checks_the_max_logit_of_documents(monkeypatch):
     _megatron_on_gpu(monkeypatch, (9, 0), te="2.11")
     monkeypatch.setattr(K, "_INSTANCES", {})
     apply_mesh_args(_megatron_args(reset_attention_mask=True, **common), argv=[])
+
+
+# --- MLA (a value head dim of its own) through FA3 ------------------------------------------------
+
+@pytest.mark.parametrize("capability,d,dv,deterministic,error", [
+    ((9, 0), 192, 128, False, None),
+    ((9, 0), 64, 256, False, None),
+    ((8, 0), 192, 128, False, r"MLA, 192/128\) on Hopper \(sm90\) only, not sm80"),
+    ((10, 0), 192, 128, False, r"on Hopper \(sm90\) only, not sm100"),
+    ((9, 0), 64, 512, False, r"value head dim 512 .*d <= 64 with dv <= 256"),
+    ((9, 0), 64, 256, True, r"no deterministic backward for head dim 256"),
+    ((9, 0), 64, 192, True, None),
+])
+def test_flash_attn_3_mla_is_hopper_only_and_trains_up_to_256(monkeypatch, capability, d, dv, deterministic, error):
+    """Review finding 5 (hopper/flash_api.cpp): a value head dim of its own needs Hopper
+    (``dprops->major == 9``), the backward ``max(d, dv) <= 256``, and the deterministic rule reads
+    ``max(d, dv)``. What the check accepts trains through the stand-in; what it refuses crashes there."""
+    fake_kernels.pretend_cuda(monkeypatch, capability=capability, te=None, flash=None, fa3="2025-08")
+    kern = K.get_kernel("flash", "cuda", deterministic=deterministic)
+    g = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(16, 1, 2, d, generator=g).half() for _ in range(2))
+    v, do = (torch.randn(16, 1, 2, dv, generator=g).half() for _ in range(2))
+    spec = lambda x: K.input_spec(x.shape, torch.float16, "cuda")  # noqa: E731
+
+    def train():
+        out, lse = kern.forward(q, k, v, causal=True, scale=0.1)
+        kern.backward(do, q, k, v, out, kern.lse_for_backward(lse.permute(2, 0, 1)), causal=True, scale=0.1)
+
+    if error is None:
+        K.select_kernel("flash", spec(q), spec(k), v=spec(v), deterministic=deterministic)
+        train()
+        return
+    with pytest.raises(ValueError, match=error):
+        K.select_kernel("flash", spec(q), spec(k), v=spec(v), deterministic=deterministic)
+    with pytest.raises(RuntimeError):
+        train()
