@@ -498,3 +498,19 @@ def test_flash_attn_3_mla_is_hopper_only_and_trains_up_to_256(monkeypatch, capab
         K.select_kernel("flash", spec(q), spec(k), v=spec(v), deterministic=deterministic)
     with pytest.raises(RuntimeError):
         train()
+
+
+def test_window_refusals_name_the_kernel_that_runs_windows(monkeypatch):
+    """Review finding 6: the flash kernel has no sliding window, so no refusal may send users to it;
+    the refusals name te (TE >= 2.12, without documents) on GPU and torch on CPU."""
+    fake_kernels.pretend_cuda(monkeypatch, te="2.15", flash="2.8")
+    spec = K.input_spec((64, 1, 4, 16), torch.float16, "cuda")
+    with pytest.raises(ValueError, match=r"flash attention kernel has no sliding window; on GPU only --mesh-kernel te "
+                                         r"runs them \(Transformer Engine >= 2\.12, without documents\)") as flash:
+        K.get_kernel("flash", "cuda").check_window(spec)
+    monkeypatch.setitem(fake_kernels.CUDNN, "version", (9, 5, 0))
+    with pytest.raises(ValueError, match=r"no fused-attention backend for sliding windows.*cuDNN >= 9\.6") as te:
+        K.get_kernel("te", "cuda").check_window(spec)
+    with pytest.raises(ValueError, match="runs sliding windows on CPU only; on GPU use --mesh-kernel te") as cpu:
+        K.get_kernel("torch", "cuda").check_window(spec)
+    assert not any("kernel flash" in str(e.value) for e in (flash, te, cpu))

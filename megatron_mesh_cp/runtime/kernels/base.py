@@ -133,7 +133,8 @@ class BlockKernel:
         blocks (``window=``) of inputs like ``q`` / ``k`` / ``v`` (``documents``: over documents, whose
         windowed blocks can have more query rows than keys); backends that can override it."""
         raise ValueError(f"the {self.name} attention kernel has no sliding window; "
-                         "use --mesh-kernel te or flash on GPU, torch on CPU")
+                         "on GPU only --mesh-kernel te runs them (Transformer Engine >= 2.12, without documents), "
+                         "on CPU --mesh-kernel torch")
 
     @classmethod
     def available(cls) -> bool:

@@ -174,7 +174,8 @@ class TEKernel(BlockKernel):
                              "it on CPU with --mesh-kernel torch")
         if not {"bottom_right_diagonal"} <= self._fwd_params & self._bwd_params:
             raise ValueError("this Transformer Engine cannot align a sliding window to the bottom-right corner "
-                             "(bottom_right_diagonal: TE >= 2.12); upgrade TE or use --mesh-kernel flash")
+                             "(bottom_right_diagonal: TE >= 2.12); upgrade TE (no other GPU kernel runs sliding "
+                             "windows; on CPU --mesh-kernel torch does)")
         major, minor = torch.cuda.get_device_capability(q.device)
         key = ("window", q.dtype, tuple(q.shape[1:]), major, minor)
         if key not in self._checked:
@@ -182,7 +183,8 @@ class TEKernel(BlockKernel):
                 self._supported(q, q, False, self.deterministic, window=(64, 64))
             self._checked[key] = "" if ok else (
                 f"Transformer Engine has no fused-attention backend for sliding windows with {str(q.dtype)[6:]}, head "
-                f"dim {q.shape[-1]} on sm{major}{minor} with this cuDNN; use --mesh-kernel flash")
+                f"dim {q.shape[-1]} on sm{major}{minor} with this cuDNN (windows need cuDNN >= 9.6); upgrade cuDNN or drop "
+                "the window (no other GPU kernel runs sliding windows; on CPU --mesh-kernel torch does)")
         if self._checked[key]:
             raise ValueError(self._checked[key])
 

@@ -94,8 +94,8 @@ class TorchKernel(BlockKernel):
     def check_window(self, q: torch.Tensor, k: Optional[torch.Tensor] = None, v: Optional[torch.Tensor] = None, *,
                      documents: bool = False) -> None:
         if q.device.type != "cpu":
-            raise ValueError("the torch attention kernel runs sliding windows on CPU only; use --mesh-kernel te or "
-                             "flash on GPU")
+            raise ValueError("the torch attention kernel runs sliding windows on CPU only; on GPU use --mesh-kernel te "
+                             "(Transformer Engine >= 2.12, without documents)")
 
     def check_max_logit(self, q: torch.Tensor, *, packed: bool = False) -> None:
         if q.device.type != "cpu":
