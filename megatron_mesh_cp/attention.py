@@ -300,9 +300,9 @@ def _prepare(q, k, v, mesh, causal, softmax_scale, layout, kernel, plans, partia
                              f"batch {batch}; run one sequence per micro-batch (Megatron: --micro-batch-size 1)")
     blk = select_kernel(kernel, q, k, deterministic=deterministic, packed=spec is not None, v=v)
     if window is not None:
-        blk.check_window(q)
+        blk.check_window(q, documents=isinstance(spec, Documents))
     if variant.max_logit:
-        blk.check_max_logit(q)
+        blk.check_max_logit(q, packed=spec is not None)
     scale = resolve_scale(softmax_scale, q.shape[-1])
     if partial_dtype is not None and (not isinstance(partial_dtype, torch.dtype) or not partial_dtype.is_floating_point):
         raise ValueError(f"partial_dtype must be a floating torch.dtype or None, got {partial_dtype!r}")
@@ -423,8 +423,9 @@ def mesh_attention(
     ``sink``: fp32 ``[h]`` learnable sink logits (gpt-oss): every row's softmax denominator gains
     exp(sink_h); its gradient on this rank covers this rank's rows (reduce it over the CP group like
     any parameter's; Megatron does). ``return_max_logit``: also return the fp32 ``[h]`` maximum of
-    ``scale * q.k`` over every allowed pair of the whole sequence, the same on every rank (one tiny
-    all-reduce). Returns ``out``, then ``lse`` if asked, then the max logit if asked.
+    ``scale * q.k`` over every allowed pair of the whole sequence (under ``te`` rounded to the input
+    dtype, as TE returns it), the same on every rank (one tiny all-reduce). Returns ``out``, then
+    ``lse`` if asked, then the max logit if asked.
 
     Every rank of the CP group must make the same call: the first call with a new signature
     checks that with one small collective on ``mesh.cp_group`` and raises the same ``ValueError``

@@ -10,6 +10,8 @@
 * FA3 2025-08+: custom ops with defaults, ``is_causal`` and ``window_size_left/right`` in the
   backward, which returns ``softmax_d`` only; a custom op may not return an input (``out``); as
   hopper/flash_api.cpp since 2025-09-17, no deterministic backward for head dims rounded up to 256.
+  A value head dim of its own (MLA) on Hopper only, in the forward's ranges, ``max(d, dv) <= 256`` in
+  the backward (builds from 2025-04-24 on; earlier ones had no MLA backward).
 
 All enforce the kernels' rules: fp16/bf16, unit last stride, caller-owned dq/dk/dv of the right
 shape, the lse read as a contiguous ``[b, h, s]`` array, a causal mask aligned bottom-right.
@@ -189,12 +191,28 @@ def fa3_2024_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, softmax_scale
     return dq, dk, dv, d
 
 
+def _fa3_head_dims(q, v, backward: bool) -> None:
+    """hopper/flash_api.cpp's head-dim rules for a value head dim of its own (MLA): Hopper only
+    (``dprops->major == 9``), the forward's ranges, and ``max(d, dv) <= 256`` in the backward."""
+    d, dv = q.shape[-1], v.shape[-1]
+    if backward and max(d, dv) > 256:
+        raise RuntimeError("FlashAttention backward only supports head dimension at most 256")
+    if dv == d:
+        return
+    if torch.cuda.get_device_capability()[0] != 9:
+        raise RuntimeError("Only Hopper supports different V headdim")
+    if not (128 < d <= 192 and 96 < dv <= 128 or d <= 64 and dv <= 512):
+        raise RuntimeError("If V headdim is different from Q/K dim, we only support Q/K headdim in (128, 192] and V "
+                           "headdim in (96, 128], or (Q/K <= 64 and V <= 512).")
+
+
 def fa3_2025_03_forward(q, k, v, k_new, v_new, qv, out, cu_seqlens_q, cu_seqlens_k, cu_seqlens_k_new, seqused_q,
                         seqused_k, max_seqlen_q, max_seqlen_k, page_table, kv_batch_idx, leftpad_k, rotary_cos,
                         rotary_sin, seqlens_rotary, q_descale, k_descale, v_descale, softmax_scale, causal,
                         window_size=(-1, -1), softcap=0.0, rotary_interleaved=True, scheduler_metadata=None,
                         num_splits=1, pack_gqa=None, sm_margin=0):
     assert k_new is None and page_table is None and tuple(window_size) == (-1, -1)
+    _fa3_head_dims(q, v, backward=False)
     if cu_seqlens_q is not None:  # varlen through the same entry point
         assert cu_seqlens_k is not None and out is None
         o, lse = _varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal)
@@ -203,7 +221,7 @@ def fa3_2025_03_forward(q, k, v, k_new, v_new, qv, out, cu_seqlens_q, cu_seqlens
     if out is None:
         out = o
     else:
-        assert out.shape == q.shape and out.stride(-1) == 1
+        assert out.shape == q.shape[:-1] + v.shape[-1:] and out.stride(-1) == 1
         out.copy_(o)
     return out, lse, None, None
 
@@ -212,6 +230,7 @@ def fa3_2025_03_backward(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqle
                          max_seqlen_q, max_seqlen_k, dq, dk, dv, softmax_scale, causal, window_size=(-1, -1),
                          softcap=0.0, deterministic=False, sm_margin=0):
     assert tuple(window_size) == (-1, -1)
+    _fa3_head_dims(q, v, backward=True)
     if cu_seqlens_q is not None:
         d = _varlen_bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                         max_seqlen_k, softmax_scale, causal)
@@ -252,6 +271,7 @@ def fa3_2025_08_backward(
 ) -> Tensor:
     if deterministic and max(q.shape[-1], v.shape[-1]) > 192:  # round_up_headdim(...) == 256
         raise RuntimeError("Deterministic backward not supported for hdim 256.")
+    _fa3_head_dims(q, v, backward=True)
     if cu_seqlens_q is not None:
         return _varlen_bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                            max_seqlen_k, softmax_scale, is_causal)

@@ -3,7 +3,8 @@
 TE: ``fused_attn_fwd``/``fused_attn_bwd`` in both call forms (2.0-2.14 with a positional
 ``dqkv_dtype``; 2.15+ with ``o_format``/``do_format``/``dqkv_layout``) and its backend selection
 (``get_attention_backend`` with the F16 rules of the real one), enforcing TE's rules (packed sbhd,
-fp16/bf16, causal with ``window_size=(-1, 0)``). THD (``thd_thd_thd``, ``padding_causal`` /
+fp16/bf16, causal with ``window_size=(-1, 0)``; sliding windows bottom-right aligned, refused -- as
+TE finds no backend for them -- on calls with more query rows than keys). THD (``thd_thd_thd``, ``padding_causal`` /
 ``padding``): int32 ``cu_seqlens`` and ``cu_seqlens_*_padded`` on the device, ``[t, h, d]``
 tensors; softmax stats as TE's ``fused_attn_f16_arbitrary_seqlen.cu`` allocates them: ragged with
 cuDNN >= 9.6 (``[get_max_tokens(t), h, 1]`` up to TE 2.10, the rows past t unwritten; ``[t, h, 1]``
@@ -35,25 +36,56 @@ def _mask(sq, sk, align, device):
     return torch.ones(sq, sk, dtype=torch.bool, device=device).tril(0 if align == "top-left" else sk - sq)
 
 
-def math_forward(q, k, v, scale, causal, align="top-left"):
-    """q [b, h, sq, d], k/v [b, hk, sk, d] -> out [b, h, sq, d], lse [b, h, sq]."""
-    g = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+def _band(sq, sk, window, device):
+    """Sliding window ``(left, right)`` aligned to the bottom-right corner (TE with
+    ``bottom_right_diagonal``, FA2/FA3): row r sees key c iff ``-left <= c - r - (sk - sq) <= right``."""
+    d = torch.arange(sk, device=device)[None, :] - torch.arange(sq, device=device)[:, None] - (sk - sq)
+    keep = torch.ones(sq, sk, dtype=torch.bool, device=device)
+    if window[0] >= 0:
+        keep &= d >= -window[0]
+    if window[1] >= 0:
+        keep &= d <= window[1]
+    return keep
+
+
+def _scores(q, k, scale, causal, align, window):
     s = torch.matmul(q, k.transpose(-1, -2)) * scale
     if causal:
         s = s.masked_fill(~_mask(q.shape[2], k.shape[2], align, q.device), float("-inf"))
+    if window is not None:
+        s = s.masked_fill(~_band(q.shape[2], k.shape[2], window, q.device), float("-inf"))
+    return s
+
+
+def math_forward(q, k, v, scale, causal, align="top-left", window=None):
+    """q [b, h, sq, d], k/v [b, hk, sk, d] -> out [b, h, sq, d], lse [b, h, sq] (``window``: a
+    bottom-right aligned band on top of the causal mask)."""
+    g = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+    s = _scores(q, k, scale, causal, align, window)
     lse = torch.logsumexp(s, -1)
     return torch.matmul(torch.exp(s - lse.unsqueeze(-1)), v), lse
 
 
-def math_backward(do, q, k, v, o, lse, scale, causal, align="top-left"):
+def row_max(q, k, scale, causal, align="top-left", window=None):
+    """Every row's largest allowed ``scale * q.k``: ``[b, h, sq]`` (what cuDNN's ``Max`` output holds)."""
+    s = _scores(q, k.repeat_interleave(q.shape[1] // k.shape[1], 1), scale, causal, align, window)
+    return s.amax(-1)
+
+
+def _max_logit_rule(return_max_logit):
+    """TE 2.14+ ask cuDNN for Stats and Max together, which cuDNN < 9.21 rejects (2.17+: no backend,
+    fused_attn.cpp:479@v2.18; 2.14-2.16: the graph fails to build); either way the forward raises."""
+    if return_max_logit and TE["version"] >= (2, 14) and CUDNN["version"] < (9, 21, 0):
+        raise RuntimeError("cuDNN < 9.21 rejects the softmax Stats + Max output combination (return_max_logit)")
+
+
+def math_backward(do, q, k, v, o, lse, scale, causal, align="top-left", window=None):
     """The flash backward: P from the given lse, D = rowsum(dO * O) from the given O."""
     hk = k.shape[1]
     g = q.shape[1] // hk
     kx, vx = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
-    s = torch.matmul(q, kx.transpose(-1, -2)) * scale
-    if causal:
-        s = s.masked_fill(~_mask(q.shape[2], k.shape[2], align, q.device), float("-inf"))
+    s = _scores(q, kx, scale, causal, align, window)
     p = torch.exp(s - lse.unsqueeze(-1))
     dv = torch.matmul(p.transpose(-1, -2), do)
     dp = torch.matmul(do, vx.transpose(-1, -2))
@@ -62,7 +94,7 @@ def math_backward(do, q, k, v, o, lse, scale, causal, align="top-left"):
     dq = torch.matmul(ds, kx) * scale
     dk = torch.matmul(ds.transpose(-1, -2), q) * scale
     b, h, sk, d = dk.shape
-    return dq, dk.reshape(b, hk, g, sk, d).sum(2), dv.reshape(b, hk, g, sk, d).sum(2)
+    return dq, dk.reshape(b, hk, g, sk, d).sum(2), dv.reshape(b, hk, g, sk, dv.shape[-1]).sum(2)
 
 
 # --- Transformer Engine -------------------------------------------------------------------------
@@ -105,26 +137,56 @@ def _from_sbhd(x):
     return x.permute(1, 2, 0, 3)
 
 
-def _te_rules(q, fake_dtype, qkv_layout, attn_mask_type, window_size, dropout, backend, cu_seqlens_q, max_seqlen_q):
+def _te_window(attn_mask_type, window_size, bottom_right_diagonal, max_seqlen_q, max_seqlen_kv):
+    """TE's sliding-window rules; returns the window to mask with (None: none). Spellings
+    (check_set_window_size): causal takes (-1, 0) or (>= 0, 0), no_mask (-1, -1) or (>= -1, >= -1).
+    Any other window needs bottom-right alignment (what we ask for: top-left would be another mask),
+    cuDNN >= 9.6 and ``max_seqlen_q <= max_seqlen_kv`` (``nvte_get_fused_attn_backend``,
+    fused_attn.cpp:464@v2.18); otherwise TE finds no backend and ``nvte_fused_attn_fwd`` raises."""
+    left, right = window_size
+    if attn_mask_type in ("causal", "padding_causal"):
+        assert left >= -1 and right == 0, (attn_mask_type, window_size)
+    else:
+        assert left >= -1 and right >= -1, (attn_mask_type, window_size)
+    if (attn_mask_type, (left, right)) in (("causal", (-1, 0)), ("padding_causal", (-1, 0)), ("no_mask", (-1, -1)),
+                                           ("padding", (-1, -1))):
+        return None
+    assert bottom_right_diagonal is True, "our windows are aligned to the bottom-right corner"
+    if max_seqlen_q > max_seqlen_kv or CUDNN["version"] < (9, 6, 0):
+        raise RuntimeError("Invalid combination of data type and sequence length for fused attention "
+                           f"(sliding window {window_size}, max_seqlen_q {max_seqlen_q} > max_seqlen_kv {max_seqlen_kv} "
+                           "or cuDNN < 9.6)")
+    return (left, right)
+
+
+def _te_rules(q, k, fake_dtype, qkv_layout, attn_mask_type, window_size, dropout, backend, cu_seqlens_q, max_seqlen_q,
+              max_seqlen_kv, bottom_right_diagonal):
+    """TE's sbhd rules; returns the window to mask with (None: none)."""
     assert q.dtype in (torch.float16, torch.bfloat16) and fake_dtype == q.dtype, "F16 fused attention: fp16/bf16"
     assert qkv_layout == "sbhd_sbhd_sbhd" and backend == FusedAttnBackend.F16_arbitrary_seqlen and dropout == 0.0
-    # TE's DotProductAttention passes (-1, 0) for causal and (-1, -1) for no_mask (check_set_window_size)
-    assert (attn_mask_type, tuple(window_size)) in (("causal", (-1, 0)), ("no_mask", (-1, -1))), (attn_mask_type, window_size)
     b = q.shape[1]
     assert max_seqlen_q == q.shape[0] and cu_seqlens_q.tolist() == list(range(0, (b + 1) * q.shape[0], q.shape[0]))
+    assert max_seqlen_kv == k.shape[0]
+    return _te_window(attn_mask_type, tuple(window_size), bottom_right_diagonal, max_seqlen_q, max_seqlen_kv)
 
 
-def _te_forward(q, k, v, attn_scale, attn_mask_type):
-    out, lse = math_forward(*(_from_sbhd(x).float() for x in (q, k, v)), attn_scale, attn_mask_type == "causal")
-    return out.permute(2, 0, 1, 3).to(q.dtype).contiguous(), [lse.unsqueeze(-1).contiguous(), torch.zeros(2, dtype=torch.int64)]
+def _te_forward(q, k, v, attn_scale, attn_mask_type, window=None, return_max_logit=False):
+    _max_logit_rule(return_max_logit)
+    qs, ks, vs = (_from_sbhd(x).float() for x in (q, k, v))
+    out, lse = math_forward(qs, ks, vs, attn_scale, attn_mask_type == "causal", window=window)
+    res = (out.permute(2, 0, 1, 3).to(q.dtype).contiguous(), [lse.unsqueeze(-1).contiguous(), torch.zeros(2, dtype=torch.int64)])
+    if not return_max_logit:
+        return res
+    top = row_max(qs, ks, attn_scale, attn_mask_type == "causal", window=window).amax(dim=(0, 2))
+    return res + (top.to(q.dtype),)  # [h] in O's dtype, as TE returns it
 
 
-def _te_backward(q, k, v, o, d_o, aux_ctx_tensors, attn_scale, attn_mask_type, deterministic):
+def _te_backward(q, k, v, o, d_o, aux_ctx_tensors, attn_scale, attn_mask_type, deterministic, window=None):
     SEEN["deterministic"] = deterministic
     stats = aux_ctx_tensors[0]
     assert stats.is_contiguous() and stats.shape == (q.shape[1], q.shape[2], q.shape[0], 1)
     grads = math_backward(*(_from_sbhd(x).float() for x in (d_o, q, k, v, o)), stats.squeeze(-1), attn_scale,
-                          attn_mask_type == "causal")
+                          attn_mask_type == "causal", window=window)
     return [x.permute(2, 0, 1, 3).to(q.dtype).contiguous() for x in grads]
 
 
@@ -147,14 +209,17 @@ def _te_thd_segments(cu_q, cu_kv, pad_q, pad_kv):
     return [((a, a + x), (c, c + y)) for a, x, c, y in zip(pad_q[:-1].tolist(), lq, pad_kv[:-1].tolist(), lk)]
 
 
-def _te_thd_forward(q, k, v, attn_scale, attn_mask_type, cu_q, cu_kv, pad_q, pad_kv, max_q):
+def _te_thd_forward(q, k, v, attn_scale, attn_mask_type, cu_q, cu_kv, pad_q, pad_kv, max_q, return_max_logit=False):
+    _max_logit_rule(return_max_logit)
     out = torch.zeros(q.shape, dtype=torch.float32)
     lse = torch.zeros(q.shape[0], q.shape[1])
+    top = torch.full((q.shape[0], q.shape[1]), float("-inf"))
     for (a, b), (c, d) in _te_thd_segments(cu_q, cu_kv, pad_q, pad_kv):
         if b > a:
-            o, l = math_forward(*(x.transpose(0, 1).unsqueeze(0).float() for x in (q[a:b], k[c:d], v[c:d])), attn_scale,
-                                attn_mask_type == "padding_causal")
+            qs, ks, vs = (x.transpose(0, 1).unsqueeze(0).float() for x in (q[a:b], k[c:d], v[c:d]))
+            o, l = math_forward(qs, ks, vs, attn_scale, attn_mask_type == "padding_causal")
             out[a:b], lse[a:b] = o[0].transpose(0, 1), l[0].T
+            top[a:b] = row_max(qs, ks, attn_scale, attn_mask_type == "padding_causal")[0].T
     t, h = q.shape[0], q.shape[1]
     if _ragged_stats():  # [max_tokens(t), h, 1] through TE 2.10 (rows past t never written), [t, h, 1] after
         rows = get_max_tokens(t) if TE["version"] < (2, 11) else t
@@ -167,7 +232,14 @@ def _te_thd_forward(q, k, v, attn_scale, attn_mask_type, cu_q, cu_kv, pad_q, pad
         stats = dense
         if CUDNN["version"] >= (9, 6, 0) and TE["version"] < (2, 18):  # sm120, TE 2.14-2.17: allocated [t, h, 1]
             stats = dense.reshape(-1)[: t * h].reshape(t, h, 1).clone()  # cuDNN wrote the rest past its end
-    return out.to(q.dtype), [stats, torch.zeros(2, dtype=torch.int64)]
+    res = (out.to(q.dtype), [stats, torch.zeros(2, dtype=torch.int64)])
+    if not return_max_logit:
+        return res
+    # TE reduces its Max buffer whole: through 2.10 ragged [max_tokens, h, 1] (rows past t never written),
+    # before 2.14 dense [b, h, max_seqlen, 1] with the padding rows; both modelled as holding garbage
+    stale = (_ragged_stats() and TE["version"] < (2, 11)) or (not _ragged_stats() and TE["version"] < (2, 14))
+    reduced = torch.maximum(top.amax(0), torch.full_like(top[0], 1e4)) if stale else top.amax(0)
+    return res + (reduced.to(q.dtype),)
 
 
 def _te_thd_backward(q, k, v, o, d_o, aux_ctx_tensors, attn_scale, attn_mask_type, deterministic, cu_q, cu_kv, pad_q,
@@ -202,10 +274,10 @@ def fused_attn_fwd_2_0(is_training, max_seqlen_q, max_seqlen_kv, cu_seqlens_q, c
         _te_thd_rules(q, k, fake_dtype, attn_mask_type, window_size, dropout, fused_attention_backend, cu_seqlens_q,
                       cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded, max_seqlen_q, max_seqlen_kv)
         return _te_thd_forward(q, k, v, attn_scale, attn_mask_type, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded,
-                               cu_seqlens_kv_padded, max_seqlen_q)
-    _te_rules(q, fake_dtype, qkv_layout, attn_mask_type, window_size, dropout, fused_attention_backend, cu_seqlens_q,
-              max_seqlen_q)
-    return _te_forward(q, k, v, attn_scale, attn_mask_type)
+                               cu_seqlens_kv_padded, max_seqlen_q, return_max_logit)
+    window = _te_rules(q, k, fake_dtype, qkv_layout, attn_mask_type, window_size, dropout, fused_attention_backend,
+                       cu_seqlens_q, max_seqlen_q, max_seqlen_kv, bottom_right_diagonal)
+    return _te_forward(q, k, v, attn_scale, attn_mask_type, window, return_max_logit)
 
 
 def fused_attn_bwd_2_0(max_seqlen_q, max_seqlen_kv, cu_seqlens_q, cu_seqlens_kv, q, k, v, o, d_o, fake_dtype,
@@ -221,9 +293,9 @@ def fused_attn_bwd_2_0(max_seqlen_q, max_seqlen_kv, cu_seqlens_q, cu_seqlens_kv,
                       cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded, max_seqlen_q, max_seqlen_kv)
         return _te_thd_backward(q, k, v, o, d_o, aux_ctx_tensors, attn_scale, attn_mask_type, deterministic,
                                 cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded, max_seqlen_q)
-    _te_rules(q, fake_dtype, qkv_layout, attn_mask_type, window_size, dropout, fused_attention_backend, cu_seqlens_q,
-              max_seqlen_q)
-    return _te_backward(q, k, v, o, d_o, aux_ctx_tensors, attn_scale, attn_mask_type, deterministic)
+    window = _te_rules(q, k, fake_dtype, qkv_layout, attn_mask_type, window_size, dropout, fused_attention_backend,
+                       cu_seqlens_q, max_seqlen_q, max_seqlen_kv, bottom_right_diagonal)
+    return _te_backward(q, k, v, o, d_o, aux_ctx_tensors, attn_scale, attn_mask_type, deterministic, window)
 
 
 def fused_attn_fwd_2_15(is_training, max_seqlen_q, max_seqlen_kv, cu_seqlens_q, cu_seqlens_kv, q, k, v, fake_dtype,
@@ -238,11 +310,11 @@ def fused_attn_fwd_2_15(is_training, max_seqlen_q, max_seqlen_kv, cu_seqlens_q, 
         _te_thd_rules(q, k, fake_dtype, attn_mask_type, window_size, dropout, fused_attention_backend, cu_seqlens_q,
                       cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded, max_seqlen_q, max_seqlen_kv)
         return _te_thd_forward(q, k, v, attn_scale, attn_mask_type, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded,
-                               cu_seqlens_kv_padded, max_seqlen_q)
+                               cu_seqlens_kv_padded, max_seqlen_q, return_max_logit)
     assert o_format == "sbhd"
-    _te_rules(q, fake_dtype, qkv_layout, attn_mask_type, window_size, dropout, fused_attention_backend, cu_seqlens_q,
-              max_seqlen_q)
-    return _te_forward(q, k, v, attn_scale, attn_mask_type)
+    window = _te_rules(q, k, fake_dtype, qkv_layout, attn_mask_type, window_size, dropout, fused_attention_backend,
+                       cu_seqlens_q, max_seqlen_q, max_seqlen_kv, bottom_right_diagonal)
+    return _te_forward(q, k, v, attn_scale, attn_mask_type, window, return_max_logit)
 
 
 def fused_attn_bwd_2_15(max_seqlen_q, max_seqlen_kv, cu_seqlens_q, cu_seqlens_kv, q, k, v, o, d_o, fake_dtype,
@@ -260,9 +332,9 @@ def fused_attn_bwd_2_15(max_seqlen_q, max_seqlen_kv, cu_seqlens_q, cu_seqlens_kv
         return _te_thd_backward(q, k, v, o, d_o, aux_ctx_tensors, attn_scale, attn_mask_type, deterministic,
                                 cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded, max_seqlen_q)
     assert dqkv_layout == "sbhd_sbhd_sbhd" and do_format == o_format == "sbhd"
-    _te_rules(q, fake_dtype, qkv_layout, attn_mask_type, window_size, dropout, fused_attention_backend, cu_seqlens_q,
-              max_seqlen_q)
-    return _te_backward(q, k, v, o, d_o, aux_ctx_tensors, attn_scale, attn_mask_type, deterministic)
+    window = _te_rules(q, k, fake_dtype, qkv_layout, attn_mask_type, window_size, dropout, fused_attention_backend,
+                       cu_seqlens_q, max_seqlen_q, max_seqlen_kv, bottom_right_diagonal)
+    return _te_backward(q, k, v, o, d_o, aux_ctx_tensors, attn_scale, attn_mask_type, deterministic, window)
 
 
 @dataclasses.dataclass
@@ -304,6 +376,9 @@ def get_attention_backend(params: AttentionParams):
     if params.qkv_layout == "thd_thd_thd":  # fused_attn.cpp's qkv-format rule; utils.py's sm120 filter
         ok = ok and cap >= (9, 0) and (cudnn >= (9, 6, 0) or (cudnn >= (9, 1, 0) and params.num_heads == params.num_gqa_groups))
         ok = ok and (cap != (12, 0) or (TE["version"] >= (2, 14) and cudnn >= (9, 18, 1)))
+    window = tuple(params.window_size or (-1, -1))
+    if window[0] != -1 or window[1] not in (-1, 0):  # sliding window: s_q <= s_kv, bottom-right from cuDNN 9.6
+        ok = ok and params.max_seqlen_q <= params.max_seqlen_kv and cudnn >= (9, 6, 0)
     if params.deterministic and params.is_training:
         ok = ok and cap >= (9, 0) and cap != (12, 0) and (cap < (10, 0) or cudnn >= (9, 18, 1))
         ok = ok and not params.core_attention_bias_requires_grad

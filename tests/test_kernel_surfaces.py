@@ -140,30 +140,39 @@ def test_deterministic_reaches_the_kernel_from_the_public_api(monkeypatch, caplo
         assert fake_kernels.SEEN["deterministic"] is det
 
 
-def test_megatron_start_up_checks_the_kernel_for_the_model(monkeypatch):
-    """Item 4 under Megatron: the argument check asks the backend (TE's own selection) about this
-    model's attention inputs before any process group, honouring --deterministic-mode."""
-    import contextlib
+def _megatron_args(**kw):
     from types import SimpleNamespace
 
-    from megatron_mesh_cp.megatron.arguments import MeshArgumentError, apply_mesh_args
+    base = dict(context_parallel_algo="mesh", mesh_shape="2x2", context_parallel_size=4, cp_comm_type=None,
+                seq_length=4096, attention_dropout=0.0, attention_backend=None, sft=False,
+                dataloader_inter_document_masking=False, hierarchical_context_parallel_sizes=None,
+                mesh_kernel="te", mesh_partial_dtype="fp32", mesh_planner="greedy", mesh_cluster=None,
+                tensor_model_parallel_size=2, num_attention_heads=16, num_query_groups=4,
+                group_query_attention=True, kv_channels=256, hidden_size=4096, micro_batch_size=1, bf16=True,
+                fp16=False, rank=0, yaml_cfg=None, deterministic_mode=False)
+    base.update(kw)
+    return SimpleNamespace(**base)
+
+
+def _megatron_on_gpu(monkeypatch, capability, te="2.15"):
+    import contextlib
+
     from megatron_mesh_cp.megatron.settings import SETTINGS
 
     for field in ("kernel", "deterministic", "cluster", "partial_dtype", "planner", "shape_explanation"):
         monkeypatch.setattr(SETTINGS, field, getattr(SETTINGS, field))
-    fake_kernels.pretend_cuda(monkeypatch, capability=(8, 0), te="2.15", flash=None)
+    fake_kernels.pretend_cuda(monkeypatch, capability=capability, te=te, flash=None)
     monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
 
-    def args(**kw):
-        base = dict(context_parallel_algo="mesh", mesh_shape="2x2", context_parallel_size=4, cp_comm_type=None,
-                    seq_length=4096, attention_dropout=0.0, attention_backend=None, sft=False,
-                    dataloader_inter_document_masking=False, hierarchical_context_parallel_sizes=None,
-                    mesh_kernel="te", mesh_partial_dtype="fp32", mesh_planner="greedy", mesh_cluster=None,
-                    tensor_model_parallel_size=2, num_attention_heads=16, num_query_groups=4,
-                    group_query_attention=True, kv_channels=256, hidden_size=4096, micro_batch_size=1, bf16=True,
-                    fp16=False, rank=0, yaml_cfg=None, deterministic_mode=False)
-        base.update(kw)
-        return SimpleNamespace(**base)
+
+def test_megatron_start_up_checks_the_kernel_for_the_model(monkeypatch):
+    """Item 4 under Megatron: the argument check asks the backend (TE's own selection) about this
+    model's attention inputs before any process group, honouring --deterministic-mode."""
+    from megatron_mesh_cp.megatron.arguments import MeshArgumentError, apply_mesh_args
+    from megatron_mesh_cp.megatron.settings import SETTINGS
+
+    _megatron_on_gpu(monkeypatch, (8, 0))
+    args = _megatron_args
 
     with pytest.raises(MeshArgumentError, match=r"--mesh-kernel te: .*no fused-attention backend for bfloat16, 8 heads "
                                                 r"\(2 kv\), head dim 256, training on sm80.*--mesh-kernel flash or torch"):
@@ -309,3 +318,199 @@ def test_auto_kernel_for_packed_inputs_on_gpu(monkeypatch):
     monkeypatch.setattr(K, "_AUTO", {})
     fake_kernels.pretend_cuda(monkeypatch, te="2.15", flash=None)
     assert K.select_kernel("auto", q, q, packed=True).name == "te"
+
+
+# --- sliding windows through the TE adapter ------------------------------------------------------
+
+def _te_window_kernel(monkeypatch):
+    fake_kernels.pretend_cuda(monkeypatch, te="2.15", flash=None)
+    kern = K.get_kernel("te", "cuda")
+    monkeypatch.setattr(type(kern), "check", lambda self, q, k, v=None: None)  # CPU tensors stand in for CUDA ones
+    monkeypatch.setattr(type(kern), "check_varlen", lambda self, q, k=None: None)
+    return kern
+
+
+@pytest.mark.parametrize("causal,window", [(True, (7, 0)), (False, (4, 4)), (False, (2, 9))])
+def test_te_windows_without_documents_through_the_executor(monkeypatch, causal, window):
+    """Review finding 1: TE's window path (bottom-right aligned band, ``bottom_right_diagonal``) runs
+    exactly on CPU through the TE stand-in; without documents every windowed call is square."""
+    from megatron_mesh_cp.reference import relative_errors, variant_reference
+
+    kern = _te_window_kernel(monkeypatch)
+    g = torch.Generator().manual_seed(3)
+    q, k, v, do = (torch.randn(64, x, 16, generator=g, dtype=torch.float64) for x in (4, 2, 2, 4))
+    ref = variant_reference(q, k, v, do, causal=causal, window=window)
+    ref.pop("max_logit")
+    for shape in ((2, 2), (1, 4), (2, 1, 2)):
+        res = virtual_mesh_attention(*(x.half()[None] for x in (q, k, v)), shape, dout=do.half()[None], causal=causal,
+                                     window=window, kernel=kern)
+        got = {name: res[name][0] for name in ("out", "lse", "dq", "dk", "dv")}
+        for name, err in relative_errors(got, ref).items():
+            assert err < 5e-3, (shape, name, err)
+
+
+def test_te_stand_in_refuses_tall_windowed_calls(monkeypatch):
+    """The stand-in is as strict as TE: a windowed call with more query rows than keys has no fused
+    backend (``max_seqlen_q <= max_seqlen_kv``); square and wide ones run."""
+    kern = _te_window_kernel(monkeypatch)
+    x = torch.randn(30, 1, 2, 16, dtype=torch.float16)
+    with pytest.raises(RuntimeError, match="sliding window"):
+        kern.forward(x, x[:4], x[:4], causal=False, scale=0.25, window=(0, -1))
+    kern.forward(x[:4], x, x, causal=False, scale=0.25, window=(3, -1))
+    kern.forward(x, x, x, causal=True, scale=0.25, window=(3, 0))
+
+
+def test_te_refuses_a_window_over_documents_before_any_transfer(monkeypatch):
+    """Review finding 1: documents + a window give tall windowed calls (30 rows x 4 keys for
+    documents (0, 60, 256), window (30, 0) on 2 chunks), which TE cannot run: te (and auto choosing
+    te) is refused up front, not mid-plan."""
+    _te_window_kernel(monkeypatch)
+    q = torch.randn(1, 256, 2, 16, dtype=torch.float16)
+    cu = torch.tensor([0, 60, 256], dtype=torch.int32)
+    with pytest.raises(ValueError, match="te kernel cannot run a sliding window over documents.*--mesh-kernel torch"):
+        virtual_mesh_attention(q, q, q, (1, 2), dout=q, causal=True, window=(30, 0), cu_seqlens=cu, kernel="te")
+    spec = K.input_spec((256, 1, 2, 16), torch.float16, "cuda")
+    blk = K.select_kernel("auto", spec, spec, packed=True)
+    assert blk.name == "te"
+    blk.check_window(spec)  # without documents TE runs windows
+    with pytest.raises(ValueError, match="over documents"):
+        blk.check_window(spec, documents=True)
+
+
+def test_megatron_start_up_refuses_te_for_a_window_over_documents(monkeypatch):
+    """Review finding 1 under Megatron: --window-size with --reset-attention-mask would give TE tall
+    windowed calls; the start-up check refuses --mesh-kernel te (and auto, which takes te) there."""
+    from megatron_mesh_cp.megatron.arguments import MeshArgumentError, apply_mesh_args
+
+    _megatron_on_gpu(monkeypatch, (9, 0))
+    common = dict(kv_channels=128, window_size=(128, 0), create_attention_mask_in_dataloader=False)
+    apply_mesh_args(_megatron_args(**common), argv=[])  # a window without documents: TE >= 2.12 runs it
+    for kernel in ("te", "auto"):
+        with pytest.raises(MeshArgumentError, match=f"--mesh-kernel {kernel}: the te kernel cannot run a sliding window "
+                                                    "over documents.*drop the window or the document mask"):
+            apply_mesh_args(_megatron_args(mesh_kernel=kernel, reset_attention_mask=True, **common), argv=[])
+
+
+# --- the max logit through the TE adapter ---------------------------------------------------------
+
+@pytest.mark.parametrize("te,cudnn,packed,error", [
+    ("2.13", (9, 10, 0), False, None),
+    ("2.15", (9, 10, 0), False, r"Transformer Engine 2\.15 returns the max logit only with cuDNN >= 9\.21.*9\.10\.0"),
+    ("2.17", (9, 20, 0), False, r"only with cuDNN >= 9\.21"),
+    ("2.15", (9, 21, 0), False, None),
+    ("2.10", (9, 10, 0), True, r"2\.10 reduces the max logit of packed .*never wrote; upgrade TE to 2\.11\+"),
+    ("2.11", (9, 10, 0), True, None),
+    ("2.13", (9, 5, 0), True, r"2\.13 reduces the max logit of packed .*padding rows; upgrade TE to 2\.14\+"),
+    ("2.13", (9, 5, 0), False, None),
+    ("2.18", (9, 21, 0), True, None),
+])
+def test_te_max_logit_is_gated_by_te_and_cudnn(monkeypatch, te, cudnn, packed, error):
+    """Review findings 2, 4: TE >= 2.14 return the max logit only with cuDNN >= 9.21; packed (THD)
+    inputs need TE 2.11 (ragged stats) or 2.14 (dense stats, cuDNN < 9.6). What is accepted runs
+    through the stand-in and equals the explicit max (in the input dtype); what is refused would
+    crash there or return a max over rows TE never wrote."""
+    from megatron_mesh_cp.runtime.kernels.base import Varlen
+
+    fake_kernels.pretend_cuda(monkeypatch, te=te, flash=None)
+    monkeypatch.setitem(fake_kernels.CUDNN, "version", cudnn)
+    kern = K.get_kernel("te", "cuda")
+    spec = K.input_spec((64, 1, 4, 16), torch.float16, "cuda")
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(24, 1, 4, 16, generator=g).half() for _ in range(3))
+    varlen = Varlen(torch.tensor([0, 10, 24], dtype=torch.int32), (10, 14), 14) if packed else None
+    want = torch.stack([fake_kernels.row_max(*(x.permute(1, 2, 0, 3).float() for x in (q[a:b], k[a:b])), 0.25, True)
+                        .amax(dim=(0, 2)) for a, b in (((0, 10), (10, 24)) if packed else ((0, 24),))]).amax(0)
+    if error is None:
+        kern.check_max_logit(spec, packed=packed)
+        top = kern.forward(q, k, v, causal=True, scale=0.25, varlen=varlen, return_max_logit=True)[2]
+        assert torch.allclose(top, want.half().float(), rtol=0, atol=0), (top, want)
+        return
+    with pytest.raises(ValueError, match=error):
+        kern.check_max_logit(spec, packed=packed)
+    try:
+        top = kern.forward(q, k, v, causal=True, scale=0.25, varlen=varlen, return_max_logit=True)[2]
+    except RuntimeError:
+        return
+    assert not torch.allclose(top, want.half().float())
+
+
+def test_te_max_logit_through_the_executor(monkeypatch):
+    """TE's max logit (third forward output, [h], O's dtype) reaches mesh attention's max logit."""
+    from megatron_mesh_cp.reference import variant_reference
+
+    kern = _te_window_kernel(monkeypatch)
+    monkeypatch.setitem(fake_kernels.CUDNN, "version", (9, 21, 0))
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(64, 4, 16, generator=g, dtype=torch.float64) for _ in range(3))
+    ref = variant_reference(q, k, v, None, causal=True, window=(9, 0))["max_logit"]
+    res = virtual_mesh_attention(*(x.half()[None] for x in (q, k, v)), (2, 2), causal=True, window=(9, 0),
+                                 return_max_logit=True, kernel=kern)
+    assert torch.allclose(res["max_logit"].double(), ref, rtol=2e-3), (res["max_logit"], ref)
+
+
+def test_megatron_start_up_checks_the_max_logit_of_documents(monkeypatch):
+    """Review finding 4 under Megatron: --qk-clip with documents (--reset-attention-mask) asks TE
+    about the max logit of packed blocks: TE 2.10 reduces rows it never wrote, 2.11 is fine."""
+    from megatron_mesh_cp.megatron.arguments import MeshArgumentError, apply_mesh_args
+
+    common = dict(kv_channels=128, qk_clip=True, create_attention_mask_in_dataloader=False)
+    _megatron_on_gpu(monkeypatch, (9, 0), te="2.10")
+    apply_mesh_args(_megatron_args(**common), argv=[])
+    with pytest.raises(MeshArgumentError, match=r"--mesh-kernel te: Transformer Engine 2\.10 reduces the max logit of "
+                                                r"packed sequences .*2\.11\+"):
+        apply_mesh_args(_megatron_args(reset_attention_mask=True, **common), argv=[])
+    _megatron_on_gpu(monkeypatch, (9, 0), te="2.11")
+    monkeypatch.setattr(K, "_INSTANCES", {})
+    apply_mesh_args(_megatron_args(reset_attention_mask=True, **common), argv=[])
+
+
+# --- MLA (a value head dim of its own) through FA3 ------------------------------------------------
+
+@pytest.mark.parametrize("capability,d,dv,deterministic,error", [
+    ((9, 0), 192, 128, False, None),
+    ((9, 0), 64, 256, False, None),
+    ((8, 0), 192, 128, False, r"MLA, 192/128\) on Hopper \(sm90\) only, not sm80"),
+    ((10, 0), 192, 128, False, r"on Hopper \(sm90\) only, not sm100"),
+    ((9, 0), 64, 512, False, r"value head dim 512 .*d <= 64 with dv <= 256"),
+    ((9, 0), 64, 256, True, r"no deterministic backward for head dim 256"),
+    ((9, 0), 64, 192, True, None),
+])
+def test_flash_attn_3_mla_is_hopper_only_and_trains_up_to_256(monkeypatch, capability, d, dv, deterministic, error):
+    """Review finding 5 (hopper/flash_api.cpp): a value head dim of its own needs Hopper
+    (``dprops->major == 9``), the backward ``max(d, dv) <= 256``, and the deterministic rule reads
+    ``max(d, dv)``. What the check accepts trains through the stand-in; what it refuses crashes there."""
+    fake_kernels.pretend_cuda(monkeypatch, capability=capability, te=None, flash=None, fa3="2025-08")
+    kern = K.get_kernel("flash", "cuda", deterministic=deterministic)
+    g = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(16, 1, 2, d, generator=g).half() for _ in range(2))
+    v, do = (torch.randn(16, 1, 2, dv, generator=g).half() for _ in range(2))
+    spec = lambda x: K.input_spec(x.shape, torch.float16, "cuda")  # noqa: E731
+
+    def train():
+        out, lse = kern.forward(q, k, v, causal=True, scale=0.1)
+        kern.backward(do, q, k, v, out, kern.lse_for_backward(lse.permute(2, 0, 1)), causal=True, scale=0.1)
+
+    if error is None:
+        K.select_kernel("flash", spec(q), spec(k), v=spec(v), deterministic=deterministic)
+        train()
+        return
+    with pytest.raises(ValueError, match=error):
+        K.select_kernel("flash", spec(q), spec(k), v=spec(v), deterministic=deterministic)
+    with pytest.raises(RuntimeError):
+        train()
+
+
+def test_window_refusals_name_the_kernel_that_runs_windows(monkeypatch):
+    """Review finding 6: the flash kernel has no sliding window, so no refusal may send users to it;
+    the refusals name te (TE >= 2.12, without documents) on GPU and torch on CPU."""
+    fake_kernels.pretend_cuda(monkeypatch, te="2.15", flash="2.8")
+    spec = K.input_spec((64, 1, 4, 16), torch.float16, "cuda")
+    with pytest.raises(ValueError, match=r"flash attention kernel has no sliding window; on GPU only --mesh-kernel te "
+                                         r"runs them \(Transformer Engine >= 2\.12, without documents\)") as flash:
+        K.get_kernel("flash", "cuda").check_window(spec)
+    monkeypatch.setitem(fake_kernels.CUDNN, "version", (9, 5, 0))
+    with pytest.raises(ValueError, match=r"no fused-attention backend for sliding windows.*cuDNN >= 9\.6") as te:
+        K.get_kernel("te", "cuda").check_window(spec)
+    with pytest.raises(ValueError, match="runs sliding windows on CPU only; on GPU use --mesh-kernel te") as cpu:
+        K.get_kernel("torch", "cuda").check_window(spec)
+    assert not any("kernel flash" in str(e.value) for e in (flash, te, cpu))

@@ -190,10 +190,10 @@ def test_start_up_kernel_check_covers_mla_windows_and_the_max_logit(monkeypatch)
     seen = {}
 
     class NoWindow:
-        def check_window(self, q):
-            raise ValueError("no sliding window here; use --mesh-kernel flash")
+        def check_window(self, q, k=None, v=None, documents=False):
+            raise ValueError("no sliding window here; use --mesh-kernel torch")
 
-        def check_max_logit(self, q):
+        def check_max_logit(self, q, packed=False):
             seen["max_logit"] = True
 
     def select(kernel, q, k, deterministic=False, packed=False, v=None):

@@ -357,8 +357,8 @@ def _check_kernel(args, cp: int) -> None:
     group: a forced backend that cannot run them (or TE without a fused backend for them on this GPU
     and cuDNN, e.g. head dim > 128 off sm90, or --deterministic-mode where TE has no deterministic
     backward; MLA's value head dim, a sliding window, the max logit of --qk-clip) fails here, naming
-    the alternative; with --mesh-packed-data the backend must also run packed (THD) blocks. On CUDA the
-    check runs on this rank's own GPU."""
+    the alternative; with documents (--mesh-packed-data, --reset-attention-mask) the backend must also
+    run packed (THD) blocks, and windows over them. On CUDA the check runs on this rank's own GPU."""
     from ..runtime.kernels import get_kernel, input_spec, select_kernel
 
     try:
@@ -374,13 +374,14 @@ def _check_kernel(args, cp: int) -> None:
         dev = torch.device("cuda", local % max(1, torch.cuda.device_count()))
         with torch.cuda.device(dev):
             q = input_spec((s, b, h, d), half, dev)
+            documents = bool(_get(args, "mesh_packed_data", False) or _get(args, "reset_attention_mask", False))
             blk = select_kernel(SETTINGS.kernel, q, input_spec((s, b, hk, d), half, dev),
                                 deterministic=SETTINGS.deterministic, v=input_spec((s, b, hk, dv), half, dev),
-                                packed=bool(_get(args, "mesh_packed_data", False)))
+                                packed=documents)  # EOD documents run packed (varlen) own blocks too
             if _get(args, "window_size") is not None:  # the kernel runs the window layers' partial blocks
-                blk.check_window(q)
+                blk.check_window(q, documents=documents)
             if _get(args, "qk_clip", False) or _get(args, "log_max_attention_logit", False):
-                blk.check_max_logit(q)
+                blk.check_max_logit(q, packed=documents)
     except ValueError as exc:
         raise MeshArgumentError(f"--mesh-kernel {SETTINGS.kernel}: {exc}") from None
 

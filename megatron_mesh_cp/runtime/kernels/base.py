@@ -76,7 +76,8 @@ class BlockKernel:
         sq) + right`` (-1: unbounded; flash-attn's and TE's ``window_size``, bottom-right aligned;
         per document with ``varlen``); only kernels whose :meth:`check_window` passes get one.
         ``return_max_logit=True`` (only for kernels whose :meth:`check_max_logit` passes) also
-        returns, third, the fp32 ``[h]`` maximum of ``scale * q.k`` over the pairs the call computed.
+        returns, third, the fp32 ``[h]`` maximum of ``scale * q.k`` over the pairs the call computed
+        (TE's: rounded to the input dtype first).
         """
         raise NotImplementedError
 
@@ -120,17 +121,20 @@ class BlockKernel:
         raise ValueError(f"the {self.name} attention kernel cannot run packed sequences (THD, varlen); "
                          "use --mesh-kernel te or flash on GPU, torch on CPU")
 
-    def check_max_logit(self, q: torch.Tensor) -> None:
+    def check_max_logit(self, q: torch.Tensor, *, packed: bool = False) -> None:
         """Raise ``ValueError`` (naming an alternative) unless this backend's forward can return the
-        max logit (``return_max_logit=True``) for inputs like ``q``."""
+        max logit (``return_max_logit=True``) for inputs like ``q`` (``packed``: of packed/THD blocks)."""
         raise ValueError(f"the {self.name} attention kernel cannot return the max logit; use --mesh-kernel te "
-                         "(Transformer Engine >= 2.10) on GPU, torch on CPU")
+                         "(Transformer Engine >= 2.9) on GPU, torch on CPU")
 
-    def check_window(self, q: torch.Tensor) -> None:
+    def check_window(self, q: torch.Tensor, k: Optional[torch.Tensor] = None, v: Optional[torch.Tensor] = None, *,
+                     documents: bool = False) -> None:
         """Raise ``ValueError`` (naming an alternative) unless this backend runs sliding-window
-        blocks (``window=``) of inputs like ``q``; backends that can override it."""
+        blocks (``window=``) of inputs like ``q`` / ``k`` / ``v`` (``documents``: over documents, whose
+        windowed blocks can have more query rows than keys); backends that can override it."""
         raise ValueError(f"the {self.name} attention kernel has no sliding window; "
-                         "use --mesh-kernel te or flash on GPU, torch on CPU")
+                         "on GPU only --mesh-kernel te runs them (Transformer Engine >= 2.12, without documents), "
+                         "on CPU --mesh-kernel torch")
 
     @classmethod
     def available(cls) -> bool:

@@ -16,6 +16,9 @@ The call surfaces, read from the sources (flash-attention v2.6.0 .. v2.8.3 and h
   ``window_size`` tuple until 2025-07, ``_left``/``_right`` after; sm80+ (from 2025-01-08). Since
   2025-09-17 ``hopper/flash_api.cpp`` refuses a deterministic backward for head dims rounded up to
   256 (193..256); builds cannot be told apart from Python, so FA3 is never used for that (FA2 is).
+  MLA (a value head dim of its own): FA3 on Hopper (sm90) only, forward since 2025-02-03 and
+  backward since 2025-04-24 (not told apart from Python: MLA needs an FA3 built from 2025-04-24 on);
+  the backward takes ``max(d, dv) <= 256``, the deterministic rule reads ``max(d, dv)``.
 
 Arguments are bound by the parameter names the installed build declares, so every form gets
 exactly what it asks for; a required parameter we do not know makes the build unusable (the kernel
@@ -151,6 +154,11 @@ class _Surface:
         self.vbwd(**self._bind(self.vbwd_sig, vals, self.label))
 
 
+def _hd(q, v) -> int:
+    """The head dim FA3's backward rules read: ``max(d, dv)`` (MLA)."""
+    return max(q.shape[-1], v.shape[-1])
+
+
 def _window_args(window) -> Dict:
     """The window in every form's spelling (a tuple before 2.7 and in early FA3, two ints after)."""
     if window is None:
@@ -256,18 +264,25 @@ class FlashKernel(BlockKernel):
 
     def check(self, q: torch.Tensor, k: torch.Tensor, v=None) -> None:
         d = q.shape[-1]
-        s = self._surface(q.device, d)
-        if v is not None and v.shape[-1] != d:
-            dv = v.shape[-1]
-            # FA3 (hopper/flash_api.cpp, builds since 2025-01) takes a value head dim of its own in these
-            # ranges; FA2 and the first FA3 form take one head dim
-            mla = s.label == "flash-attn 3" and s.min_sm == 8 and (128 < d <= 192 and 96 < dv <= 128 or d <= 64 and dv <= 512)
-            if not mla or dv % 8:
-                raise ValueError(f"{s.label} cannot run a value head dim {dv} with query/key head dim {d} (MLA); "
-                                 "use --mesh-kernel te")
-        if self.deterministic and not s.deterministic_for(d):
+        dv = d if v is None else v.shape[-1]
+        s = self._surface(q.device, max(d, dv))
+        if dv != d:
+            # FA3 (hopper/flash_api.cpp: forward since 2025-02-03, backward since 2025-04-24) takes a value
+            # head dim of its own on Hopper only, in the forward's ranges, and its backward needs max(d, dv) <= 256;
+            # FA2 and the first FA3 form take one head dim
+            fa3 = s.label == "flash-attn 3" and s.min_sm == 8
+            ranges = 128 < d <= 192 and 96 < dv <= 128 or d <= 64 and dv <= 256
+            if not fa3 or not ranges or dv % 8:
+                raise ValueError(f"{s.label} cannot run a value head dim {dv} with query/key head dim {d} (MLA; FA3 "
+                                 "trains 128 < d <= 192 with 96 < dv <= 128, or d <= 64 with dv <= 256); use "
+                                 "--mesh-kernel te")
+            major, minor = torch.cuda.get_device_capability(q.device)
+            if major != 9:
+                raise ValueError(f"flash-attn 3 runs a value head dim of its own (MLA, {d}/{dv}) on Hopper (sm90) only, "
+                                 f"not sm{major}{minor}; use --mesh-kernel te")
+        if self.deterministic and not s.deterministic_for(max(d, dv)):
             if s.deterministic_ok:  # FA3: hopper/flash_api.cpp refuses a deterministic backward for hdim 256
-                raise ValueError(f"{s.label} has no deterministic backward for head dim {d} (> {s.det_head_dim}; "
+                raise ValueError(f"{s.label} has no deterministic backward for head dim {max(d, dv)} (> {s.det_head_dim}; "
                                  "hopper/flash_api.cpp refuses head dims rounded up to 256); install flash-attn 2, "
                                  "drop deterministic mode or use --mesh-kernel te / torch")
             raise ValueError(f"{s.label} has no deterministic backward; drop deterministic mode or use --mesh-kernel torch")
@@ -277,10 +292,10 @@ class FlashKernel(BlockKernel):
     def forward(self, q, k, v, *, causal: bool, scale: float, varlen: Optional[Varlen] = None, window=None):
         check_square(q, k, causal)
         if varlen is not None:  # batch 1: [t, 1, h, d] views -> [t, h, d]
-            o, lse = self._varlen_surface(q.device, q.shape[-1]).forward_varlen(q[:, 0], k[:, 0], v[:, 0], varlen,
+            o, lse = self._varlen_surface(q.device, _hd(q, v)).forward_varlen(q[:, 0], k[:, 0], v[:, 0], varlen,
                                                                                 causal, scale, window)
             return o.unsqueeze(1), lse.unsqueeze(0)
-        s = self._surface(q.device, q.shape[-1])
+        s = self._surface(q.device, _hd(q, v))
         out = None
         if s.takes_out:  # sequence-major; FA3 writes through the view (MLA: the value head dim)
             out = torch.empty_like(q) if v.shape[-1] == q.shape[-1] else q.new_empty(q.shape[:-1] + v.shape[-1:])
@@ -304,11 +319,11 @@ class FlashKernel(BlockKernel):
         check_square(q, k, causal)
         dq, dk, dv = self._buffer("dq", q), self._buffer("dk", k), self._buffer("dv", v)
         if varlen is not None:
-            self._varlen_surface(q.device, q.shape[-1]).backward_varlen(
+            self._varlen_surface(q.device, _hd(q, v)).backward_varlen(
                 dout[:, 0], q[:, 0], k[:, 0], v[:, 0], out[:, 0], lse, dq[:, 0], dk[:, 0], dv[:, 0], varlen, causal,
                 scale, self.deterministic, window)
             return dq, dk, dv
-        self._surface(q.device, q.shape[-1]).backward(_bshd(dout), _bshd(q), _bshd(k), _bshd(v), _bshd(out), lse,
+        self._surface(q.device, _hd(q, v)).backward(_bshd(dout), _bshd(q), _bshd(k), _bshd(v), _bshd(out), lse,
                                                       _bshd(dq), _bshd(dk), _bshd(dv), causal, scale,
                                                       self.deterministic, window)
         return dq, dk, dv

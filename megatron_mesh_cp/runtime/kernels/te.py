@@ -159,13 +159,23 @@ class TEKernel(BlockKernel):
         if self._checked[key]:
             raise ValueError(self._checked[key])
 
-    def check_window(self, q: torch.Tensor) -> None:
+    def check_window(self, q: torch.Tensor, k: Optional[torch.Tensor] = None, v: Optional[torch.Tensor] = None, *,
+                     documents: bool = False) -> None:
         """Windows need TE's ``bottom_right_diagonal`` (2.12+): our window calls are rectangles whose
         window is aligned to the bottom-right corner, which older TE does not let us ask for; and TE's
-        selection must offer the fused backend for a causal and a two-sided window."""
+        selection must offer the fused backend for a causal and a two-sided window. Not over
+        ``documents``: their windowed calls can have more query rows than keys, which TE's fused
+        attention refuses for any window (``max_seqlen_q <= max_seqlen_kv``, fused_attn.cpp)."""
+        if documents:
+            raise ValueError("the te kernel cannot run a sliding window over documents: their windowed blocks can have "
+                             "more query rows than keys, which Transformer Engine's fused attention refuses for a "
+                             "window (it needs max_seqlen_q <= max_seqlen_kv); no GPU kernel runs this combination "
+                             "yet: drop the window or the document mask (cu_seqlens / --reset-attention-mask), or run "
+                             "it on CPU with --mesh-kernel torch")
         if not {"bottom_right_diagonal"} <= self._fwd_params & self._bwd_params:
             raise ValueError("this Transformer Engine cannot align a sliding window to the bottom-right corner "
-                             "(bottom_right_diagonal: TE >= 2.12); upgrade TE or use --mesh-kernel flash")
+                             "(bottom_right_diagonal: TE >= 2.12); upgrade TE (no other GPU kernel runs sliding "
+                             "windows; on CPU --mesh-kernel torch does)")
         major, minor = torch.cuda.get_device_capability(q.device)
         key = ("window", q.dtype, tuple(q.shape[1:]), major, minor)
         if key not in self._checked:
@@ -173,14 +183,31 @@ class TEKernel(BlockKernel):
                 self._supported(q, q, False, self.deterministic, window=(64, 64))
             self._checked[key] = "" if ok else (
                 f"Transformer Engine has no fused-attention backend for sliding windows with {str(q.dtype)[6:]}, head "
-                f"dim {q.shape[-1]} on sm{major}{minor} with this cuDNN; use --mesh-kernel flash")
+                f"dim {q.shape[-1]} on sm{major}{minor} with this cuDNN (windows need cuDNN >= 9.6); upgrade cuDNN or drop "
+                "the window (no other GPU kernel runs sliding windows; on CPU --mesh-kernel torch does)")
         if self._checked[key]:
             raise ValueError(self._checked[key])
 
-    def check_max_logit(self, q: torch.Tensor) -> None:
+    def check_max_logit(self, q: torch.Tensor, *, packed: bool = False) -> None:
+        """``return_max_logit`` exists from TE 2.9. From 2.14 TE's cuDNN graph returns Stats and Max
+        together, which cuDNN < 9.21 rejects (2.17+ find no backend, 2.14-2.16 fail in the forward).
+        Packed (THD): TE < 2.11 reduce ragged stats over rows never written, TE < 2.14 dense stats over
+        the documents' padding rows; the reduced [h] value cannot be repaired from outside."""
         if "return_max_logit" not in self._fwd_params:
-            raise ValueError("this Transformer Engine cannot return the max logit (return_max_logit: TE >= 2.10); "
+            raise ValueError("this Transformer Engine cannot return the max logit (return_max_logit: TE >= 2.9); "
                              "upgrade TE")
+        te, cudnn = _te_version(), _cudnn_version()
+        if te >= (2, 14) and cudnn < (9, 21, 0):
+            raise ValueError(f"Transformer Engine {te[0]}.{te[1]} returns the max logit only with cuDNN >= 9.21 (its "
+                             f"softmax stats and max come from one cuDNN node; this is cuDNN "
+                             f"{'.'.join(map(str, cudnn))}); upgrade cuDNN, or use TE 2.9-2.13 for unpacked inputs")
+        if packed:
+            ragged = self._ragged(q.device)
+            need = (2, 11) if ragged else (2, 14)
+            if te < need:
+                raise ValueError(f"Transformer Engine {te[0]}.{te[1]} reduces the max logit of packed sequences (thd) "
+                                 + ("over softmax-stat rows it never wrote" if ragged else "over the documents' padding "
+                                    "rows") + f"; upgrade TE to {need[0]}.{need[1]}+ (with cuDNN >= 9.21 from TE 2.14)")
 
     def check_varlen(self, q: torch.Tensor, k: Optional[torch.Tensor] = None) -> None:
         check_cuda_half("the te kernel (TE fused attention, thd)", q, 8)

@@ -91,15 +91,16 @@ class TorchKernel(BlockKernel):
             raise ValueError("the torch attention kernel runs packed sequences (THD) on CPU only; "
                              "use --mesh-kernel te or flash on GPU")
 
-    def check_window(self, q: torch.Tensor) -> None:
+    def check_window(self, q: torch.Tensor, k: Optional[torch.Tensor] = None, v: Optional[torch.Tensor] = None, *,
+                     documents: bool = False) -> None:
         if q.device.type != "cpu":
-            raise ValueError("the torch attention kernel runs sliding windows on CPU only; use --mesh-kernel te or "
-                             "flash on GPU")
+            raise ValueError("the torch attention kernel runs sliding windows on CPU only; on GPU use --mesh-kernel te "
+                             "(Transformer Engine >= 2.12, without documents)")
 
-    def check_max_logit(self, q: torch.Tensor) -> None:
+    def check_max_logit(self, q: torch.Tensor, *, packed: bool = False) -> None:
         if q.device.type != "cpu":
             raise ValueError("the torch attention kernel returns the max logit on CPU only; use --mesh-kernel te "
-                             "(Transformer Engine >= 2.10) on GPU")
+                             "(Transformer Engine >= 2.9) on GPU")
 
     def _max_logit(self, q, k, scale, causal, mask) -> torch.Tensor:
         """fp32 ``[h]``: the largest ``scale * q.k`` of every head over the call's unmasked pairs
