@@ -298,11 +298,13 @@ def _prepare(q, k, v, mesh, causal, softmax_scale, layout, kernel, plans, partia
         if batch != 1:
             raise ValueError(f"document masking (cu_seqlens with layout {layout!r}) takes one sequence per call, got "
                              f"batch {batch}; run one sequence per micro-batch (Megatron: --micro-batch-size 1)")
-    blk = select_kernel(kernel, q, k, deterministic=deterministic, packed=spec is not None, v=v)
+    # the kernels see sequence-major blocks: ask them with sequence-major views (TE reads max_seqlen from dim 0)
+    sq, sk, sv = (x.transpose(0, 1) if seq_dim(layout) == 1 else x for x in (q, k, v))
+    blk = select_kernel(kernel, sq, sk, deterministic=deterministic, packed=spec is not None, v=sv)
     if window is not None:
-        blk.check_window(q, documents=isinstance(spec, Documents))
+        blk.check_window(sq, sk, sv, documents=isinstance(spec, Documents))
     if variant.max_logit:
-        blk.check_max_logit(q, packed=spec is not None)
+        blk.check_max_logit(sq, packed=spec is not None)
     scale = resolve_scale(softmax_scale, q.shape[-1])
     if partial_dtype is not None and (not isinstance(partial_dtype, torch.dtype) or not partial_dtype.is_floating_point):
         raise ValueError(f"partial_dtype must be a floating torch.dtype or None, got {partial_dtype!r}")

@@ -144,7 +144,7 @@ def virtual_mesh_attention(
         raise ValueError("a sliding window with packed THD (padded) documents is not built")
     blk = select_kernel(kernel, qs, ks, deterministic=deterministic, packed=thd or docs is not None, v=vs)
     if window is not None:
-        blk.check_window(qs, documents=docs is not None)
+        blk.check_window(qs, ks, vs, documents=docs is not None)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     traffic = [Traffic() for _ in range(n)]
 

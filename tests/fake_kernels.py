@@ -369,10 +369,13 @@ def get_attention_backend(params: AttentionParams):
     sm90 with cuDNN >= 9.5); thd needs sm90+ and, below cuDNN 9.6, as many heads as kv heads, and on
     sm120 TE >= 2.14 with cuDNN >= 9.18.1; a deterministic training backward needs sm90+, and cuDNN
     >= 9.18.1 on sm100+, none on sm120, and ``core_attention_bias_requires_grad`` False (TE's
-    determinism filter reads it whatever the bias type). Returns the 2.2+ 6-tuple."""
+    determinism filter reads it whatever the bias type); on sm100+ training above 128 only q/k 192 with
+    v 128 (MLA, cuDNN >= 9.11). Returns the 2.2+ 6-tuple."""
     cap, cudnn, d = tuple(torch.cuda.get_device_capability()), CUDNN["version"], params.head_dim_qk
     ok = params.qkv_dtype in (torch.float16, torch.bfloat16) and cap >= (8, 0) and d % 8 == 0
-    ok = ok and (d <= 128 or (d <= 256 and (not params.is_training or (cap == (9, 0) and cudnn >= (9, 5, 0)))))
+    ok = ok and (d <= 128 or (d <= 256 and (not params.is_training or (cap == (9, 0) and cudnn >= (9, 5, 0))))
+                 # fused_attn.cpp (main): on sm100+ training above 128 only MLA's 192/128, cuDNN >= 9.11
+                 or (cap >= (10, 0) and (d, params.head_dim_v) == (192, 128) and cudnn >= (9, 11, 0)))
     if params.qkv_layout == "thd_thd_thd":  # fused_attn.cpp's qkv-format rule; utils.py's sm120 filter
         ok = ok and cap >= (9, 0) and (cudnn >= (9, 6, 0) or (cudnn >= (9, 1, 0) and params.num_heads == params.num_gqa_groups))
         ok = ok and (cap != (12, 0) or (TE["version"] >= (2, 14) and cudnn >= (9, 18, 1)))

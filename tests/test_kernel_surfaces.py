@@ -514,3 +514,45 @@ def test_window_refusals_name_the_kernel_that_runs_windows(monkeypatch):
     with pytest.raises(ValueError, match="runs sliding windows on CPU only; on GPU use --mesh-kernel te") as cpu:
         K.get_kernel("torch", "cuda").check_window(spec)
     assert not any("kernel flash" in str(e.value) for e in (flash, te, cpu))
+
+
+def test_te_window_and_thd_checks_ask_with_mlas_value_head_dim(monkeypatch):
+    """Review finding 7: on sm100 TE trains q/k 192 with v 128 (MLA) but not 192/192; the window and
+    THD checks must ask TE's selection with the real value head dim and kv heads, not q's."""
+    fake_kernels.pretend_cuda(monkeypatch, capability=(10, 0), te="2.15", flash=None)
+    monkeypatch.setitem(fake_kernels.CUDNN, "version", (9, 14, 0))
+    q = K.input_spec((256, 1, 8, 192), torch.bfloat16, "cuda")
+    k = K.input_spec((256, 1, 2, 192), torch.bfloat16, "cuda")
+    v = K.input_spec((256, 1, 2, 128), torch.bfloat16, "cuda")
+    blk = K.select_kernel("te", q, k, v=v, packed=True)  # check and check_varlen with v
+    blk.check_window(q, k, v)
+    with pytest.raises(ValueError, match="no fused-attention backend"):
+        K.select_kernel("te", q, k, v=k)  # 192/192: not on sm100
+    with pytest.raises(ValueError, match="sliding windows"):
+        blk.check_window(q, k, k)
+
+
+def test_kernel_checks_see_sequence_major_inputs_for_bshd(monkeypatch):
+    """Review finding 8: blocks run sequence-major, so mesh_attention asks the kernel with
+    sequence-major views of bshd inputs: TE's selection reads max_seqlen from dim 0."""
+    from megatron_mesh_cp.attention import _prepare
+    from megatron_mesh_cp.runtime.kernels.te import TEKernel
+    from megatron_mesh_cp.runtime.topology import MeshShape
+
+    fake_kernels.pretend_cuda(monkeypatch, te="2.15", flash=None)
+    seen = []
+    real = TEKernel._supported
+
+    def spy(self, q, k, *a, **kw):
+        seen.append((q.shape[0], k.shape[0]))
+        return real(self, q, k, *a, **kw)
+
+    monkeypatch.setattr(TEKernel, "_supported", spy)
+    monkeypatch.setattr("megatron_mesh_cp.runtime.kernels.te.check_cuda_half", lambda *a, **kw: None)  # CPU tensors
+
+    class Mesh:
+        shape, ulysses, stride, cluster, comm = MeshShape(2, 2), 1, 1, None, None
+
+    q = torch.randn(1, 96, 4, 16, dtype=torch.float16)  # bshd: batch 1, 96 tokens on this rank
+    _prepare(q, q, q, Mesh(), True, None, "bshd", "te", None, None, "greedy", False)
+    assert seen and all(s == (96, 96) for s in seen), seen

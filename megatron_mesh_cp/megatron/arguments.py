@@ -375,11 +375,11 @@ def _check_kernel(args, cp: int) -> None:
         with torch.cuda.device(dev):
             q = input_spec((s, b, h, d), half, dev)
             documents = bool(_get(args, "mesh_packed_data", False) or _get(args, "reset_attention_mask", False))
-            blk = select_kernel(SETTINGS.kernel, q, input_spec((s, b, hk, d), half, dev),
-                                deterministic=SETTINGS.deterministic, v=input_spec((s, b, hk, dv), half, dev),
+            kk, vv = input_spec((s, b, hk, d), half, dev), input_spec((s, b, hk, dv), half, dev)
+            blk = select_kernel(SETTINGS.kernel, q, kk, deterministic=SETTINGS.deterministic, v=vv,
                                 packed=documents)  # EOD documents run packed (varlen) own blocks too
             if _get(args, "window_size") is not None:  # the kernel runs the window layers' partial blocks
-                blk.check_window(q, documents=documents)
+                blk.check_window(q, kk, vv, documents=documents)
             if _get(args, "qk_clip", False) or _get(args, "log_max_attention_logit", False):
                 blk.check_max_logit(q, packed=documents)
     except ValueError as exc:

@@ -85,8 +85,9 @@ def get_kernel(kernel: Union[str, BlockKernel, None] = "auto", device: Optional[
 
 def select_kernel(kernel: Union[str, BlockKernel, None], q: torch.Tensor, k: torch.Tensor,
                   *, deterministic: bool = False, packed: bool = False, v=None) -> BlockKernel:
-    """The backend that will run blocks of ``q`` / ``k`` (sequence-major or batch-major alike: only
-    device, dtype and head dim matter), checked against them; raises ``ValueError`` naming the fix.
+    """The backend that will run blocks of ``q`` / ``k`` (sequence-major, [s, b, h, d], as the blocks
+    are: TE's selection reads the sequence length from dim 0), checked against them; raises
+    ``ValueError`` naming the fix.
 
     ``auto`` takes the first backend (te, flash, torch) that is importable and accepts the inputs,
     and logs the choice with the reason each earlier backend was skipped. ``packed``: the inputs
@@ -97,7 +98,7 @@ def select_kernel(kernel: Union[str, BlockKernel, None], q: torch.Tensor, k: tor
         blk = get_kernel(kernel, q.device, deterministic=deterministic)
         blk.check(q, k, v)
         if packed:
-            blk.check_varlen(q, k)
+            blk.check_varlen(q, k, v)
         return blk
     sig = (q.device.type, getattr(q.device, "index", None), q.dtype, tuple(q.shape[1:]), k.shape[2], bool(deterministic),
            bool(packed), None if v is None else v.shape[-1])
@@ -113,7 +114,7 @@ def select_kernel(kernel: Union[str, BlockKernel, None], q: torch.Tensor, k: tor
             blk = _instance(name, **_options(name, deterministic))
             blk.check(q, k, v)
             if packed:
-                blk.check_varlen(q, k)
+                blk.check_varlen(q, k, v)
         except ValueError as exc:
             skipped.append(f"{name}: {exc}")
             continue

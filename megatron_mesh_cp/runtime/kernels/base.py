@@ -115,7 +115,7 @@ class BlockKernel:
         """Raise ``ValueError`` (naming an alternative) if this backend cannot run these inputs
         (``v`` given: its head dim too, which may differ from q/k's under MLA)."""
 
-    def check_varlen(self, q: torch.Tensor, k: Optional[torch.Tensor] = None) -> None:
+    def check_varlen(self, q: torch.Tensor, k: Optional[torch.Tensor] = None, v: Optional[torch.Tensor] = None) -> None:
         """Raise ``ValueError`` (naming an alternative) unless this backend runs packed (THD)
         blocks of inputs like ``q`` / ``k`` (None: as many kv heads as heads); backends that can override it."""
         raise ValueError(f"the {self.name} attention kernel cannot run packed sequences (THD, varlen); "

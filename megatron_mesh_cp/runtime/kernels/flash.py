@@ -254,7 +254,7 @@ class FlashKernel(BlockKernel):
               and (s.deterministic_for(head_dim) or not self.deterministic)]
         return ok[0] if ok else None
 
-    def check_varlen(self, q: torch.Tensor, k: Optional[torch.Tensor] = None) -> None:
+    def check_varlen(self, q: torch.Tensor, k: Optional[torch.Tensor] = None, v: Optional[torch.Tensor] = None) -> None:
         s = self._varlen_surface(q.device, q.shape[-1])
         if s is None:
             why = "; ".join(x.varlen_error or f"{x.label} cannot run here" for x in self._surfaces)

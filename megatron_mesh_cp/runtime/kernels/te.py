@@ -176,11 +176,13 @@ class TEKernel(BlockKernel):
             raise ValueError("this Transformer Engine cannot align a sliding window to the bottom-right corner "
                              "(bottom_right_diagonal: TE >= 2.12); upgrade TE (no other GPU kernel runs sliding "
                              "windows; on CPU --mesh-kernel torch does)")
+        k = q if k is None else k
+        dv = v.shape[-1] if v is not None and v.shape[-1] != q.shape[-1] else None  # MLA: the value head dim
         major, minor = torch.cuda.get_device_capability(q.device)
-        key = ("window", q.dtype, tuple(q.shape[1:]), major, minor)
+        key = ("window", q.dtype, tuple(q.shape[1:]), k.shape[2], dv, major, minor)
         if key not in self._checked:
-            ok = self._supported(q, q, True, self.deterministic, window=(64, 0)) and \
-                self._supported(q, q, False, self.deterministic, window=(64, 64))
+            ok = self._supported(q, k, True, self.deterministic, dv=dv, window=(64, 0)) and \
+                self._supported(q, k, False, self.deterministic, dv=dv, window=(64, 64))
             self._checked[key] = "" if ok else (
                 f"Transformer Engine has no fused-attention backend for sliding windows with {str(q.dtype)[6:]}, head "
                 f"dim {q.shape[-1]} on sm{major}{minor} with this cuDNN (windows need cuDNN >= 9.6); upgrade cuDNN or drop "
@@ -209,14 +211,15 @@ class TEKernel(BlockKernel):
                                  + ("over softmax-stat rows it never wrote" if ragged else "over the documents' padding "
                                     "rows") + f"; upgrade TE to {need[0]}.{need[1]}+ (with cuDNN >= 9.21 from TE 2.14)")
 
-    def check_varlen(self, q: torch.Tensor, k: Optional[torch.Tensor] = None) -> None:
+    def check_varlen(self, q: torch.Tensor, k: Optional[torch.Tensor] = None, v: Optional[torch.Tensor] = None) -> None:
         check_cuda_half("the te kernel (TE fused attention, thd)", q, 8)
         k = q if k is None else k
+        dv = v.shape[-1] if v is not None and v.shape[-1] != q.shape[-1] else None  # MLA: the value head dim
         major, minor = torch.cuda.get_device_capability(q.device)
-        key = ("thd", q.dtype, tuple(q.shape[1:]), k.shape[2], major, minor)
+        key = ("thd", q.dtype, tuple(q.shape[1:]), k.shape[2], dv, major, minor)
         if key not in self._checked:
             why = ""
-            if not self._supported(q, k, True, self.deterministic, thd=True):
+            if not self._supported(q, k, True, self.deterministic, thd=True, dv=dv):
                 why = (f"Transformer Engine has no fused-attention backend for packed sequences (thd, padding_causal) "
                        f"with {str(q.dtype)[6:]}, {q.shape[2]} heads ({k.shape[2]} kv), head dim {q.shape[-1]} on "
                        f"sm{major}{minor} with this cuDNN (thd needs sm90+, and as many heads as kv heads below "

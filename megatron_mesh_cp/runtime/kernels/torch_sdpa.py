@@ -86,7 +86,7 @@ class TorchKernel(BlockKernel):
                                  f"(fp32, fp16{', bf16' if sm80 else ''} only); cast to float32 or bfloat16, or run "
                                  "float64 on CPU")
 
-    def check_varlen(self, q: torch.Tensor, k: Optional[torch.Tensor] = None) -> None:
+    def check_varlen(self, q: torch.Tensor, k: Optional[torch.Tensor] = None, v: Optional[torch.Tensor] = None) -> None:
         if q.device.type != "cpu":
             raise ValueError("the torch attention kernel runs packed sequences (THD) on CPU only; "
                              "use --mesh-kernel te or flash on GPU")
