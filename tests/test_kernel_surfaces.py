@@ -556,3 +556,14 @@ def test_kernel_checks_see_sequence_major_inputs_for_bshd(monkeypatch):
     q = torch.randn(1, 96, 4, 16, dtype=torch.float16)  # bshd: batch 1, 96 tokens on this rank
     _prepare(q, q, q, Mesh(), True, None, "bshd", "te", None, None, "greedy", False)
     assert seen and all(s == (96, 96) for s in seen), seen
+
+
+def test_flash_varlen_refuses_mla_where_its_varlen_build_takes_one_head_dim(monkeypatch):
+    """Packed blocks run on the varlen surface; where that is flash-attn 2 (an FA3 build without
+    varlen entry points), MLA's own value head dim is refused up front instead of crashing FA2."""
+    fake_kernels.pretend_cuda(monkeypatch, te=None, flash="2.8", fa3="2024-07")
+    blk = K.get_kernel("flash", "cuda")
+    q, v = (K.input_spec((128, 1, 4, d), torch.bfloat16, "cuda") for d in (192, 128))
+    blk.check_varlen(q, q, q)  # one head dim: FA2's varlen runs it
+    with pytest.raises(ValueError, match="not MLA's 192/128; use --mesh-kernel te"):
+        blk.check_varlen(q, q, v)

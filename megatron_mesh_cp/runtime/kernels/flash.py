@@ -255,11 +255,14 @@ class FlashKernel(BlockKernel):
         return ok[0] if ok else None
 
     def check_varlen(self, q: torch.Tensor, k: Optional[torch.Tensor] = None, v: Optional[torch.Tensor] = None) -> None:
-        s = self._varlen_surface(q.device, q.shape[-1])
+        s = self._varlen_surface(q.device, q.shape[-1] if v is None else _hd(q, v))
         if s is None:
             why = "; ".join(x.varlen_error or f"{x.label} cannot run here" for x in self._surfaces)
             raise ValueError(f"the flash kernel cannot run packed sequences (THD) here: {why}; "
                              "use --mesh-kernel te, or install flash-attn >= 2.6")
+        if v is not None and v.shape[-1] != q.shape[-1] and not (s.label == "flash-attn 3" and s.min_sm == 8):
+            raise ValueError(f"the flash kernel runs packed sequences (THD) here with {s.label}, which takes one head "
+                             f"dim, not MLA's {q.shape[-1]}/{v.shape[-1]}; use --mesh-kernel te")
         check_cuda_half(f"the flash kernel ({s.label}, varlen)", q, s.min_sm)
 
     def check(self, q: torch.Tensor, k: torch.Tensor, v=None) -> None:
