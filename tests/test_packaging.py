@@ -39,7 +39,7 @@ def test_presets_are_package_data_found_without_the_checkout():
     assert {"megatron", "te", "flash", "plot", "test"} <= set(extras) and any("transformers" in d for d in extras["megatron"])
 
 
-def test_setup_py_defers_to_pyproject():
+def test_setup_py_defers_to_pyproject(tmp_path):
     """setup.py (kept for `python setup.py develop` and tools that look for it) reports pyproject's name
     and version, and passes setup() nothing of its own, so the two cannot drift."""
     import ast
@@ -48,7 +48,8 @@ def test_setup_py_defers_to_pyproject():
     tree = ast.parse((ROOT / "setup.py").read_text())
     calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", None) == "setup"]
     assert len(calls) == 1 and not calls[0].args and not calls[0].keywords
-    out = subprocess.run([sys.executable, "setup.py", "--name", "--version"], cwd=ROOT, check=True,
-                         capture_output=True, text=True, timeout=60).stdout.split()
     project = _project()["project"]
-    assert out == [project["name"], project["version"]]
+    for cwd in (ROOT, tmp_path):  # also called by its path from outside the checkout
+        out = subprocess.run([sys.executable, str(ROOT / "setup.py"), "--name", "--version"], cwd=cwd, check=True,
+                             capture_output=True, text=True, timeout=60).stdout.split()
+        assert out == [project["name"], project["version"]], cwd
