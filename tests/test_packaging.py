@@ -1,4 +1,5 @@
-"""The package as pip builds it (entry points, presets as package data, setup.py) and the main-job script a user starts with."""
+"""The package as pip builds it (entry points, presets as package data, setup.py) and the main-job script
+a user starts with."""
 
 from __future__ import annotations
 
@@ -78,5 +79,6 @@ def test_main_job_script_keeps_the_callers_directory(tmp_path):
                    env=dict(os.environ, RECORD=str(record)), check=True, timeout=60)
     cwd, *argv = record.read_text().splitlines()
     assert Path(cwd).resolve() == caller.resolve()
-    assert str(fake / "scripts" / "pretrain_gpt_mesh.py") in argv and str(fake / "configs" / "gpt_tiny_cpu.yaml") in argv
+    assert str(fake / "scripts" / "pretrain_gpt_mesh.py") in argv
+    assert str(fake / "configs" / "gpt_tiny_cpu.yaml") in argv
     assert argv[-2:] == ["--plot-loss", "loss.png"]
