@@ -4,7 +4,7 @@
     python scripts/bench_host.py                      # n = 16, 64, 256: mesh, a2a+mesh, Ring (1 x n)
     python scripts/bench_host.py --n 32 --json x.json # one size; raw numbers as JSON
 
-Method (/work/shared/docs/HOST_COST.md): all ranks of a mesh in one process (``run_virtual``, the
+Method (docs/DESIGN.md, "Host cost per kernel call"): all ranks of a mesh in one process (``run_virtual``, the
 executor every rank runs, with warm buffer pools), tiny CPU tensors (batch 1, 2 tokens per zigzag
 piece, 8 heads, head dim 16, fp32), so kernel compute is negligible and what is left is the
 algorithm's host work. The plans are the ones the greedy planner makes for a real layer (128K
@@ -12,7 +12,7 @@ tokens, 32 heads / 8 kv, d 128, h100-ib400), so grouping and chains are those a 
 Counts come from the torch profiler: top-level aten events (no aten parent), split into views
 (the event and its whole subtree only alias), launching ops (everything else; on a GPU each is a
 kernel launch or at least a dispatcher round trip) and allocations (``aten::empty*``, included in
-the launching count as HOST_COST.md counts them), divided by the ranks; of the launching ops, the
+the launching count), divided by the ranks; of the launching ops, the
 in-memory transport's ``copy_`` per delivered tensor stands for the wire (NCCL: one grouped launch
 per transfer, the "transfers" column), the rest is the executor's own. For a2a+mesh the mesh part
 runs on the super-ranks and the Ulysses part (pack, all-to-all, reorder; the all-to-all stood in

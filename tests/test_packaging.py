@@ -1,8 +1,10 @@
-"""The package as pip builds it: entry points resolve, the cluster presets are package data."""
+"""The package as pip builds it (entry points, presets as package data, setup.py) and the main-job script
+a user starts with."""
 
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 from pathlib import Path
 
@@ -39,7 +41,7 @@ def test_presets_are_package_data_found_without_the_checkout():
     assert {"megatron", "te", "flash", "plot", "test"} <= set(extras) and any("transformers" in d for d in extras["megatron"])
 
 
-def test_setup_py_defers_to_pyproject():
+def test_setup_py_defers_to_pyproject(tmp_path):
     """setup.py (kept for `python setup.py develop` and tools that look for it) reports pyproject's name
     and version, and passes setup() nothing of its own, so the two cannot drift."""
     import ast
@@ -48,7 +50,35 @@ def test_setup_py_defers_to_pyproject():
     tree = ast.parse((ROOT / "setup.py").read_text())
     calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", None) == "setup"]
     assert len(calls) == 1 and not calls[0].args and not calls[0].keywords
-    out = subprocess.run([sys.executable, "setup.py", "--name", "--version"], cwd=ROOT, check=True,
-                         capture_output=True, text=True, timeout=60).stdout.split()
     project = _project()["project"]
-    assert out == [project["name"], project["version"]]
+    for cwd in (ROOT, tmp_path):  # also called by its path from outside the checkout
+        out = subprocess.run([sys.executable, str(ROOT / "setup.py"), "--name", "--version"], cwd=cwd, check=True,
+                             capture_output=True, text=True, timeout=60).stdout.split()
+        assert out == [project["name"], project["version"]], cwd
+
+
+def test_main_job_script_keeps_the_callers_directory(tmp_path):
+    """scripts/run_main_job.sh called by its path from elsewhere: the launcher runs in the caller's
+    directory (so --plot-loss loss.png / --summary-json s.json land there, not in the checkout), on the
+    checkout's launcher and config by absolute path. torchrun and env.sh are recording stand-ins."""
+    import shutil
+    import subprocess
+
+    fake = tmp_path / "checkout"
+    (fake / "scripts").mkdir(parents=True)
+    (fake / ".venv" / "bin").mkdir(parents=True)
+    shutil.copy(ROOT / "scripts" / "run_main_job.sh", fake / "scripts" / "run_main_job.sh")
+    (fake / "scripts" / "env.sh").write_text("exit 0\n")
+    torchrun = fake / ".venv" / "bin" / "torchrun"
+    torchrun.write_text('#!/usr/bin/env bash\nprintf "%s\\n" "$PWD" "$@" > "$RECORD"\n')
+    torchrun.chmod(0o755)
+    caller = tmp_path / "elsewhere"
+    caller.mkdir()
+    record = tmp_path / "record.txt"
+    subprocess.run(["bash", str(fake / "scripts" / "run_main_job.sh"), "--plot-loss", "loss.png"], cwd=caller,
+                   env=dict(os.environ, RECORD=str(record)), check=True, timeout=60)
+    cwd, *argv = record.read_text().splitlines()
+    assert Path(cwd).resolve() == caller.resolve()
+    assert str(fake / "scripts" / "pretrain_gpt_mesh.py") in argv
+    assert str(fake / "configs" / "gpt_tiny_cpu.yaml") in argv
+    assert argv[-2:] == ["--plot-loss", "loss.png"]

@@ -267,6 +267,13 @@ def test_bench_ab_body_runs_the_four_algorithms_and_both_of_our_baselines_into_o
     dry = subprocess.run(["bash", str(SLURM / "bench_ab.sbatch"), "--dry-run"], capture_output=True, text=True,
                          timeout=60, env=_env(HEADS="12", ULYSSES="8"))
     assert dry.returncode == 2 and "ULYSSES=8 must divide HEADS=12" in dry.stderr
+    # --dry-run after the benchmark's own options still prints only; outside an allocation it fails naming the fix
+    e = {k: v for k, v in _env().items() if not k.startswith("SLURM_")}
+    late = subprocess.run(["bash", str(SLURM / "bench_ab.sbatch"), "--repeats", "3", "--dry-run"],
+                          capture_output=True, text=True, timeout=60, env=e)
+    assert late.returncode == 0 and "--repeats 3" in late.stdout and "--dry-run" not in late.stdout, late.stderr
+    bare = subprocess.run(["bash", str(SLURM / "bench_ab.sbatch")], capture_output=True, text=True, timeout=60, env=e)
+    assert bare.returncode == 2 and "not inside a SLURM allocation" in bare.stderr, bare.stderr
 
 
 def test_preflight_accepts_the_megatron_core_versions_the_launcher_runs_on(monkeypatch):

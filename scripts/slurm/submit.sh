@@ -6,6 +6,7 @@
 # $HOME/mesh-cp-runs). The job finds the checkout through MESH_CP_ROOT and --chdir (sbatch runs a copy of the script).
 #   bash scripts/slurm/submit.sh pretrain_256gpu.sbatch [--chain 3] [other sbatch options]
 #   CONFIG=llama31_8b_1m_ring bash scripts/slurm/submit.sh pretrain_256gpu.sbatch
+#   SBATCH=echo bash scripts/slurm/submit.sh pretrain_256gpu.sbatch --chain 2   # print the sbatch lines, submit nothing
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 [ $# -ge 1 ] || { echo "usage: $0 JOB.sbatch [--chain N] [sbatch options]" >&2; exit 2; }
