@@ -104,3 +104,4 @@ def test_dry_run_states_the_masking(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     assert "document masking: from EOD (--reset-attention-mask), unpadded" in out.stdout + out.stderr
     assert "documents reordered per micro-batch to balance the zigzag chunks" in out.stdout + out.stderr
+    assert "vocabulary assumed" not in out.stdout + out.stderr  # the stdlib's byte-level vocabulary, as the job trains

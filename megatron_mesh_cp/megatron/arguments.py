@@ -51,7 +51,8 @@ def add_mesh_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
     add("--context-parallel-algo", choices=ALGORITHMS, default=None,
         help="CP algorithm; mesh = Mesh-Attention, the others alias --cp-comm-type")
-    add("--mesh-shape", default=None, help="mesh tile AxB with A*B = --context-parallel-size, or auto (default with mesh)")
+    add("--mesh-shape", default=None, help="mesh tile AxB with A*B = --context-parallel-size (a2a+mesh: UxAxB, "
+        "U*A*B = CP), or auto (the default)")
     add("--mesh-kernel", choices=KERNELS, default="auto", help="block-kernel backend for mesh CP")
     add("--mesh-partial-dtype", choices=("fp32", "bf16"), default="fp32",
         help="wire dtype of partial O/dQ/dKV (fp32: exact; bf16: half the reduction bytes)")

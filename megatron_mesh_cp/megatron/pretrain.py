@@ -360,14 +360,18 @@ def _launcher_options(argv: Sequence[str]):
     return _launcher_parser().parse_known_args(list(argv))
 
 
-def _default_data(argv: List[str], cache_dir: str, doc_bytes: Optional[int] = None) -> List[str]:
+def _default_data(argv: List[str], cache_dir: str, doc_bytes: Optional[int] = None, build: bool = True) -> List[str]:
+    """Without --data-path / --mock-data: the stdlib corpus and its byte-level tokenizer. ``build``
+    False (--dry-run): only the tokenizer flags, so the estimate sees the real vocabulary."""
     if _has(argv, "--data-path") or _has(argv, "--mock-data"):
         return argv
     from .data import VOCAB_SIZE, ensure_stdlib_corpus
 
-    name = f"stdlib-py{sys.version_info[0]}{sys.version_info[1]}" + (f"-docs{doc_bytes}" if doc_bytes else "")
-    prefix = ensure_stdlib_corpus(os.path.join(cache_dir, f"{name}_text_document"), doc_bytes=doc_bytes)
-    extra = ["--data-path", prefix, "--data-cache-path", os.path.join(cache_dir, "index-cache")]
+    extra = []
+    if build:
+        name = f"stdlib-py{sys.version_info[0]}{sys.version_info[1]}" + (f"-docs{doc_bytes}" if doc_bytes else "")
+        prefix = ensure_stdlib_corpus(os.path.join(cache_dir, f"{name}_text_document"), doc_bytes=doc_bytes)
+        extra = ["--data-path", prefix, "--data-cache-path", os.path.join(cache_dir, "index-cache")]
     if not _has(argv, "--tokenizer-type"):
         extra += ["--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB_SIZE)]
     if not _has(argv, "--split"):
@@ -442,8 +446,9 @@ def _print_summary(s: Dict) -> None:
     if s["attention_calls"]:
         mesh, ring = s["attention_bytes_sent_per_rank"], s["ring_bytes_per_rank"]
         n = s["context_parallel_size"]
+        every = " sending every chunk, as TE's does with documents" if s.get("document_order") else ""
         log.info(f"attention bytes sent by this rank: {mesh / 2**20:.2f} MiB over {s['attention_calls']} "
-                 f"layer calls; Ring (1x{n}) would have sent {ring / 2**20:.2f} MiB "
+                 f"layer calls; Ring (1x{n}){every} would have sent {ring / 2**20:.2f} MiB "
                  f"({(1 - mesh / ring) if ring else 0:.1%} less with mesh)")
     log.info(f"done in {s['seconds']:.1f} s")
 
@@ -561,7 +566,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 
         cpu_compat.activate()
     stdlib = False
-    if not opts.dry_run and not ({"-h", "--help"} & set(megatron_argv)):
+    if opts.dry_run:  # the vocabulary the job would train on, without building the corpus
+        megatron_argv = _default_data(megatron_argv, opts.data_cache_dir, build=False)
+    elif not ({"-h", "--help"} & set(megatron_argv)):
         given = len(megatron_argv)
         megatron_argv = _default_data(megatron_argv, opts.data_cache_dir, opts.stdlib_doc_bytes)
         stdlib = len(megatron_argv) > given
