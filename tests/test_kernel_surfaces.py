@@ -195,7 +195,7 @@ def test_megatron_start_up_checks_the_kernel_for_the_model(monkeypatch):
 def _packed_through_executor(monkeypatch, name, shape, heads, **kw):
     kern = K.get_kernel(name, "cuda", **kw)
     monkeypatch.setattr(type(kern), "check", lambda self, q, k, v=None: None)  # CPU tensors stand in for CUDA ones
-    monkeypatch.setattr(type(kern), "check_varlen", lambda self, q, k=None: None)
+    monkeypatch.setattr(type(kern), "check_varlen", lambda self, q, k=None, v=None: None)
     fake_kernels.assert_packed_through_executor(kern, shape, heads, torch.float16)
     return kern
 
@@ -326,7 +326,7 @@ def _te_window_kernel(monkeypatch):
     fake_kernels.pretend_cuda(monkeypatch, te="2.15", flash=None)
     kern = K.get_kernel("te", "cuda")
     monkeypatch.setattr(type(kern), "check", lambda self, q, k, v=None: None)  # CPU tensors stand in for CUDA ones
-    monkeypatch.setattr(type(kern), "check_varlen", lambda self, q, k=None: None)
+    monkeypatch.setattr(type(kern), "check_varlen", lambda self, q, k=None, v=None: None)
     return kern
 
 
