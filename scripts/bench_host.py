@@ -11,10 +11,11 @@ algorithm's host work. The plans are the ones the greedy planner makes for a rea
 tokens, 32 heads / 8 kv, d 128, h100-ib400), so grouping and chains are those a run would use.
 Counts come from the torch profiler: top-level aten events (no aten parent), split into views
 (the event and its whole subtree only alias), launching ops (everything else; on a GPU each is a
-kernel launch or at least a dispatcher round trip) and allocations (``aten::empty*``, included in
-the launching count), divided by the ranks; of the launching ops, the
-in-memory transport's ``copy_`` per delivered tensor stands for the wire (NCCL: one grouped launch
-per transfer, the "transfers" column), the rest is the executor's own. For a2a+mesh the mesh part
+kernel launch or at least a dispatcher round trip; a multi-tensor ``_foreach_*`` op is one: on a GPU it is
+one launch when its tensors share dtype and strides, as the executor's do with fp32 partials) and allocations
+(``aten::empty*``, included in the launching count), divided by the
+ranks; of the launching ops, the in-memory transport's one ``_foreach_copy_`` per delivered
+transfer stands for the wire (NCCL: one grouped launch per transfer), the rest is the executor's own. For a2a+mesh the mesh part
 runs on the super-ranks and the Ulysses part (pack, all-to-all, reorder; the all-to-all stood in
 for by an ``empty_like`` + ``copy_``) is counted on one rank's tensors and added; the profiler
 runs piece by piece (:func:`lockstep`), so 256 ranks fit in memory. Times are the main thread's
@@ -132,8 +133,8 @@ def lockstep(plan, shape, per, kern, hub, scale, chunk):
 
 
 class CountingHub(VirtualHub):
-    """The in-memory transport, counting the ``copy_`` ops its deliveries issue: they stand for the
-    wire (on NCCL a transfer is one grouped send/recv launch, not one copy per tensor)."""
+    """The in-memory transport, counting its deliveries: each is one multi-tensor copy and stands
+    for the wire (on NCCL a transfer is one grouped send/recv launch)."""
 
     def __init__(self, shape) -> None:
         super().__init__(shape)
@@ -141,7 +142,7 @@ class CountingHub(VirtualHub):
 
     def _deliver(self, src_key, dst_key) -> None:
         if src_key in self._posted and dst_key in self._posted and dst_key not in self._delivered:
-            self.copies += len(self._posted[dst_key][1])
+            self.copies += 1  # one multi-tensor copy per delivered transfer
         super()._deliver(src_key, dst_key)
 
 
@@ -268,7 +269,7 @@ def measure(n: int, repeats: int):
 
 
 def table(rows) -> str:
-    head = ("algorithm", "n", "shape", "launching ops", "of which transport copies", "views", "aten::empty*",
+    head = ("algorithm", "n", "shape", "launching ops", "of which transport (one per transfer)", "views", "aten::empty*",
             "transfers", "kernel calls", "blocks", "CPU us / kernel call", "CPU us / block", "host us / call (less kernel)")
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:

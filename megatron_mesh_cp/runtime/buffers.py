@@ -121,6 +121,16 @@ class _Bound:
             hit = self._near[role] = tuple(self._roles[i] for i in near)
         return hit
 
+    def rows(self, role: tuple, rows: Optional[slice]) -> torch.Tensor:
+        """``tensor(role)[rows]`` (None: the whole tensor), the view made once and kept."""
+        if rows is None:
+            return self.tensor(role)
+        key = (role, rows.start, rows.stop)
+        t = self._views.get(key)
+        if t is None:
+            t = self._views[key] = self.tensor(role)[rows]
+        return t
+
     def tensor(self, role: tuple) -> torch.Tensor:
         t = self._views.get(role)
         if t is None:

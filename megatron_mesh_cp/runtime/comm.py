@@ -170,6 +170,7 @@ class VirtualHub:
 
     A message is copied as soon as both its sender and its receiver have posted the exchange, as
     a real transfer completes once both sides posted: after that the sender may reuse its buffer.
+    Each delivery is one multi-tensor copy, as a transfer on NCCL is one grouped launch.
     """
 
     def __init__(self, shape) -> None:
@@ -182,8 +183,7 @@ class VirtualHub:
         if src_key in self._posted and dst_key in self._posted and dst_key not in self._delivered:
             send, _ = self._posted[src_key]
             _, recv = self._posted[dst_key]
-            for dst, src in zip(recv, send):
-                dst.copy_(src)
+            torch._foreach_copy_(recv, send)
             self._delivered.add(dst_key)
 
     def clear(self) -> None:

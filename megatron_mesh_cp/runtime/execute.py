@@ -21,6 +21,11 @@ the batch's one set of lengths; with ``sub_blocks`` (documents on the ordinary l
 documents.py) each block runs as the rank's own list of kernel calls for it, none for an empty
 block. Either way every block is its own call (no grouping), and the plan says what moves.
 
+Host work per call (issue 20; scripts/bench_host.py counts it): what each op does on this rank is
+worked out once per plan, rank and chunk length (steps.py); an accumulator's first unmasked call
+is copied in rather than merged into a cleared one, block merges skip the NaN guard no unmasked
+call needs, fresh gradient partials are cleared together, and views of pool tensors are kept.
+
 Forward inputs per rank: local q, k, v. Backward inputs: local q, k, v, the final out, its lse
 ([s, b, h]), dout and ``delta = rowsum(dout * out)``; only those are kept between the passes,
 never a gathered chunk (DESIGN.md section 4).
@@ -35,30 +40,32 @@ import torch
 from .buffers import BufferPool
 from .comm import RingComm, VirtualHub
 from .kernels import BlockKernel, Varlen, lse_dtype
-from .layout import BlockSlices, KernelCall, block_case, kernel_calls, slab_piece
 from .merge import merge_into, merge_sink
-from .packed import packed_slices
 from .plan import FORWARD, ChunkDims, Compute, Free, Plan, Transfer, payload
+from .steps import Call, Part, compute_calls, prepared
 from .topology import MeshShape
 
 __all__ = ["Executor", "delta_stand_in", "run_virtual"]
 
 
-def delta_stand_in(dout: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
-    """A tensor ``x`` like ``dout`` with ``rowsum(dout * x) == delta`` (to rounding).
+def delta_stand_in(dout: torch.Tensor, delta: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """A tensor ``x`` like ``dout`` with ``rowsum(dout * x) == delta`` (to rounding), written into
+    ``out`` (``dout``'s shape and dtype) when given.
 
     Block-kernel backwards read ``out`` only through ``delta = rowsum(dout * out)``; sending the
     tiny ``delta`` instead of a foreign Q row's ``out`` saves one chunk per hop. ``x`` is parallel
     to ``dout`` and scaled by its largest element, so nothing under- or overflows (``u * u`` sums to
     at least 1); rows with ``dout == 0`` have ``delta == 0`` and get ``x = 0`` (their 0 / 0 is NaN,
-    mapped to 0 once at the end). Seven ops for fp32 (every one a launch on a GPU).
+    mapped to 0 at the end). Seven ops for fp32, eight for bf16 (every one a launch on a GPU).
     """
     acc = lse_dtype(dout.dtype)
     g = dout.to(acc)
     scale = torch.linalg.vector_norm(g, float("inf"), dim=-1, keepdim=True)  # max |dout| per row
     u = g / scale
-    x = u * ((delta.to(acc) / scale[..., 0]) / torch.linalg.vecdot(u, u)).unsqueeze(-1)
-    return x.nan_to_num_(nan=0.0).to(dout.dtype)
+    coef = ((delta.to(acc) / scale[..., 0]) / torch.linalg.vecdot(u, u)).unsqueeze(-1)
+    if out is None:
+        out = torch.empty_like(dout)
+    return torch.mul(u, coef, out=out).nan_to_num_(nan=0.0)  # computed in `acc`, rounded once into out
 
 
 def _recorded_event():
@@ -121,19 +128,22 @@ class Executor:
         q_payload = [q] if fwd else [q, tensors["dout"], tensors["delta"], tensors["lse"]]
         self.chunks: Dict[str, Dict[int, List[torch.Tensor]]] = {
             "q": {0: q_payload},
-            "kv": {0: _pieces([k, tensors["v"]])},  # KV: [k piece 0, k piece 1, v piece 0, v piece 1]
+            "kv": {0: None},  # KV as [k piece 0, k piece 1, v piece 0, v piece 1]; None: not made yet
         }
         self.kv_whole: Dict[int, List[torch.Tensor]] = {0: [k, tensors["v"]]}  # chunks outside slabs
         self.slab_left = {sl: sl[1] - sl[0] + 1 for sl in plan.slabs}  # chunks not yet freed
-        # foreign KV offsets <= the rank's row hold chunks below all its Q chunks (layout.slab_piece)
-        self.split = self.shape.coords(self.position)[0] if causal else 0
         self.arrivals: Dict[Tuple[str, int], object] = {}  # handle that delivered a gathered chunk
         self.acc: Dict[str, Dict[int, List[torch.Tensor]]] = {"o": {}, "dq": {}, "dkv": {}}
         self.incoming: Dict[str, Dict[int, list]] = {"o": {}, "dq": {}, "dkv": {}}
         self.sends: Dict[Tuple[str, int], list] = {}  # (kind, offset) -> [(handle, tensors)]
         self.stand_ins: Dict[int, torch.Tensor] = {0: tensors["out"]} if not fwd else {}
-        self.kernel_lse: Dict[Tuple[int, int, int], object] = {}
+        self.kernel_lse: Dict[tuple, object] = {}
         self._specs: Dict[str, list] = {}  # per kind: payload(phase, kind, dims), made once
+        self._fresh: set = set()  # (kind, offset) of accumulators taken from the pool, not yet written
+        # every transfer's (and, unmasked, every compute's) work on this rank, made once per plan,
+        # rank and chunk length (steps.py)
+        self.exact = varlen is None and sub_blocks is None  # unmasked: every query row of a call sees a key
+        self._steps = prepared(plan, self.position, causal, self.seq, masked=not self.exact)
         self.comm.phase = plan.phase
 
     def _payload(self, kind: str) -> list:
@@ -151,7 +161,9 @@ class Executor:
     def step(self, op) -> None:
         if isinstance(op, Compute):
             block = self._forward_call if self.plan.phase == FORWARD else self._backward_call
-            for call in self._calls(op):
+            calls = self._steps.calls[op] if self.exact else compute_calls(
+                op, self.shape, self.position, self.causal, self.seq, self.plan.slab_of, self.varlen, self.sub_blocks)
+            for call in calls:
                 block(op.q, call)
         elif isinstance(op, Transfer):
             self._transfer(op)
@@ -224,57 +236,49 @@ class Executor:
         return self.chunks[kind][off]
 
     def _transfer(self, op: Transfer) -> None:
-        dst = self.plan.dst(op)
-        specs = self._payload(op.kind)
+        mv = self._steps.moves[op]
+        kind, dst = op.kind, mv.dst
         after = ()
-        categories = [s.category for s in specs]
-        if op.kind in ("q", "kv"):
-            send = self.chunks[op.kind][op.src]  # forwarding waits for its arrival, not for compute
-            after = (self.arrivals[(op.kind, op.src)],) if (op.kind, op.src) in self.arrivals else ()
-            key = (op.kind, op.src)
-            roles = [("recv", op.kind, dst, i) for i in range(len(specs))]
-            # neither side keeps the chunk in a slab (a fact of the plan, so the same on every rank):
-            # it travels whole, as k and v, half the messages of the four pieces
-            whole = op.kind == "kv" and self.plan.slab_of(dst) is None and self.plan.slab_of(op.src) is None
-            if whole:
+        if kind in ("q", "kv"):
+            key = (kind, op.src)
+            after = (self.arrivals[key],) if key in self.arrivals else ()  # forwarding waits for its arrival only
+            if mv.whole:  # k and v, half the messages of the four pieces
                 send = self.kv_whole[op.src]
-            elif op.kind == "kv":  # the wire carries pieces: each lands where this rank keeps it
-                categories = [c for c in categories for _ in range(2)]
-                slab = self.plan.slab_of(dst)
-                if slab is not None:
-                    roles = [("slab", "kv", slab[0], i) for i in range(len(specs))]
+            else:  # the chunk as it is kept (q), or as its pieces (kv: views made on first use)
+                send = self.chunks[kind][op.src]
+                if send is None:
+                    send = self.chunks[kind][op.src] = _pieces(self.kv_whole[op.src])
         else:
-            folded = self._folded(op.kind, op.src)
+            specs = self._payload(kind)
+            folded = self._folded(kind, op.src)
             send = [t if t.dtype == s.dtype else t.to(s.dtype) for t, s in zip(folded, specs)]
-            key = (op.kind, -op.src)  # partials: never freed by a Free op
-            del self.acc[op.kind][op.src]
-            # an offset receives at most one partial per direction; the direction keeps them apart
-            roles = [("in", op.kind, dst, op.direction, i) for i in range(len(specs))]
+            key = (kind, -op.src)  # partials: never freed by a Free op
+            del self.acc[kind][op.src]
         marks: list = []
-        recv = [self._take(r, marks) for r in roles]
-        if op.kind == "kv":
-            slab = self.plan.slab_of(dst)
-            if slab is None:
+        recv = [self._take(r, marks) for r in mv.roles]
+        chunk = recv
+        if kind == "kv":
+            m = self.seq // 2
+            at = (0, m) if mv.at is None else mv.at  # where its two pieces lie: its own buffer, or the slab
+            pieces = None if mv.whole else [self.bufs.rows(r, slice(x, x + m)) for r in mv.roles for x in at]
+            if mv.at is None:
                 self.kv_whole[dst] = recv
-                recv = recv if whole else _pieces(recv)
+                chunk, recv = pieces, recv if mv.whole else pieces  # whole: pieces made if forwarded as pieces
             else:
-                m = self.seq // 2
-                at = [slab_piece(slab, dst, p, self.split) * m for p in (0, 1)]
-                recv = [t[x: x + m] for t in recv for x in at]
+                recv = chunk = pieces
         if after:  # without `after` the transfer's stream waits for all compute so far anyway
             after = tuple(after) + tuple(marks)
-        handle = self.comm.exchange(op.ring, op.direction, send, recv, categories, after=after)
+        handle = self.comm.exchange(op.ring, op.direction, send, recv, mv.categories, after=after)
         self.sends.setdefault(key, []).append((handle, send))  # keep what is sent alive until done
-        if op.kind not in ("q", "kv"):
-            acc_roles = [("acc", op.kind, op.src, i) for i in range(len(specs))]
+        if kind in ("q", "kv"):
+            self.chunks[kind][dst] = chunk
+            self.arrivals[(kind, dst)] = handle
+        else:
+            acc_roles = [("acc", kind, op.src, i) for i in range(len(send))]
             for t, r in zip(send, acc_roles):
                 self._sending(t, r, handle)
             self._died(acc_roles)
-        if op.kind in ("q", "kv"):
-            self.chunks[op.kind][dst] = _pieces(recv) if whole else recv
-            self.arrivals[(op.kind, dst)] = handle
-        else:
-            self.incoming[op.kind].setdefault(dst, []).append((handle, recv))
+            self.incoming[kind].setdefault(dst, []).append((handle, recv))
 
     def _free(self, kind: str, off: int) -> None:
         self._chunk(kind, off)
@@ -296,17 +300,26 @@ class Executor:
             for key in [k for k in self.kernel_lse if k[0] == off]:
                 del self.kernel_lse[key]
 
+    def _acc(self, kind: str, off: int) -> List[torch.Tensor]:
+        """The accumulator of partial ``kind`` at ``off``, taken from the pool on first use and then
+        *fresh* (unwritten) until a kernel call's result is copied in or it is initialised."""
+        bufs = self.acc[kind].get(off)
+        if bufs is None:
+            bufs = self.acc[kind][off] = [self._take(("acc", kind, off, i)) for i in range(len(self._payload(kind)))]
+            self._fresh.add((kind, off))
+        return bufs
+
     def _partial(self, kind: str, off: int) -> List[torch.Tensor]:
-        acc = self.acc[kind]
-        if off not in acc:
-            bufs = [self._take(("acc", kind, off, i)) for i in range(len(self._payload(kind)))]
-            if kind == "o":  # untouched rows: out = 0, lse = -inf
+        """The accumulator, initialised if fresh: untouched rows (out = 0, lse = -inf; gradients 0)."""
+        bufs = self._acc(kind, off)
+        if (kind, off) in self._fresh:
+            self._fresh.discard((kind, off))
+            if kind == "o":
                 bufs[0].zero_()
                 bufs[1].fill_(float("-inf"))
             else:  # dq, or dk and dv: one multi-tensor zero
                 torch._foreach_zero_(bufs)
-            acc[off] = bufs
-        return acc[off]
+        return bufs
 
     def _folded(self, kind: str, off: int) -> List[torch.Tensor]:
         """The partial of ``off`` with every partial received for it folded in (plan order)."""
@@ -325,81 +338,113 @@ class Executor:
 
     def _scratch(self, like: torch.Tensor) -> torch.Tensor:
         """A reusable scratch view shaped like ``like`` (rows are leading, so a prefix view fits)."""
-        return self._take(("scratch", like.dim()))[: like.shape[0]]
+        role = ("scratch", like.dim())
+        self._take(role)
+        return self.bufs.rows(role, slice(0, like.shape[0]))
 
-    def _calls(self, op: Compute) -> List[KernelCall]:
-        """The kernel calls of a compute on this rank: one per contiguous run of keys per case
-        (masked: one per block, each then run as its sub-blocks; none for an empty block)."""
-        i = self.shape.q_chunk(self.position, op.q)
-        cases = {ko: block_case(i, self.shape.kv_chunk(self.position, ko), self.causal) for ko in op.kvs}
-        if self.varlen is None and self.sub_blocks is None:
-            return kernel_calls(op.kvs, cases, self.plan.slab_of, self.split)
-        kvs = op.kvs if self.sub_blocks is None else [ko for ko in op.kvs if self.sub_blocks[(op.q, ko)]]
-        return [c for ko in kvs for c in kernel_calls((ko,), cases, self.plan.slab_of, self.split)]
-
-    def _parts(self, qo: int, call: KernelCall):
-        """``(k, v, parts)``: the keys the call reads and its kernel calls ``(rows, cols, causal,
-        varlen, window)``, cols relative to ``k``. Outside a slab ``k`` is the whole chunk; in a slab, the
-        call's pieces side by side (for one masked block: its first piece, then its second if it
-        reads it, so the chunk's rows are the same range of ``k``). Waits for the chunks."""
+    def _keys(self, call: Call):
+        """``(k, v)`` a call reads: the chunk's own buffer, or its rows of the slab. Waits for the chunks."""
         for ko in call.kvs:
             self._chunk("kv", ko)
         if call.slab is None:
-            k, v = self.kv_whole[call.kvs[0]]
-        else:
-            m = self.seq // 2
-            keys = slice(call.start * m, (call.start + len(call.pieces)) * m)
-            k, v = (self.bufs.tensor(("slab", "kv", call.slab[0], i))[keys] for i in range(2))
-        if self.sub_blocks is not None:
-            return k, v, self.sub_blocks[(qo, call.kvs[0])]
-        if self.varlen is not None:
-            return k, v, [(s.q_rows, s.kv_cols, s.causal, self.varlen, None) for s in packed_slices(call.case, self.seq)]
-        sl = BlockSlices.of(call.case, self.seq)
-        return k, v, [(sl.q_rows, sl.kv_cols if call.slab is None else slice(None), sl.causal, None, None)]
+            return self.kv_whole[call.kvs[0]]
+        return tuple(self.bufs.rows(("slab", "kv", call.slab[0], i), call.keys) for i in range(2))
 
-    def _forward_call(self, qo: int, call: KernelCall) -> None:
+    def _forward_call(self, qo: int, call: Call) -> None:
         (q,) = self._chunk("q", qo)
-        k, v, parts = self._parts(qo, call)
-        acc_out, acc_lse = self._partial("o", qo)
-        for rows, cols, causal, varlen, window in parts:
-            vl = _masked(varlen, window)
+        k, v = self._keys(call)
+        exact = self.exact
+        for p in call.parts:
+            vl = _masked(p.varlen, p.window)
+            qq, kk, vv = _rows(q, p.rows), _rows(k, p.cols), _rows(v, p.cols)
             if self.max_logit is not None:
                 vl["return_max_logit"] = True
-                out, lse, top = self.kernel.forward(q[rows], k[cols], v[cols], causal=causal, scale=self.scale, **vl)
+                out, lse, top = self.kernel.forward(qq, kk, vv, causal=p.causal, scale=self.scale, **vl)
                 torch.maximum(self.max_logit, top, out=self.max_logit)
             else:
-                out, lse = self.kernel.forward(q[rows], k[cols], v[cols], causal=causal, scale=self.scale, **vl)
-            merge_into(acc_out[rows], acc_lse[rows], out, lse.permute(2, 0, 1), scratch=self._scratch)
+                out, lse = self.kernel.forward(qq, kk, vv, causal=p.causal, scale=self.scale, **vl)
+            self._fold_block(qo, p.rows, out, lse.permute(2, 0, 1), exact)
 
-    def _backward_call(self, qo: int, call: KernelCall) -> None:
+    def _fold_block(self, qo: int, rows, out: torch.Tensor, lse: torch.Tensor, exact: bool) -> None:
+        """Merge one call's ``(out, lse [s, b, h])`` into Q offset ``qo``'s partial. The first
+        unmasked call into a fresh partial is copied in (bitwise what merging it into out = 0,
+        lse = -inf gives), the rows it does not cover set untouched; masked calls, which may leave
+        rows with no key, merge into an initialised partial."""
+        key = ("o", qo)
+        acc_out, acc_lse = self._acc("o", qo)
+        if exact and key in self._fresh:
+            self._fresh.discard(key)
+            for sl in _outside(rows, self.seq):
+                acc_out[sl].zero_()
+                acc_lse[sl].fill_(float("-inf"))
+            self.bufs.rows(("acc", "o", qo, 0), rows).copy_(out)
+            self.bufs.rows(("acc", "o", qo, 1), rows).copy_(lse)
+            return
+        self._partial("o", qo)
+        merge_into(self.bufs.rows(("acc", "o", qo, 0), rows), self.bufs.rows(("acc", "o", qo, 1), rows), out, lse,
+                   scratch=self._scratch, finite=exact)
+
+    def _backward_call(self, qo: int, call: Call) -> None:
         q, dout, delta, lse = self._chunk("q", qo)
-        k, v, parts = self._parts(qo, call)
+        k, v = self._keys(call)
         if qo not in self.stand_ins:  # a foreign chunk's stand-in lives in the pool until its Free
-            self.stand_ins[qo] = self._take(("stand_in", qo)).copy_(delta_stand_in(dout, delta))
+            self.stand_ins[qo] = delta_stand_in(dout, delta, out=self._take(("stand_in", qo)))
         out = self.stand_ins[qo]
-        m = self.seq // 2
-        one = self.varlen is not None or self.sub_blocks is not None  # one block: cols are its chunk's rows
-        for rows, cols, causal, varlen, window in parts:
-            vl = _masked(varlen, window)
-            lkey = (qo, rows.start, rows.stop, varlen is not None)
+        exact = self.exact
+        for p in call.parts:
+            vl = _masked(p.varlen, p.window)
+            lkey = (qo, None if p.rows is None else (p.rows.start, p.rows.stop), p.varlen is not None)
             if lkey not in self.kernel_lse:  # once per chunk and row range, not per block
-                self.kernel_lse[lkey] = self.kernel.lse_for_backward(lse[rows], **_masked(varlen, None))
+                self.kernel_lse[lkey] = self.kernel.lse_for_backward(_rows(lse, p.rows), **_masked(p.varlen, None))
             dq, dk, dv = self.kernel.backward(
-                dout[rows], q[rows], k[cols], v[cols], out[rows], self.kernel_lse[lkey],
-                causal=causal, scale=self.scale, **vl,
+                _rows(dout, p.rows), _rows(q, p.rows), _rows(k, p.cols), _rows(v, p.cols), _rows(out, p.rows),
+                self.kernel_lse[lkey], causal=p.causal, scale=self.scale, **vl,
             )
-            self._partial("dq", qo)[0][rows].add_(dq)
-            if call.slab is None or one:
-                acc_k, acc_v = self._partial("dkv", call.kvs[0])
-                acc_k[cols].add_(dk)
-                acc_v[cols].add_(dv)
-                continue
-            first = (cols.start or 0) // m  # each piece's gradient into its chunk's partial
-            for at in range(dk.shape[0] // m):
-                ko, piece = call.pieces[first + at]
-                acc_k, acc_v = self._partial("dkv", ko)
-                acc_k[piece * m: (piece + 1) * m].add_(dk[at * m: (at + 1) * m])
-                acc_v[piece * m: (piece + 1) * m].add_(dv[at * m: (at + 1) * m])
+            self._add_grads(qo, p, dq, dk, dv, exact)
+
+    def _add_grads(self, qo: int, p: Part, dq, dk, dv, exact: bool) -> None:
+        """Add one call's gradients into the dQ partial of ``qo`` and the dK/dV partials of
+        ``p.grads``. A fresh partial the (unmasked) call covers whole is copied into instead (0 + x
+        is x); the other fresh ones it touches are zeroed first, all in one multi-tensor op."""
+        self._acc("dq", qo)
+        writes = [(("dq", qo), ("acc", "dq", qo, 0), p.rows, dq, None)]
+        for ko, acc_rows, g_rows in p.grads:
+            self._acc("dkv", ko)
+            writes += [(("dkv", ko), ("acc", "dkv", ko, 0), acc_rows, dk, g_rows),
+                       (("dkv", ko), ("acc", "dkv", ko, 1), acc_rows, dv, g_rows)]
+        copied = ()
+        fresh = [key for key in dict.fromkeys(w[0] for w in writes) if key in self._fresh]
+        if fresh:
+            copied = {key for key in fresh if exact and _covers(key, qo, p, self.seq)}
+            zero = [t for key in fresh if key not in copied for t in self.acc[key[0]][key[1]]]
+            if zero:
+                torch._foreach_zero_(zero)
+            self._fresh.difference_update(fresh)
+        for key, role, acc_rows, g, g_rows in writes:
+            dst, src = self.bufs.rows(role, acc_rows), _rows(g, g_rows)
+            if key in copied:
+                dst.copy_(src)
+            else:
+                dst.add_(src)
+
+
+def _rows(t: torch.Tensor, rows) -> torch.Tensor:
+    """``t[rows]``; ``t`` itself for ``None`` (every row: no view taken)."""
+    return t if rows is None else t[rows]
+
+
+def _outside(rows, seq: int) -> List[slice]:
+    """The row ranges of a chunk of ``seq`` rows outside ``rows`` (None: every row)."""
+    if rows is None:
+        return []
+    return [sl for sl in (slice(0, rows.start or 0), slice(rows.stop, seq)) if sl.start < sl.stop]
+
+
+def _covers(key: tuple, qo: int, p: Part, seq: int) -> bool:
+    """Whether part ``p`` writes every row of the partial ``key`` (its pieces are disjoint)."""
+    if key[0] == "dq":
+        return p.rows is None
+    return sum(seq if r is None else r.stop - (r.start or 0) for ko, r, _ in p.grads if ko == key[1]) == seq
 
 
 def _masked(varlen, window) -> dict:

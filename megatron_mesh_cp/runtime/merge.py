@@ -36,16 +36,21 @@ def merge_into(
     out: torch.Tensor,
     lse: torch.Tensor,
     scratch: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+    finite: bool = False,
 ) -> None:
     """Merge partial ``(out, lse)`` into ``(acc_out, acc_lse)`` in place.
 
     Shapes: out ``[..., d]``, lse ``[...]`` (views allowed); acc tensors in fp32/fp64.
     ``scratch(like)`` may supply reusable buffers shaped like ``like`` so the merge allocates nothing.
+    ``finite``: ``lse`` has no -inf row (an unmasked kernel call's: every query sees a key), so no
+    row is untouched on both sides and the NaN guard is skipped (it would change nothing).
     Five ops when ``out`` has the accumulator's dtype (``acc + w * (out - acc)`` is one ``lerp_``),
-    six otherwise (``lerp_`` takes one dtype): on a GPU each is a kernel launch.
+    six otherwise (``lerp_`` takes one dtype), one less when ``finite``: on a GPU each is a launch.
     """
     w = torch.sub(lse, acc_lse) if scratch is None else torch.sub(lse, acc_lse, out=scratch(acc_lse))
-    w.sigmoid_().nan_to_num_(nan=0.0)  # rows untouched on both sides: sigmoid(NaN) -> 0, they stay so
+    w.sigmoid_()
+    if not finite:
+        w.nan_to_num_(nan=0.0)  # rows untouched on both sides: sigmoid(NaN) -> 0, they stay so
     if out.dtype == acc_out.dtype:
         acc_out.lerp_(out, w.unsqueeze(-1))
     else:
