@@ -3,6 +3,7 @@
 
     python scripts/bench_host.py                      # n = 16, 64, 256: mesh, a2a+mesh, Ring (1 x n)
     python scripts/bench_host.py --n 32 --json x.json # one size; raw numbers as JSON
+    python scripts/bench_host.py --compare old.json new.json   # two runs as a before -> after table
 
 Method (docs/DESIGN.md, "Host cost per kernel call"): all ranks of a mesh in one process (``run_virtual``, the
 executor every rank runs, with warm buffer pools), tiny CPU tensors (batch 1, 2 tokens per zigzag
@@ -282,12 +283,40 @@ def table(rows) -> str:
     return "\n".join(out)
 
 
+def compare(before, after) -> str:
+    """Rows of two runs (``--json``) side by side, ``before -> after``. Launching ops are given as
+    each run counted them and with the transport as one op per transfer in both (what a wire's
+    grouped launch is: earlier versions counted one copy per tensor)."""
+    head = ("algorithm", "n", "shape", "launching ops as counted", "launching ops, one per transfer",
+            "executor's own", "views", "aten::empty*", "kernel calls", "CPU us / kernel call",
+            "host us / call (less kernel)")
+    old = {(r["algo"], r["n"], r["shape"]): r for r in before}
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in after:
+        b = old.get((r["algo"], r["n"], r["shape"]))
+        if b is None:
+            continue
+        wire = lambda x: x["executor_launching"] + x["transfers"]  # noqa: E731
+        cell = lambda x, y, f="{:.0f}": f"{f.format(x)} -> {f.format(y)}"  # noqa: E731
+        out.append("| " + " | ".join([
+            r["algo"], str(r["n"]), r["shape"], cell(b["launching"], r["launching"]), cell(wire(b), wire(r)),
+            cell(b["executor_launching"], r["executor_launching"]), cell(b["views"], r["views"]),
+            cell(b["allocations"], r["allocations"]), f"{r['kernel_calls']:.0f}",
+            cell(b["us_per_call"], r["us_per_call"]), cell(b["host_us_per_call"], r["host_us_per_call"])]) + " |")
+    return "\n".join(out)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--n", type=int, nargs="*", default=[16, 64, 256], choices=sorted(CONFIGS))
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--json", help="write the rows here")
+    p.add_argument("--compare", nargs=2, metavar=("BEFORE", "AFTER"),
+                   help="print two runs' rows (--json files) as a before -> after table; measures nothing")
     args = p.parse_args(argv)
+    if args.compare:
+        print(compare(*(json.loads(Path(x).read_text()) for x in args.compare)))
+        return 0
     torch.set_num_threads(1)
     rows = []
     for n in args.n:

@@ -7,7 +7,8 @@
 For n in {16, 64, 128, 256}, S in {128K, 1M}, MHA (32/32) and GQA (32/8), d = 128, causal, on every
 cluster preset: time of each algorithm, the chosen shapes, speed of the best mesh-family algorithm
 vs USP and Ring, bytes vs Ring, exposed communication, peak attention memory per rank, how the
-calibration moved the n = 256 rows, and the auto choices' planner time at n = 256. The measured
+calibration and the host term (per kernel call) move the n = 256 rows, and the auto choices'
+planner time at n = 256. The measured
 "Host cost" section (scripts/bench_host.py, CPU) is carried over from the page it replaces.
 Partials travel in bf16 for every algorithm here, as Megatron/TE's Ring sends dK/dV; a second
 table repeats n = 256 with fp32 partials (the library's exact default).
@@ -104,6 +105,28 @@ def before_after(cluster, n):
     return "\n".join(lines)
 
 
+def host_term(cluster, n):
+    """The same rows with the host term off and on (HOST_PER_CALL_US per kernel call), naming the
+    phases the host paced (PhaseResult.host_bound)."""
+    free = replace(cluster, host_per_call=0.0, name=f"{cluster.name}-no-host")
+    lines = ["| S | heads/kv | " + " | ".join(f"{a} ms without -> with" for a in ALGOS) + " |",
+             "|" + "---|" * (2 + len(ALGOS))]
+    for seq in (128 * 1024, 1 << 20):
+        for kv in (32, 8):
+            w = Workload(seq_local=seq // n, heads=32, kv_heads=kv, head_dim=128, partial_bytes=2)
+            cells = []
+            for a in ALGOS:
+                r0, r1 = (simulate_algorithm(a, n, c, w) for c in (free, cluster))
+                cell = f"{r0.time * 1e3:.1f} -> {r1.time * 1e3:.1f} ({r1.time / r0.time:.2f}x)"
+                if r1.shape != r0.shape:
+                    cell += f", {r0.shape} -> {r1.shape}"
+                if r1.host_bound:
+                    cell += f", **host-bound** ({' + '.join(r1.host_bound)})"
+                cells.append(cell)
+            lines.append(f"| {fmt_seq(seq)} | 32/{kv} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=None, help="default: docs/performance.md (docs/packing.md with --packed)")
@@ -131,6 +154,7 @@ def main():
     h100 = load_cluster("h100-ib400")
     exact = [row(h100, ns[-1], seq, kv, 4) for seq in (128 * 1024, 1 << 20) for kv in (32, 8)]
     moved = before_after(h100, ns[-1])
+    hosted = host_term(h100, ns[-1])
     # planner time at the largest n, cold caches (CPU seconds of this process)
     w = Workload(seq_local=(1 << 20) // ns[-1], heads=32, kv_heads=8, head_dim=128)
     timings = {}
@@ -158,7 +182,9 @@ def main():
         "fitted to published Ring / Ulysses / USP measurements (docs/calibration.md: 18 of 22 ratios within "
         "10%, worst 15%); before, the model hid communication for free and overstated every ring-style "
         "algorithm, mesh included, by 10-30% against all-to-all ones. The same costs apply to every "
-        "algorithm here.",
+        "algorithm here, and so does the host term (issue 20): the host issues each kernel call in "
+        f"{h100.host_per_call * 1e6:.0f} us beside the GPU, a step costing the larger of the two (section "
+        "\"How the host term moves\" below).",
         "",
         "Setup: one attention layer, forward + backward, causal, d = 128, 32 query heads (MHA: 32 kv heads, "
         "GQA: 8), batch 1, bf16. *Ring* is Megatron/TE's `p2p` schedule (one-way ring, overlapped hop by hop). "
@@ -196,6 +222,17 @@ def main():
         "Simulated time of one layer before (no overlap costs, private PCIe links) and after calibration:",
         "",
         moved,
+        "",
+        f"## How the host term moves the n = {ns[-1]} rows (h100-ib400)",
+        "",
+        f"The host issues every block-kernel call in `host_per_call` ({h100.host_per_call * 1e6:.0f} us: "
+        "`HOST_PER_CALL_US`, the executor's CPU time per kernel call less the kernel's own, measured by "
+        "scripts/bench_host.py, \"Host cost\" below) while the GPU runs the steps it already issued, so "
+        "back-to-back steps cost the larger of the two. Simulated time of one layer without and with it; "
+        "host-bound: the slowest rank's host issued longer than its GPU computed in that phase; a shape "
+        "change is auto's choice moving:",
+        "",
+        hosted,
         "",
         f"## Exact mode: fp32 partials for every algorithm (h100-ib400, n = {ns[-1]})",
         "",

@@ -147,3 +147,16 @@ def test_host_cost_per_kernel_call_bounds_compute_steps():
     d["host"] = {"per_call_us": -1}
     with pytest.raises(ValueError, match="host.per_call_us too"):
         Cluster.from_dict(d)
+
+
+def test_simulated_results_name_the_phases_the_host_paced():
+    """SimResult.host_bound (what docs/performance.md flags): the phases whose replay the host paced,
+    for a plan run alone and for the mesh inside a2a+mesh; none without a host term."""
+    from megatron_mesh_cp.planning.baselines import a2a_mesh, simulate_algorithm
+
+    c = load_cluster("h100-ib400")
+    w = _w(seq_local=512)
+    for host, bound in ((0.0, ()), (1e-3, ("forward", "backward"))):
+        cl = replace(c, host_per_call=host, name=f"h100-host-{host}")
+        assert simulate_algorithm("mesh:4x4", 16, cl, w).host_bound == bound
+        assert a2a_mesh(2, 2, 2, cl, w).host_bound == bound

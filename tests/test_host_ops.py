@@ -40,3 +40,41 @@ def test_launching_ops_per_rank_and_layer_stay_near_the_measured_figures():
     assert launch / ranks <= 98, f"{launch / ranks:.1f} launching ops per rank and layer (measured 90.5 after issue 20)"
     assert views / ranks <= 186, f"{views / ranks:.1f} views per rank and layer (measured 172)"
     assert alloc <= kern.calls, f"{alloc} allocations for {kern.calls} kernel calls"
+
+
+def test_bench_host_compares_two_runs_like_for_like():
+    """``bench_host.py --compare``: before -> after per row, launching ops also with the transport as
+    one op per transfer in both runs (earlier runs counted one copy per tensor)."""
+    bh = _bench_host()
+    row = dict(algo="mesh", n=32, shape="8x4", views=973.0, allocations=0.0, kernel_calls=42.0, transfers=37,
+               us_per_call=139.0, host_us_per_call=101.0)
+    before = [dict(row, launching=471.0, executor_launching=385.0)]
+    after = [dict(row, launching=361.0, executor_launching=324.0, views=632.0, host_us_per_call=70.0)]
+    line = bh.compare(before, after).splitlines()[-1]
+    assert line.startswith("| mesh | 32 | 8x4 | 471 -> 361 | 422 -> 361 | 385 -> 324 | 973 -> 632 | 0 -> 0 | 42 |")
+    assert line.endswith("| 139 -> 139 | 101 -> 70 |")
+
+
+def test_what_the_executor_skips_changes_no_value():
+    """The identities the fewer ops rest on, bit for bit: merging a partial into an untouched one
+    (out = 0, lse = -inf) gives the partial itself (the executor copies the first call in instead),
+    adding to zeros gives the addend, and with a finite lse the merge's NaN guard changes nothing
+    (merge_into(finite=True)); for fp32 and bf16 kernel outputs into fp32 accumulators."""
+    from megatron_mesh_cp.runtime.merge import empty_partial, merge_into
+
+    g = torch.Generator().manual_seed(0)
+    for dt in (torch.float32, torch.bfloat16):
+        out = (torch.randn(6, 1, 4, 8, generator=g) * 3).to(dt)
+        lse = torch.randn(6, 1, 4, generator=g) * 5
+        acc_out, acc_lse = empty_partial(out, torch.float32)
+        merge_into(acc_out, acc_lse, out, lse)
+        assert torch.equal(acc_out, out.float()) and torch.equal(acc_lse, lse)
+        grad = torch.randn(6, 1, 4, 8, generator=g).to(dt)
+        assert torch.equal(torch.zeros(6, 1, 4, 8).add_(grad), grad.float())
+        other = (torch.randn(6, 1, 4, 8, generator=g)).to(dt), torch.randn(6, 1, 4, generator=g)
+        guarded, fast = [(acc_out.clone(), acc_lse.clone()) for _ in range(2)]
+        for (o, s), finite in ((guarded, False), (fast, True)):
+            o[:3], s[:3] = 0, float("-inf")  # rows untouched on the accumulator's side only
+            merge_into(o, s, *other, finite=finite)
+        assert torch.equal(guarded[0], fast[0]) and torch.equal(guarded[1], fast[1])
+        assert torch.isfinite(fast[0]).all() and torch.isfinite(fast[1]).all()

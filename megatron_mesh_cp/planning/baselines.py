@@ -74,6 +74,7 @@ class SimResult:
     bytes_by_phase: Dict[str, float] = field(default_factory=dict)  # forward / backward, per rank
     time_by_phase: Dict[str, float] = field(default_factory=dict)  # forward / backward, seconds
     peak_bytes: float = 0.0  # attention memory a rank holds at its peak (buffers beyond q, k, v, out)
+    host_bound: Tuple[str, ...] = ()  # phases whose replay the host paced (PhaseResult.host_bound)
 
     @property
     def exposed(self) -> float:
@@ -94,6 +95,7 @@ def _from_phases(algo: str, fwd: PhaseResult, bwd: PhaseResult, shape: str, note
         timeline,
         {ph: float(sum(v[0] for v in r.sent.values())) for ph, r in (("forward", fwd), ("backward", bwd))},
         {"forward": fwd.time, "backward": bwd.time},
+        host_bound=tuple(ph for ph, r in (("forward", fwd), ("backward", bwd)) if r.host_bound),
     )
 
 
@@ -191,6 +193,7 @@ def _ulysses_around(u: int, inner: Optional[SimResult], cluster: Cluster, w: Wor
     res.bytes_inter += inner.bytes_inter
     res.compute = inner.compute
     res.peak_bytes = inner.peak_bytes + ulysses_buffer_bytes(u, w)
+    res.host_bound = inner.host_bound
     return res
 
 
