@@ -103,8 +103,10 @@ def _s3() -> List[Case]:
 def _s5() -> List[Case]:
     rows = [("h800-nvlink", _FWD, 0.852), ("h800-nvlink", _BOTH, 0.902),
             ("a100-nvlink", _FWD, 0.817), ("a100-nvlink", _BOTH, 0.898)]
-    return [Case("S5", f"{hw.split('-')[0].upper()} {"fwd+bwd" if len(ph) == 2 else "fwd"} ideal / ring", hw, 8, 64 * K,
-                 32, 8, 128, 1, "ideal", "ring", ph, m) for hw, ph, m in rows]
+    def label(hw: str, ph: Tuple[str, ...]) -> str:
+        return f"{hw.split('-')[0].upper()} {'fwd+bwd' if len(ph) == 2 else 'fwd'} ideal / ring"
+
+    return [Case("S5", label(hw, ph), hw, 8, 64 * K, 32, 8, 128, 1, "ideal", "ring", ph, m) for hw, ph, m in rows]
 
 
 #: S6: TFLOPS per GPU by (Ulysses u, ring r) and sequence; step-time ratios are taken against u4 r4.
