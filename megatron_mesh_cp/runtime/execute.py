@@ -21,7 +21,7 @@ the batch's one set of lengths; with ``sub_blocks`` (documents on the ordinary l
 documents.py) each block runs as the rank's own list of kernel calls for it, none for an empty
 block. Either way every block is its own call (no grouping), and the plan says what moves.
 
-Host work per call (issue 20; scripts/bench_host.py counts it): what each op does on this rank is
+Host work per call (scripts/bench_host.py counts it): what each op does on this rank is
 worked out once per plan, rank and chunk length (steps.py); an accumulator's first unmasked call
 is copied in rather than merged into a cleared one, block merges skip the NaN guard no unmasked
 call needs, fresh gradient partials are cleared together, and views of pool tensors are kept.
