@@ -598,27 +598,40 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     if args.spec is None:
         model_cfg.transformer_layer_spec = gpt_mesh_spec
     container = pretrain_cfg_container_from_args(args, model_cfg)
+    from . import exits
+
+    exits.install()
     try:
         pretrain(container, datasets_provider, ModelType.encoder_or_decoder, forward_step)
-    except SystemExit as exc:  # Megatron's early exits (duration, signal, interval) end in sys.exit
+    except SystemExit as exc:  # planned early exits (duration, signal, interval) and failures both end in sys.exit
+        verdict = exits.classify(exc, args.save)
+        if not verdict.planned and (not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0):
+            print(f"error: {verdict.reason}", file=sys.stderr, flush=True)
         if torch.distributed.is_initialized():
-            _finish(args, opts, megatron_argv, started, stdlib,
-                    exit=f"Megatron exited early (code {exc.code}) at iteration {_LOSSES[-1][0] if _LOSSES else 0}: "
-                         "--exit-duration-in-mins, --exit-signal-handler or --exit-interval")
-        raise
+            _finish(args, opts, megatron_argv, started, stdlib, exit=verdict.reason, failed=not verdict.planned)
+        raise SystemExit(verdict.code) from None
+    except AssertionError as exc:  # Megatron's scheduler check on resume is an assert: name the fix
+        fix = exits.scheduler_mismatch(exc)
+        if fix is None:
+            raise
+        if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+            print(f"error: {fix}", file=sys.stderr, flush=True)
+        raise SystemExit(exits.FAILED) from None
     _finish(args, opts, megatron_argv, started, stdlib)
 
 
-def _finish(args, opts, megatron_argv: List[str], started: float, stdlib: bool, exit: Optional[str] = None) -> None:
+def _finish(args, opts, megatron_argv: List[str], started: float, stdlib: bool, exit: Optional[str] = None,
+            failed: bool = False) -> None:
     """The last rank's summary (and summary JSON); after a complete run also the CP = 1 loss plot."""
     last = torch.distributed.get_rank() == torch.distributed.get_world_size() - 1
     summary = _summary(args, opts, started)
     summary["data"] = _data_label(args, stdlib, opts.stdlib_doc_bytes)
     summary["exit"] = exit
+    summary["failed"] = failed
     if not last:
         return
     if exit:
-        log.info(exit)
+        (log.error if failed else log.info)(exit)
     _print_summary(summary)
     if opts.summary_json:
         Path(opts.summary_json).parent.mkdir(parents=True, exist_ok=True)
