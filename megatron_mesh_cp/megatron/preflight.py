@@ -25,7 +25,7 @@ import sys
 import tempfile
 from typing import List, NamedTuple, Optional
 
-__all__ = ["Check", "run_checks", "main"]
+__all__ = ["Check", "run_checks", "data_check", "main"]
 
 #: megatron-core minor versions the launcher runs on: CI runs 0.19.2; Megatron-LM main (0.20.0, d98e8a6)
 #: passed the launcher's Megatron tests by hand (README, Compatibility)
@@ -124,19 +124,25 @@ def _tokenizer(args, software: bool, found: dict) -> List[Check]:
 
 
 def _data(args) -> List[Check]:
+    return [data_check(args)]
+
+
+def data_check(args) -> Check:
+    """Every data prefix's ``.bin`` and ``.idx`` exist (the launcher's dry run runs this check too)."""
     if args.mock_data:
-        return [Check("data", True, "mock data")]
+        return Check("data", True, "mock data")
     from megatron.core.datasets.utils import get_blend_from_list
 
     blends = [("data_path", args.data_path), ("train_data_path", args.train_data_path),
               ("valid_data_path", args.valid_data_path), ("test_data_path", args.test_data_path)]
     prefixes = [(k, p) for k, v in blends if v for p in get_blend_from_list(v)[0]]
     if not prefixes:
-        return [Check("data", False, "no data_path (or train/valid/test_data_path) and no mock_data")]
-    missing = [f"{k}: {p}.{ext}" for k, p in prefixes for ext in ("bin", "idx") if not os.path.isfile(f"{p}.{ext}")]
+        return Check("data", False, "no data_path (or train/valid/test_data_path) and no mock_data")
+    missing = [f"{k}: {p}.{ext}" for k, p in prefixes for ext in ("bin", "idx")
+               if "://" not in p and not os.path.isfile(f"{p}.{ext}")]
     if missing:
-        return [Check("data", False, "missing " + ", ".join(missing[:4]) + (" ..." if len(missing) > 4 else ""))]
-    return [Check("data", True, f"{len(prefixes)} dataset prefix(es), .bin and .idx present")]
+        return Check("data", False, "missing " + ", ".join(missing[:4]) + (" ..." if len(missing) > 4 else ""))
+    return Check("data", True, f"{len(prefixes)} dataset prefix(es), .bin and .idx present")
 
 
 def _has_checkpoint(path: Optional[str]) -> bool:

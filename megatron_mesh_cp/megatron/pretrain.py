@@ -31,6 +31,8 @@ through :mod:`megatron_mesh_cp.megatron.cpu_compat`; with CUDA that module is ne
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import logging
 import os
@@ -50,7 +52,7 @@ __all__ = ["main", "cli", "config_to_argv", "parse_megatron_args"]
 log = logging.getLogger("megatron_mesh_cp")
 
 LAUNCHER_FLAGS = ("--config", "--summary-json", "--plot-loss", "--dump-grads", "--data-cache-dir", "--gpu-memory-gib",
-                  "--stdlib-doc-bytes")
+                  "--stdlib-doc-bytes", "--show-megatron-args")
 YAML_CFG_REFUSED = (
     "--yaml-cfg: Megatron's experimental YAML path fails inside megatron-core's own parse_args (0.19.2 and "
     "main: AttributeError: 'types.SimpleNamespace' object has no attribute 'disable_msc_deprecated'); use "
@@ -344,6 +346,8 @@ def _launcher_parser() -> argparse.ArgumentParser:
     g.add_argument("--dry-run", action="store_true",
                    help="resolve and validate the arguments (mesh shape included), print the layout and a per-GPU "
                         "memory estimate, start nothing (WORLD_SIZE: the job's world size)")
+    g.add_argument("--show-megatron-args", action="store_true",
+                   help="with --dry-run: also print Megatron's own list of resolved arguments (hundreds of lines)")
     g.add_argument("--gpu-memory-gib", type=float,
                    default=float(os.environ.get("MESH_CP_GPU_MEMORY_GIB", "0")) or None,
                    help="the dry run's memory warning threshold (default: this GPU's memory, else 80)")
@@ -407,9 +411,28 @@ def _summary(args, opts, started: float) -> Dict:
     }
 
 
-def _print_resolved(args, gpu_gib: Optional[float]) -> None:
-    """--dry-run: the parallel layout, CP algorithm and per-GPU memory estimate (nothing is started)."""
-    from .memory import report
+def _missing_data(args) -> Optional[str]:
+    """--dry-run: the local dataset files the job will read (each prefix's .bin and .idx), as the preflight checks
+    them; None when all are there (or the data is mock, remote or the built-in corpus)."""
+    from .preflight import data_check
+
+    paths = [p for p in (args.data_path or []) + (args.train_data_path or []) if "://" not in str(p)]
+    if args.mock_data or not paths:
+        return None
+    check = data_check(args)
+    if check.ok:
+        return None
+    return (f"--data-path: {check.detail} (a dataset prefix PREFIX names PREFIX.bin and PREFIX.idx, as "
+            "tools/preprocess_data.py writes them; a real run would fail only after building the model)")
+
+
+def _print_resolved(args, gpu_gib: Optional[float], data_given: bool) -> None:
+    """--dry-run: the parallel layout, CP algorithm, per-GPU memory estimate and the simulated step on the configured
+    data (nothing is started)."""
+    from .checkpoint_model import padded_vocab
+    from .memory import report, tokenizer_vocab
+    from .step_estimate import dry_run_estimate, layout_lines
+
     algo = getattr(args, "context_parallel_algo", None) or (args.cp_comm_type[0] if args.cp_comm_type else "p2p")
     log.info(f"world {args.world_size}: TP {args.tensor_model_parallel_size} x PP "
              f"{args.pipeline_model_parallel_size} x CP {args.context_parallel_size} x DP {args.data_parallel_size}; "
@@ -419,7 +442,11 @@ def _print_resolved(args, gpu_gib: Optional[float]) -> None:
     log.info(f"document masking: {_masking(args)}")
     if gpu_gib is None:
         gpu_gib = torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available() else 80.0
-    for level, line in report(args, gpu_gib):
+    vocab, hint = tokenizer_vocab(args)
+    if vocab:
+        args.padded_vocab_size = padded_vocab(vocab, args)
+    for level, line in report(args, gpu_gib, hint) + layout_lines(dry_run_estimate(args, data_given),
+                                                                   args.save_interval):
         getattr(log, level)(line)
 
 
@@ -574,13 +601,21 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         stdlib = len(megatron_argv) > given
     from .arguments import MeshArgumentError
 
+    quiet = opts.dry_run and not opts.show_megatron_args  # Megatron's argument dump: hundreds of lines
     try:
-        args = parse_megatron_args(megatron_argv, set_globals=not opts.dry_run)
+        with contextlib.redirect_stdout(io.StringIO()) if quiet else contextlib.nullcontext():
+            args = parse_megatron_args(megatron_argv, set_globals=not opts.dry_run)
     except MeshArgumentError as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         sys.exit(2)
     if opts.dry_run:
-        _print_resolved(args, opts.gpu_memory_gib)
+        missing = _missing_data(args)
+        if missing:
+            print(f"error: {missing}", file=sys.stderr, flush=True)
+            sys.exit(2)
+        _print_resolved(args, opts.gpu_memory_gib, _has(megatron_argv, "--data-path"))
+        if quiet:
+            log.info("(Megatron's own resolved arguments: add --show-megatron-args)")
         return
     if cpu:
         _init_distributed_cpu(args)
