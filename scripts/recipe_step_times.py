@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """Estimated step time of shipped configs: simulated attention plus GEMMs at an assumed rate (an estimate).
 
-    python scripts/recipe_step_times.py llama31_8b_cpt_s4_1m llama31_8b_1m_ring [--mix "0.5 S-4S 0.5 1K-16K"] [--markdown]
+    python scripts/recipe_step_times.py llama31_8b_cpt_s4_1m llama31_8b_1m_ring [--mix "0.5 S-4S 0.5 1K-16K"]
+        [--docs LO-HI | --no-docs] [--markdown]
 
 The configs' document masking is priced on sampled micro-batches of a document length mix
 (``megatron_mesh_cp/megatron/step_estimate.py``, the dry run's estimate): by default the recipe's
@@ -74,7 +75,8 @@ def main(argv=None) -> int:
     p.add_argument("--markdown", action="store_true")
     args = p.parse_args(argv)
     mix = None if args.no_docs else args.mix
-    rows = [step_time(c, args.cluster, args.gemm_tflops, None if args.no_docs else args.docs, mix) for c in args.configs]
+    docs = None if args.no_docs else args.docs
+    rows = [step_time(c, args.cluster, args.gemm_tflops, docs, mix) for c in args.configs]
     note = "no document masking" if args.no_docs else f"documents {args.docs or mix}"
     if args.markdown:
         print(f"| config ({note}) | algorithm | layout | attention ms/layer fwd+bwd | busiest/mean chunk | step s | "

@@ -136,7 +136,8 @@ def _flag(key: str, path: str) -> str:
         return flag  # a setting only a --no-... flag turns off: _switch maps its false value
     names = sorted({d for d in by_dest if d and not d.startswith("_")})
     near = difflib.get_close_matches(str(key), names, n=3, cutoff=0.6)
-    hint = f"; did you mean {' or '.join(near)}?" if near else " (python scripts/pretrain_gpt_mesh.py --help lists them)"
+    hint = (f"; did you mean {' or '.join(near)}?" if near
+            else " (python scripts/pretrain_gpt_mesh.py --help lists them)")
     raise ConfigError(f"{path}: {key}: not a Megatron or mesh-CP setting (Megatron has no {flag}){hint}")
 
 

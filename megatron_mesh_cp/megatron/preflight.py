@@ -10,8 +10,8 @@ writable and that the job has weights to start from (its own latest checkpoint, 
 ``--pretrained-checkpoint``: the converted model or the previous stage) of the config's model
 (:mod:`.checkpoint_model`: layers, hidden, heads, FFN, vocabulary from the tensors' shapes), the GPUs
 this node shows, and the mesh settings (``mesh_shape: auto`` is resolved here once, filling the shape
-cache the ranks read). Prints one line per check and exits 1 if any failed. ``scripts/slurm/job.py`` runs it on the first node before ``srun`` fans
-out, and its ``--dry-run`` runs the same checks here (``--no-software``/``--no-gpus`` when this
+cache the ranks read). Prints one line per check and exits 1 if any failed. ``scripts/slurm/job.py``
+runs it on the first node before ``srun`` fans out, and its ``--dry-run`` runs the same checks here (``--no-software``/``--no-gpus`` when this
 machine is not the one that will run the job, e.g. a container image; ``--no-gpu-software`` on a login
 node without one: everything but Transformer Engine's import).
 """

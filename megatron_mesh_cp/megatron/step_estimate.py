@@ -24,7 +24,8 @@ from typing import List, Optional, Sequence, Tuple
 import numpy as np
 
 __all__ = ["Source", "Layout", "StepEstimate", "data_sources", "mix_sources", "parse_mix", "sample_sequences",
-           "describe_sources", "estimate", "dry_run_estimate", "layout_lines", "gemm_flops_per_token", "GEMM_TFLOPS", "SAVE_MINUTES"]
+           "describe_sources", "estimate", "dry_run_estimate", "layout_lines", "gemm_flops_per_token", "GEMM_TFLOPS",
+           "SAVE_MINUTES"]
 
 GEMM_TFLOPS = 450.0  # assumed dense bf16 GEMM rate per H100
 SAVE_MINUTES = 30  # the recipe saves about this often
@@ -126,7 +127,8 @@ def parse_mix(spec: str, seq: int) -> List[Tuple[float, int, int]]:
 
 
 def mix_sources(spec: str, seq: int, seed: int = 0, pool: int = 4096) -> List[Source]:
-    """A length mix as sources: ``pool`` log-uniform draws per range (:func:`~megatron_mesh_cp.planning.packing.length_draws`)."""
+    """A length mix as sources: ``pool`` log-uniform draws per range
+    (:func:`~megatron_mesh_cp.planning.packing.length_draws`)."""
     from ..planning.packing import length_draws
 
     parts = parse_mix(spec, seq)
@@ -205,7 +207,8 @@ def estimate(args, dp: int, cluster, sequences: Optional[Sequence[Tuple[int, ...
     m = args.global_batch_size // (args.micro_batch_size * dp)
     sim, w = (simulator_name(args), attention_workload(args)) if cp > 1 else ("none", attention_workload(args))
     layers = args.num_layers // pp
-    gemm = gemm_flops_per_token(args, layers) * args.seq_length * args.micro_batch_size / (tp * cp) / (gemm_tflops * 1e12)
+    tokens = args.seq_length * args.micro_batch_size / (tp * cp)
+    gemm = gemm_flops_per_token(args, layers) * tokens / (gemm_tflops * 1e12)
     full = args.recompute_granularity == "full"
 
     def micro_batch(workload):

@@ -80,8 +80,8 @@ def parse(argv):
     p.add_argument("--python", default=os.environ.get("PYTHON", "python3"),
                    help="interpreter on the compute nodes without a container, and for --dry-run's checks here")
     p.add_argument("--container-python", default=os.environ.get("CONTAINER_PYTHON", "python"),
-                   help="interpreter inside --container-image (default $CONTAINER_PYTHON or python): srun runs it there, "
-                        "never --python, which is this machine's")
+                   help="interpreter inside --container-image (default $CONTAINER_PYTHON or python): srun runs it "
+                        "there, never --python, which is this machine's")
     p.add_argument("--dry-run", action="store_true")
     args, extra = p.parse_known_args(argv)
     if extra[:1] == ["--"]:
