@@ -43,7 +43,8 @@ def exported(tmp_path_factory):
                        "--megatron-path", str(ckpt))
     assert rc == 0, f"conversion failed:\n{text[-5000:]}"
     kw = dict(LAUNCH, context_parallel_algo="mesh", mesh_shape="2x2", save=str(run), load=str(run),
-              pretrained_checkpoint=str(ckpt), train_iters=2, save_interval=2, rotary_base=STAGE2_BASE)
+              pretrained_checkpoint=str(ckpt), train_iters=2, lr_warmup_iters=1, save_interval=2,
+              rotary_base=STAGE2_BASE)
     trained = train(work, "run", 4, timeout=900, **kw)
     assert [it for it, _ in trained["losses"]] == [1, 2]
     rc, text = _python("-m", "megatron_mesh_cp.megatron.hf_export", "--megatron-path", str(run), "--hf-model", str(hf),

@@ -72,6 +72,9 @@ def test_256gpu_dry_run_resumes_exits_in_time_and_passes_preflight(dataset):
     assert "preflight: ok   data: 2 dataset prefix(es), .bin and .idx present" in out and "preflight: passed" in out
     assert "CP 32 x DP 8; CP algorithm a2a+mesh, mesh shape 8x" in out and "mesh_shape=auto (a2a+mesh) ->" in out
     assert "memory per GPU (estimate):" in out and "optimizer 0.4 (over 256 shards)" in out
+    # the empty tokenizer directory does not load: the estimate says so and how to give the vocabulary
+    assert f"vocabulary assumed 128256 (Llama-3's: the tokenizer {dataset['TOKENIZER_MODEL']} did not load here" in out
+    assert "or pass --vocab-size N to the dry run)" in out
     assert "exceeds the GPU's 40 GiB" in out  # the 8B estimate is ~50 GiB
     assert not Path(ckpt).exists()  # a dry run creates nothing
 

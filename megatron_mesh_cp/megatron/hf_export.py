@@ -7,10 +7,13 @@ The inverse of :mod:`.bridge_cpu`. ``--hf-model`` is the model the run started f
 or directory converted for stage 1): Bridge builds the Megatron model from its config (local layer
 spec, CUDA fusions off, as the import does), the weights of the run's checkpoint are loaded into it
 with megatron-core's ``dist_checkpointing`` (the model's own sharded state dict: any TP/PP/CP/DP the
-run had, the optimizer state left on disk), and Bridge's ``save_hf_pretrained`` writes the
-``transformers`` checkpoint (config, tokenizer, safetensors). What the run changed that is not a
+run had, the optimizer state left on disk), and Bridge writes the ``transformers`` checkpoint: its
+artifacts (config, tokenizer) and its Megatron -> Hugging Face weight conversion
+(``export_hf_weights``) streamed into safetensors, as ``save_hf_pretrained`` does for a model without
+quantizers (that method imports nvidia-modelopt, and with it scipy, only to look for them). What the run changed that is not a
 weight goes into the config: the RoPE base (``rotary_base``; every stage raises it) and the context
-length (``max_position_embeddings``), read from the checkpoint's saved arguments. The output is
+length (``max_position_embeddings``, when the run's is longer than the original's), read from the
+checkpoint's saved arguments. The output is
 written to a temporary directory beside ``--out`` and moved into place only when complete.
 
 Megatron-Bridge's own ``AutoBridge.export_ckpt`` reads Bridge's ``run_config.yaml``, which Megatron's
@@ -117,9 +120,16 @@ def export_hf(megatron_path: str, hf_model: str, out: str, iteration: Optional[i
             rope["rope_theta"] = float(saved.rotary_base)
         else:
             config.rope_theta = float(saved.rotary_base)
-        config.max_position_embeddings = max(int(saved.seq_length), int(saved.max_position_embeddings or 0))
+        config.max_position_embeddings = max(int(config.max_position_embeddings or 0), int(saved.seq_length))
+    source = getattr(getattr(bridge.hf_pretrained, "state", None), "source", None)
+    if not hasattr(source, "save_generator"):
+        raise ValueError(f"{hf_model}: Bridge found no safetensors weights to take the file layout from")
     with staged(out) as tmp:
-        bridge.save_hf_pretrained(model, tmp, show_progress=False)
+        # what save_hf_pretrained does for a model without ModelOpt quantizers (it imports nvidia-modelopt, and
+        # with it scipy, only to look for them): the artifacts (config, tokenizer), then Bridge's weight
+        # conversion streamed into safetensors files laid out as the source's
+        bridge.hf_pretrained.save_artifacts(tmp)
+        source.save_generator(bridge.export_hf_weights(model, cpu=True, show_progress=False), tmp, strict=True)
     return directory
 
 

@@ -651,6 +651,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             raise
         if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
             print(f"error: {fix}", file=sys.stderr, flush=True)
+        if torch.distributed.is_initialized():
+            _finish(args, opts, megatron_argv, started, stdlib, exit=fix, failed=True)
         raise SystemExit(exits.FAILED) from None
     _finish(args, opts, megatron_argv, started, stdlib)
 

@@ -32,6 +32,9 @@ def staged(path: str) -> Iterator[str]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(tmp, 0o777 & ~mask)  # mkdtemp's 0700 -> what a plain mkdir would have made
     if os.path.isdir(path):
         os.rmdir(path)  # empty, checked above
     os.replace(tmp, path)
