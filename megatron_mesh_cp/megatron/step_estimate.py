@@ -261,7 +261,8 @@ def layout_lines(e: StepEstimate, save_interval: Optional[int] = None) -> List[T
                                                       if masked else ""))
     if save_interval:
         minutes = save_interval * e.step_s / 60
-        lines.append(f"save_interval {save_interval}: a save every {minutes:.0f} min at this step time "
+        shown = f"{minutes:.1f}" if minutes < 10 else f"{minutes:.0f}"
+        lines.append(f"save_interval {save_interval}: a save every {shown} min at this step time "
                      f"(about every {SAVE_MINUTES} min would be save_interval {e.save_every()})")
     return [("info", line) for line in lines] + [("warning", w) for w in e.warnings]
 

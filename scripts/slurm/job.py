@@ -11,7 +11,9 @@ previous stage's checkpoints as ${RUNS_DIR}/<stage>/checkpoints; this script exp
 Megatron stops and saves ``--exit-margin-min`` before the time limit (``--exit-duration-in-mins``)
 and on SIGTERM (``--exit-signal-handler``; SLURM sends it ``--signal-lead`` seconds before the
 limit, and torchrun's ``--shutdown-timeout`` gives the workers that long to save before it kills
-them, instead of its default 30 s). Before ``srun`` fans out, a preflight
+them, instead of its default 30 s). The job exits 0 only after such a planned stop (or the end of
+training), read from the launcher's summary (:func:`job_exit_code`), and non-zero on any failure, so
+``submit.sh --chain``'s afterok dependencies stop the chain there. Before ``srun`` fans out, a preflight
 (:mod:`megatron_mesh_cp.megatron.preflight`) runs on the first node and stops the job in seconds if
 the software, tokenizer, data or checkpoints are wrong. Launchers: ``torchrun`` (default: one agent
 per node, static rendezvous with node rank = SLURM node id, so global ranks follow the node order)
@@ -29,6 +31,7 @@ estimate, simulated step time), and exits 1 if a check failed.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import shlex
@@ -263,7 +266,25 @@ def main(argv=None):
     if subprocess.run(check).returncode != 0:
         raise SystemExit(f"error: preflight failed on {nodes[0]}; nothing was started on the other nodes")
     print("command: " + " ".join(shlex.quote(c) for c in cmd), flush=True)
-    os.execvp(cmd[0], cmd)
+    summary = run / f"summary-{os.environ['SLURM_JOB_ID']}.json"
+    summary.unlink(missing_ok=True)  # a requeued job keeps its id: only this attempt's summary counts
+    return job_exit_code(subprocess.run(cmd).returncode, summary)
+
+
+def job_exit_code(rc: int, summary: Path) -> int:
+    """The job's exit code, which chained jobs wait on (afterok): srun's, except that a planned stop the launcher
+    recorded in the summary (Megatron saved and stopped) is 0 even when srun's is not -- on SIGTERM torchrun,
+    signalled itself, re-raises the signal after its workers saved and exited 0."""
+    if rc == 0:
+        return 0
+    try:
+        s = json.loads(summary.read_text())
+    except (OSError, ValueError):
+        return rc
+    if s.get("exit") and s.get("failed") is False:
+        print(f"job: srun exited {rc}, but the launcher stopped as planned: {s['exit']}; exiting 0", flush=True)
+        return 0
+    return rc
 
 
 if __name__ == "__main__":
