@@ -426,7 +426,7 @@ def _missing_data(args) -> Optional[str]:
             "tools/preprocess_data.py writes them; a real run would fail only after building the model)")
 
 
-def _print_resolved(args, gpu_gib: Optional[float], data_given: bool) -> None:
+def _print_resolved(args, gpu_gib: Optional[float]) -> None:
     """--dry-run: the parallel layout, CP algorithm, per-GPU memory estimate and the simulated step on the configured
     data (nothing is started)."""
     from .checkpoint_model import padded_vocab
@@ -445,8 +445,7 @@ def _print_resolved(args, gpu_gib: Optional[float], data_given: bool) -> None:
     vocab, hint = tokenizer_vocab(args)
     if vocab:
         args.padded_vocab_size = padded_vocab(vocab, args)
-    for level, line in report(args, gpu_gib, hint) + layout_lines(dry_run_estimate(args, data_given),
-                                                                   args.save_interval):
+    for level, line in report(args, gpu_gib, hint) + layout_lines(dry_run_estimate(args), args.save_interval):
         getattr(log, level)(line)
 
 
@@ -613,7 +612,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         if missing:
             print(f"error: {missing}", file=sys.stderr, flush=True)
             sys.exit(2)
-        _print_resolved(args, opts.gpu_memory_gib, _has(megatron_argv, "--data-path"))
+        _print_resolved(args, opts.gpu_memory_gib)
         if quiet:
             log.info("(Megatron's own resolved arguments: add --show-megatron-args)")
         return

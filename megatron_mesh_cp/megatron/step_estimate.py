@@ -267,9 +267,10 @@ def layout_lines(e: StepEstimate, save_interval: Optional[int] = None) -> List[T
     return [("info", line) for line in lines] + [("warning", w) for w in e.warnings]
 
 
-def dry_run_estimate(args, data_given: bool, sequences: int = 8, seed: int = 0) -> StepEstimate:
+def dry_run_estimate(args, sequences: int = 8, seed: int = 0) -> StepEstimate:
     """The launcher's ``--dry-run`` estimate: under document masking on ``sequences`` micro-batches sampled from the
-    configured data's documents (``data_given``: a ``--data-path`` was passed), else unmasked."""
+    configured data's documents (``--data-path`` / ``--train-data-path``; a dry run builds no stdlib corpus),
+    else unmasked."""
     from ..planning.cluster import load_cluster
     from ..planning.schedule import default_cluster
     from .settings import SETTINGS
@@ -279,7 +280,7 @@ def dry_run_estimate(args, data_given: bool, sequences: int = 8, seed: int = 0) 
     dp = int(args.data_parallel_size)
     if SETTINGS.documents != "eod" or args.context_parallel_size <= 1:
         return estimate(args, dp, cluster)
-    if not data_given or args.mock_data:
+    if not (args.data_path or args.train_data_path) or args.mock_data:
         what = "mock data" if args.mock_data else "the built-in stdlib corpus (not read by a dry run)"
         return estimate(args, dp, cluster, data=f"{what}: priced without document masking")
     try:
