@@ -140,9 +140,9 @@ def _search(cands: List[Tuple[tuple, float, Callable[[], Tuple[float, int]]]]):
 
 def _full_plans(a, b, cluster, w, stride, max_live, chains="auto"):
     """The plans a shape is sized by: for unpadded documents the full plans their pruned ones come
-    from (the pool must fit every batch's documents); for a window alone its pruned plans (the
-    mask is the same for every batch)."""
-    if w.window is not None and w.documents is None:
+    from (the pool must fit every batch's documents); for a window or chunks alone its pruned plans
+    (the mask is the same for every batch)."""
+    if w.pruned and not w.mask.per_batch:  # a window or chunks alone: the same mask every batch
         return document_plans(a, b, cluster=cluster, workload=w, stride=stride, max_live=max_live)
     if w.pruned:
         return build_plans(a, b, cluster=cluster, workload=w.unmasked, stride=stride,

@@ -1,15 +1,15 @@
 """Unpadded documents in the cost model: every block's kernel calls as the document mask leaves them.
 
-``mesh_attention(..., cu_seqlens=cu)`` (runtime/documents.py) runs documents of any length on
+``mesh_attention(..., cu_seqlens=cu)`` (runtime/masks/) runs documents of any length on
 Megatron's ordinary zigzag layout: nothing is padded, a block (Q chunk i, KV chunk j) runs as the
 sub-blocks its documents leave (an empty block: no kernel call at all), and the plan is the cached
 full plan pruned to the tile blocks some rank needs (runtime/prune.py;
-:func:`~megatron_mesh_cp.planning.schedule.document_plans`). This module prices that:
-:class:`UnpaddedDocuments` is the hashable document set a :class:`~megatron_mesh_cp.planning.cluster.Workload`
-carries, :func:`block_calls` lists every kernel call of every block at once with numpy (the calls of
-:meth:`DocumentMask.block`, tested call for call: one per block under the causal mask off the
-diagonal, one per shared document without it, one varlen call on the diagonal) and
-:func:`block_times` turns them into seconds. TE's algorithms cannot run documents this way (THD
+:func:`~megatron_mesh_cp.planning.schedule.call_plans`). This module prices that:
+:class:`UnpaddedDocuments` is the hashable document mask a :class:`~megatron_mesh_cp.planning.cluster.Workload`
+carries, :func:`block_calls` lists every kernel call of every block of a span (documents, chunks)
+at once with numpy (the calls of ``SpanBlocks.block``, tested call for call: one per block under
+the causal mask off the diagonal, one per shared document without it, one varlen call on the
+diagonal) and :func:`span_block_times` turns them into seconds (windows: planning/windows.py). TE's algorithms cannot run documents this way (THD
 pads every document to 2*CP and sends every chunk): they are priced with a
 :class:`~megatron_mesh_cp.planning.packing.Packing` of the same draws.
 """
@@ -18,22 +18,23 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Dict, FrozenSet, NamedTuple, Tuple
+from typing import Dict, NamedTuple, Tuple
 
 import numpy as np
 
 from ..runtime.balance import balance_order
-from ..runtime.documents import DocumentMask, Documents
-from ..runtime.topology import MeshShape
+from ..runtime.masks import Mask, Span, check_offsets
 from .packing import DISTRIBUTIONS, _fill, _read_lengths, _rect, _tri, length_draws
 
-__all__ = ["UnpaddedDocuments", "BlockCalls", "block_calls", "block_times", "price_calls", "check_total", "tile_bound",
+__all__ = ["UnpaddedDocuments", "BlockCalls", "block_calls", "span_block_times", "span_sequence_work", "price_calls",
+           "tile_bound",
            "sample_documents", "read_documents"]
 
 
 @dataclass(frozen=True)
-class UnpaddedDocuments:
-    """Documents of any length, back to back over one sequence of ``total`` tokens, unpadded.
+class UnpaddedDocuments(Mask):
+    """Documents of any length, back to back over one sequence of ``total`` tokens, unpadded: the
+    runtime's documents mask (``mesh_attention(cu_seqlens=...)``) as the cost model draws them.
 
     ``tile`` counts a call's work as :class:`~megatron_mesh_cp.planning.packing.Packing` does
     (0: exact unmasked pairs; t: whole t x t tiles per document segment). Hashable: workloads
@@ -46,6 +47,11 @@ class UnpaddedDocuments:
     #: run in the order runtime/balance.py gives each chunk count (as the launcher's
     #: ``--mesh-document-order balanced`` does per batch) instead of as given
     balanced: bool = False
+
+    name = "documents"
+    per_batch = True
+    order = 10
+    cuts_documents = True
 
     def __post_init__(self) -> None:
         if not self.lengths or any(int(x) != x or x < 1 for x in self.lengths):
@@ -64,30 +70,30 @@ class UnpaddedDocuments:
     def total(self) -> int:
         return sum(self.lengths)
 
+    def refine(self, span: Span, causal: bool) -> Span:
+        check_offsets(self.cu, span.total)
+        cuts = self.cu if span.cu is None else tuple(sorted(set(span.cu) | set(self.cu)))
+        return Span(span.total, cuts, span.window, max(span.tile, self.tile))
+
+    def span(self, total: int = None, causal: bool = True) -> Span:
+        """The canonical form over ``total`` tokens (default: the documents' own)."""
+        return self.refine(Span(self.total if total is None else total), causal)
+
+    def agreement(self) -> dict:
+        return {"documents": self.cu}
+
     def with_tile(self, tile: int) -> "UnpaddedDocuments":
         return UnpaddedDocuments(self.lengths, tile, self.label, self.balanced)
 
     def with_balance(self, balanced: bool) -> "UnpaddedDocuments":
         return UnpaddedDocuments(self.lengths, self.tile, self.label, bool(balanced))
 
-    def for_chunks(self, chunks: int, causal: bool = True) -> "UnpaddedDocuments":
+    def arranged(self, chunks: int, causal: bool = True) -> "UnpaddedDocuments":
         """The documents in the order they run on ``chunks`` zigzag chunks: balanced
         (:func:`~megatron_mesh_cp.runtime.balance.balance_order`, cached) or as given."""
         return _balanced(self, chunks, bool(causal)) if self.balanced else self
 
-    def mask(self, chunks: int, causal: bool, window=None) -> DocumentMask:
-        """The runtime's description of these documents (and sliding ``window``, (left, right)) over
-        ``chunks`` mesh chunks (cached)."""
-        return _mask(self, chunks, bool(causal), window)
-
-    def nonempty(self, chunks: int, causal: bool, window=None) -> np.ndarray:
-        """Bool [chunks, chunks]: the blocks that run any kernel call (the runtime's own mask)."""
-        return self.mask(chunks, causal, window).nonempty()
-
-    def needed(self, a: int, b: int, causal: bool, window=None) -> FrozenSet[Tuple[int, int]]:
-        """Tile blocks (Q offset, KV offset) some rank of the a x b mesh must compute: what the
-        pruned plan keeps (:meth:`DocumentMask.needed`)."""
-        return _needed(self, a, b, bool(causal), window)
+    for_chunks = arranged
 
     def sequence_work(self, causal: bool = True) -> int:
         """Work of one call over the whole sequence (Ulysses' view): each document's own triangle."""
@@ -115,16 +121,6 @@ def _balanced(docs: UnpaddedDocuments, chunks: int, causal: bool) -> UnpaddedDoc
                              (docs.label + ", " if docs.label else "") + f"balanced for {chunks} chunks")
 
 
-@lru_cache(maxsize=64)
-def _mask(docs: UnpaddedDocuments, chunks: int, causal: bool, window) -> DocumentMask:
-    return DocumentMask(Documents(docs.cu), chunks, causal, window)
-
-
-@lru_cache(maxsize=256)
-def _needed(docs: UnpaddedDocuments, a: int, b: int, causal: bool, window) -> FrozenSet[Tuple[int, int]]:
-    return _mask(docs, a * b, causal, window).needed(MeshShape(a, b))
-
-
 class BlockCalls(NamedTuple):
     """One entry per kernel call: its block (i, j), Q rows, keys and work (pairs or tile area)."""
 
@@ -135,19 +131,20 @@ class BlockCalls(NamedTuple):
     work: np.ndarray
 
 
-def block_calls(docs: UnpaddedDocuments, chunks: int, causal: bool) -> BlockCalls:
-    """Every kernel call of every block on ``chunks`` mesh chunks (read-only arrays, cached)."""
-    return _block_calls(docs, chunks, bool(causal))
+def block_calls(span: Span, chunks: int, causal: bool) -> BlockCalls:
+    """Every kernel call of every block of a span without a window on ``chunks`` mesh chunks (the
+    calls of ``SpanBlocks.block``; read-only arrays, cached)."""
+    return _block_calls(span, chunks, bool(causal))
 
 
 @lru_cache(maxsize=64)
-def _block_calls(docs: UnpaddedDocuments, n: int, causal: bool) -> BlockCalls:
-    cu = np.array(docs.cu, dtype=np.int64)
+def _block_calls(span: Span, n: int, causal: bool) -> BlockCalls:
+    cu = np.array(span.offsets, dtype=np.int64)
     total = int(cu[-1])
     if total % (2 * n):
         raise ValueError(f"the documents span {total} tokens, not a multiple of 2*CP = {2 * n}; "
                          "the sequence must split into 2*CP equal pieces")
-    m, t = total // (2 * n), docs.tile
+    m, t = total // (2 * n), span.tile
     sq = (lambda x: _tri(x, t)) if causal else (lambda x: _rect(x, x, t))  # noqa: E731
     doc = lambda pos: np.searchsorted(cu, pos, side="right") - 1  # noqa: E731
     c = np.arange(n, dtype=np.int64)
@@ -209,21 +206,23 @@ def _shared_documents(lo, seg, piece, doc, n, tile):
     return i, j, r, k, _rect(r, k, tile)
 
 
-def block_times(w, cluster, backward: bool, ranks: int) -> np.ndarray:
-    """Seconds of every block on ``ranks`` mesh chunks for a workload carrying unpadded documents:
-    the sum over the block's calls of the kernel (its work at the throughput of its rows) and the
-    call's fixed costs (:meth:`Workload._call_cost` over its rows, :meth:`Workload._keys_cost` over its
-    keys); 0 for an empty block."""
-    docs = w.mask_documents(ranks)
-    check_total(docs, w, ranks)
-    return price_calls(w, cluster, backward, ranks, block_calls(docs, ranks, w.causal))
+def span_block_times(w, cluster, backward: bool, ranks: int) -> np.ndarray:
+    """Seconds of every block on ``ranks`` mesh chunks for a workload whose mask is a span (documents,
+    chunks, a window): the sum over the block's calls of the kernel (its work at the throughput of its
+    rows) and the call's fixed costs (:meth:`Workload._call_cost` over its rows, :meth:`Workload._keys_cost`
+    over its keys); 0 for an empty block."""
+    from .windows import window_block_calls
+
+    span = w.span(ranks)
+    calls = block_calls(span, ranks, w.causal) if span.window is None else window_block_calls(span, ranks, w.causal)
+    return price_calls(w, cluster, backward, ranks, calls)
 
 
-def check_total(docs: UnpaddedDocuments, w, ranks: int) -> None:
-    """``ValueError`` unless the documents fill the ``ranks`` chunks of ``w``."""
-    if docs.total != w.seq_local * ranks:
-        raise ValueError(f"the documents span {docs.total} tokens but {ranks} CP ranks of {w.seq_local} tokens "
-                         f"hold {w.seq_local * ranks}; the documents must fill the global sequence length")
+def span_sequence_work(span: Span, causal: bool) -> int:
+    """Work of one call over the whole sequence of a span without a window (Ulysses' view): each
+    document's own triangle (square without the causal mask), counted in the span's tiles."""
+    x = np.diff(np.array(span.offsets, dtype=np.int64))
+    return int(_tri(x, span.tile).sum() if causal else _rect(x, x, span.tile).sum())
 
 
 def price_calls(w, cluster, backward: bool, ranks: int, calls: BlockCalls) -> np.ndarray:

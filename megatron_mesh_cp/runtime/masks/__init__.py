@@ -1,0 +1,23 @@
+"""Masks: what a query may see, as values, and the block engines they bind to (base.py explains).
+
+``FULL`` (nothing beyond causal), :class:`Documents` (``cu_seqlens``), :class:`Window`,
+:class:`Chunked` (chunked local attention) and their intersections (``a & b``) are span masks;
+:class:`PackedDocuments` is Megatron's padded THD split. ``mask.bind(chunks, total, causal)`` gives
+the engine the planner, the pruner, the executor and the cost model read.
+"""
+
+from .base import FULL, Full, FullBlocks, Intersection, Mask, Span, as_mask, intersect
+from .chunked import Chunked
+from .documents import Documents, check_offsets, documents_from_eod, documents_of, host_offsets, int_offsets
+from .packed import PackedBlocks, PackedDocuments, packed_documents
+from .spans import SpanBlocks, SubBlock
+from .window import Window, band_pairs, band_rectangle, check_window
+
+__all__ = [
+    "Mask", "Span", "Full", "FULL", "Intersection", "intersect", "as_mask", "FullBlocks",
+    "Documents", "documents_of", "documents_from_eod", "check_offsets", "int_offsets", "host_offsets",
+    "Window", "check_window", "band_pairs", "band_rectangle",
+    "Chunked",
+    "PackedDocuments", "packed_documents", "PackedBlocks",
+    "SpanBlocks", "SubBlock",
+]
