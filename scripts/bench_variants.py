@@ -286,7 +286,8 @@ def page(plot):
         "* **TE p2p (Ring) and a2a+p2p (USP)** refuse sliding windows: TE's `attn_forward_func_with_cp` asserts "
         "`not sliding_window_attn or cp_comm_type in [\"a2a\", \"all_gather\"]`. On window layers their rows show the "
         "cost of the layer *without* its window, marked \"cannot window\": what the layer would cost on them, not the "
-        "model's attention. Megatron's window-aware p2p (Megatron-LM PR #5597) was still open when issue 21 was filed.",
+        "model's attention. Megatron's window-aware p2p (Megatron-LM PR #5597) was still open when this support "
+        "was written.",
         "* **TE all_gather** runs windows: it gathers the whole K/V (forward, again in the backward, and "
         "reduce-scatters dK/dV), then slices each chunk's keys to its window (`get_kv_seq_info_after_all_gather`); "
         "priced so (its busiest rank's band pairs, no overlap of the gather). The TE stack that runs the alternating "

@@ -1,6 +1,6 @@
 """The document order that balances the zigzag chunks (runtime/balance.py): its work figures are the
 mask's own pair counts, it is a permutation, deterministic, never worse than the given order, and
-on the issue's 1M-token draw it brings the busiest chunk close to the busiest-piece bound."""
+on a 1M-token draw of 4K-64K documents it brings the busiest chunk close to the busiest-piece bound."""
 
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ def test_balance_order_is_a_deterministic_improving_permutation():
             assert chunk_work([lengths[i] for i in order], n).max() <= chunk_work(lengths, n).max()
 
 
-def test_the_issues_draw_gets_near_the_busiest_piece_bound():
+def test_a_1m_draw_gets_near_the_busiest_piece_bound():
     lengths = list(sample_documents(1 << 20, 4096, 65536, seed=0).lengths)
     given, order = chunk_work(lengths, 32), balance_order(lengths, 32)
     got = chunk_work([lengths[i] for i in order], 32)

@@ -1,4 +1,4 @@
-"""Faults must fail loudly and fast (issue 11): ranks that disagree, stall, or grow memory.
+"""Faults must fail loudly and fast: ranks that disagree, stall, or grow memory.
 
 Every multi-rank test runs on a RankPool, whose result wait is a hard timeout (the pool's
 process-group timeout + 30 s), so a hang fails the test instead of stalling CI. The stall tests
@@ -106,7 +106,7 @@ def test_check_finite_raises_on_every_rank_naming_the_rank_with_the_nan(pools):
 
 
 def test_a_tensor_softmax_scale_is_read_to_the_host_once_per_version():
-    """Issue 20, defect 7: reading a 0-d CUDA tensor is a device sync, and every call keys its cached
+    """Defect 7 of docs/DESIGN.md section 6: reading a 0-d CUDA tensor is a device sync, and every call keys its cached
     plan by the scale; the same tensor object is read once (again only after an in-place change)."""
     from types import SimpleNamespace
 

@@ -46,7 +46,7 @@ def test_buffers_are_allocated_once_per_layer_shape_and_never_alias_results():
 def test_gpu_check_script_smoke_on_cpu(tmp_path):
     """The GPU check end to end on CPU (``--device cpu --quick``, what CI runs): every section runs in
     its own process and reports rows, and both the markdown and the JSON of raw numbers land in the
-    output directory. The executor sections (issue 20) pass on CPU: the stream stand-in (copies
+    output directory. The executor sections ((e)-(g)) pass on CPU: the stream stand-in (copies
     deferred to the first wait) is bitwise equal to the same-stream run on slab plans for 2x2, 4x4
     and 8x2; warm a2a+mesh calls are bitwise equal with every pool at peak_live_bytes; the n = 16
     run reports its host cost per kernel call."""

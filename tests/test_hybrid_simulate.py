@@ -1,4 +1,4 @@
-"""a2a+mesh in the planner and simulator: shapes, pruned auto choice, CLI, and the issue's n = 256 rows."""
+"""a2a+mesh in the planner and simulator: shapes, pruned auto choice, CLI, and the n = 256 rows."""
 
 from __future__ import annotations
 
@@ -75,8 +75,8 @@ def test_cli_prints_a2a_mesh_row_with_three_part_shape():
     assert bad.returncode == 2 and "u*a*b" in bad.stderr
 
 
-def test_issue_rows_at_256_mesh_family_vs_usp_and_ring():
-    """The calibrated verdicts the hybrid issue asks for at n = 256 (h100-ib400), as far as they hold."""
+def test_rows_at_256_mesh_family_vs_usp_and_ring():
+    """The calibrated verdicts a2a+mesh was built for at n = 256 (h100-ib400), as far as they hold."""
     out = {}
     for seq in (128 * 1024, 1 << 20):
         for kv in (32, 8):

@@ -1,4 +1,4 @@
-"""Memory that follows the plan (issue 9 item 6) and a bounded pool (issue 11): the bytes a rank's
+"""Memory that follows the plan and a bounded pool: the bytes a rank's
 buffer pool holds for one layer shape equal the plan's peak live bytes, per phase."""
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ def test_pool_keeps_the_most_recent_layer_shapes_and_a_byte_cap():
         BufferPool(max_shapes=0)
 
 
-# --- the dry run's attention figure (issue 19): each algorithm's real buffers, the planner's figure -----
+# --- the dry run's attention figure: each algorithm's real buffers, the planner's figure -----
 
 _DRY_RUN_MEMORY = r"""
 import json, logging, os, sys

@@ -1,4 +1,4 @@
-"""Every shipped config as its job runs it (issue 19): the launcher's dry run at the job's real world size,
+"""Every shipped config as its job runs it: the launcher's dry run at the job's real world size,
 no dense dataloader mask anywhere, A/B partners that differ only in the CP algorithm, stages that differ
 only in what a stage changes and start from the previous one, and the README naming every config."""
 

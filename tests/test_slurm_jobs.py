@@ -141,7 +141,7 @@ echo "Submitted batch job $RANDOM"
     assert bad.returncode == 2 and "--chain takes a positive count" in bad.stderr
 
 
-# --- the sbatch bodies as sbatch runs them (issue 19): a spool copy, the submit directory elsewhere ---------
+# --- the sbatch bodies as sbatch runs them: a spool copy, the submit directory elsewhere ---------
 
 
 def _cluster_stubs(tmp_path, nodes):

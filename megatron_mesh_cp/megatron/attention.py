@@ -5,7 +5,7 @@ It has Megatron's core-attention contract (constructor and forward as ``DotProdu
 
 * CP > 1 and ``cp_comm_type == "mesh"``: mesh attention on the CP group, with Megatron's
   hierarchical CP groups (sizes [a, b]) as the row and column rings;
-* CP > 1 and ``cp_comm_type == "a2a+mesh"``: Ulysses x mesh (docs/HYBRID.md), with the hierarchical
+* CP > 1 and ``cp_comm_type == "a2a+mesh"``: Ulysses x mesh (docs/hybrid.md), with the hierarchical
   CP groups for sizes [u, a, b] as the Ulysses group, the row and the column rings;
 * otherwise it hands off to Transformer Engine's ``TEDotProductAttention`` when TE is installed,
   else to Megatron's local ``DotProductAttention``.

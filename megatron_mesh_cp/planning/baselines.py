@@ -11,7 +11,7 @@
   (dO forward, dQ/dK/dV back in backward); needs heads >= n; K/V heads are replicated up to n.
 * ``usp`` -- Ulysses inside a node x Ring across nodes (yunchang USP / TE ``a2a+p2p``); the best
   Ulysses degree (a divisor of the GPUs per node) is chosen; ``usp:U`` a fixed degree.
-* ``a2a+mesh`` -- Ulysses inside a node x the greedy mesh across the Ulysses groups (HYBRID.md), the
+* ``a2a+mesh`` -- Ulysses inside a node x the greedy mesh across the Ulysses groups (docs/hybrid.md), the
   fastest (u, a, b) by :func:`~megatron_mesh_cp.planning.autoshape.choose_hybrid_shape`; ``a2a+mesh:UxAxB`` fixed.
 
 The shared costs (one kernel call, a collective, the all-to-all, peak memory) are in ``costs``.
@@ -219,7 +219,7 @@ def _usp_with(u: int, n: int, cluster: Cluster, w: Workload, stride: int, algo: 
 
 def a2a_mesh(u: int, a: int, b: int, cluster: Cluster, w: Workload, stride: int = 1,
              max_live: Optional[int] = None, algo: str = "a2a+mesh") -> SimResult:
-    """Ulysses over u consecutive ranks x the greedy a x b mesh over the u-rank groups (HYBRID.md)."""
+    """Ulysses over u consecutive ranks x the greedy a x b mesh over the u-rank groups (docs/hybrid.md)."""
     mesh = (_plan_algo("mesh", a, b, cluster, ulysses_inner(u, w), stride * u, max_live=max_live)
             if a * b > 1 else None)
     return _ulysses_around(u, mesh, cluster, w, stride, algo, f"{u}x{a}x{b}")

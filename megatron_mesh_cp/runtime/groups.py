@@ -5,7 +5,7 @@
 [a, b] are exactly these, DESIGN.md section 2) after checking their membership on every rank and
 sharing the verdict over the CP group, so a wrong group on one rank fails on all of them.
 The rings' timeout is the default group's (or ``timeout=``); adopted groups keep their own.
-With a Ulysses degree u > 1 (``a2a+mesh``, docs/HYBRID.md) there is a third level: the Ulysses
+With a Ulysses degree u > 1 (``a2a+mesh``, docs/hybrid.md) there is a third level: the Ulysses
 group of u consecutive CP ranks, and the rings join the ranks of the same Ulysses slot across
 groups (Megatron's hierarchical CP groups for sizes [u, a, b]).
 """
