@@ -32,7 +32,7 @@ from .runtime.packed import PackedLayout, padding_rows
 from .runtime.plan import Plan
 from .runtime.ulysses import check_ulysses_heads, kv_repeats
 
-__all__ = ["CallSpec", "Prepared", "resolve", "prepare", "agreement", "resolve_scale", "call_mask", "call_key"]
+__all__ = ["CallSpec", "Prepared", "resolve", "prepare", "plan", "agreement", "resolve_scale", "call_mask", "call_key"]
 
 ALL_LAYOUTS = LAYOUTS + ("thd",)
 
@@ -331,6 +331,13 @@ class RankCall:
 def prepare(spec: CallSpec) -> Prepared:
     """Kernel, plans and block engine of ``spec``; ``ValueError`` naming the fix if no kernel can run it."""
     blk = select_kernel(spec.kernel, spec.kernel_needs())
+    plans, blocks = plan(spec)
+    return Prepared(spec, blk, plans, blocks)
+
+
+def plan(spec: CallSpec):
+    """``((forward, backward) plans, block engine)`` of ``spec``: the plans for the mesh's blocks
+    (planning.call_plans: the full plans, pruned to the blocks the mask leaves) or those given."""
     blocks = spec.mask.bind(spec.shape.n, spec.total, spec.causal)
     plans = spec.plans
     if plans is None:
@@ -348,7 +355,7 @@ def prepare(spec: CallSpec) -> Prepared:
             from .runtime.prune import prune
 
             plans = (prune(plans[0], keep), prune(plans[1], keep))
-    return Prepared(spec, blk, plans, blocks)
+    return plans, blocks
 
 
 def agreement(spec: Optional[CallSpec], prepared: Optional[Prepared]) -> dict:

@@ -158,7 +158,7 @@ def virtual_mesh_attention(
                     traffic[g].add(p, c, nbytes, t.received[(p, c)])
         return results
 
-    seq = [[sequence_major(x, layout) for x in xs] for xs in local]
+    seq = [[sequence_major(x, layout).contiguous() for x in xs] for xs in local]  # as _MeshAttention takes them
     lq = a2a_in([x[0] for x in seq], FORWARD, "a2a-Q")
     lk = a2a_in([replicate_kv(x[1], r) for x in seq], FORWARD, "a2a-KV")
     lv = a2a_in([replicate_kv(x[2], r) for x in seq], FORWARD, "a2a-KV")

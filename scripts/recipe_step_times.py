@@ -69,7 +69,7 @@ def step_time(name: str, cluster_name: str, gemm_tflops: float, docs=None):
     if docs:  # the same draws: ours unpadded (pruned plans), TE's padded to 2 x CP
         packing, documents = document_sets(args.seq_length, cp, lo_hi=parse_doc_range(docs))
         # ours as the launcher runs them: unpadded, pruned, reordered (--mesh-document-order balanced)
-        w = replace(w, documents=documents.with_balance(True)) if runs_unpadded(sim) else replace(w, packing=packing)
+        w = replace(w, mask=documents.with_balance(True) if runs_unpadded(sim) else packing)
     res = simulate_algorithm(sim, cp, cluster, w, tp=tp, max_live=SETTINGS.max_live)
     layers = args.num_layers // pp
     recompute = res.time_by_phase["forward"] if args.recompute_granularity == "full" else 0.0

@@ -31,7 +31,7 @@ from ..runtime.masks import Mask, Span, SpanBlocks, as_mask
 from ..runtime.packed import packed_slices
 from ..runtime.plan import ChunkDims
 from ..runtime.topology import MeshShape
-from .documents import block_calls as document_block_calls, span_block_times
+from .documents import block_calls as document_block_calls, price_calls
 from .packing import Packing
 from .windows import window_block_calls
 
@@ -376,6 +376,18 @@ class Workload:
                 f"the packed documents span {self.packing.total} tokens but {ranks} CP ranks of {self.seq_local} "
                 f"tokens hold {self.seq_local * ranks}; pack the documents into the global sequence length"
             )
+
+
+def span_block_times(w, cluster, backward: bool, ranks: int) -> np.ndarray:
+    """Seconds of every block on ``ranks`` mesh chunks for a workload whose mask is a span (documents,
+    chunks, a window): the sum over the block's calls of the kernel (its work at the throughput of its
+    rows) and the call's fixed costs (:meth:`Workload._call_cost` over its rows, :meth:`Workload._keys_cost`
+    over its keys); 0 for an empty block."""
+    span = w.span(ranks)
+    calls = (document_block_calls(span, ranks, w.causal) if span.window is None
+             else window_block_calls(span, ranks, w.causal))
+    return price_calls(w, cluster, backward, ranks, calls)
+
 
 
 @lru_cache(maxsize=64)

@@ -9,7 +9,7 @@ full plan pruned to the tile blocks some rank needs (runtime/prune.py;
 carries, :func:`block_calls` lists every kernel call of every block of a span (documents, chunks)
 at once with numpy (the calls of ``SpanBlocks.block``, tested call for call: one per block under
 the causal mask off the diagonal, one per shared document without it, one varlen call on the
-diagonal) and :func:`span_block_times` turns them into seconds (windows: planning/windows.py). TE's algorithms cannot run documents this way (THD
+diagonal) and :func:`price_calls` turns them into seconds (windows: planning/windows.py). TE's algorithms cannot run documents this way (THD
 pads every document to 2*CP and sends every chunk): they are priced with a
 :class:`~megatron_mesh_cp.planning.packing.Packing` of the same draws.
 """
@@ -23,16 +23,15 @@ from typing import Dict, NamedTuple, Tuple
 import numpy as np
 
 from ..runtime.balance import balance_order
-from ..runtime.masks import Mask, Span, check_offsets
+from ..runtime.masks import Span, SpanMask, check_offsets
 from .packing import DISTRIBUTIONS, _fill, _read_lengths, _rect, _tri, length_draws
 
-__all__ = ["UnpaddedDocuments", "BlockCalls", "block_calls", "span_block_times", "span_sequence_work", "price_calls",
-           "tile_bound",
+__all__ = ["UnpaddedDocuments", "BlockCalls", "block_calls", "span_sequence_work", "price_calls", "tile_bound",
            "sample_documents", "read_documents"]
 
 
 @dataclass(frozen=True)
-class UnpaddedDocuments(Mask):
+class UnpaddedDocuments(SpanMask):
     """Documents of any length, back to back over one sequence of ``total`` tokens, unpadded: the
     runtime's documents mask (``mesh_attention(cu_seqlens=...)``) as the cost model draws them.
 
@@ -204,18 +203,6 @@ def _shared_documents(lo, seg, piece, doc, n, tile):
             col.append(v)
     i, j, r, k = (np.concatenate(col) if col else np.zeros(0, dtype=np.int64) for col in out)
     return i, j, r, k, _rect(r, k, tile)
-
-
-def span_block_times(w, cluster, backward: bool, ranks: int) -> np.ndarray:
-    """Seconds of every block on ``ranks`` mesh chunks for a workload whose mask is a span (documents,
-    chunks, a window): the sum over the block's calls of the kernel (its work at the throughput of its
-    rows) and the call's fixed costs (:meth:`Workload._call_cost` over its rows, :meth:`Workload._keys_cost`
-    over its keys); 0 for an empty block."""
-    from .windows import window_block_calls
-
-    span = w.span(ranks)
-    calls = block_calls(span, ranks, w.causal) if span.window is None else window_block_calls(span, ranks, w.causal)
-    return price_calls(w, cluster, backward, ranks, calls)
 
 
 def span_sequence_work(span: Span, causal: bool) -> int:

@@ -65,6 +65,10 @@ class CallCache:
         while len(self._calls) > self.size:
             self._calls.popitem(last=False)
 
+    def last(self) -> Any:
+        """The most recently used call (None: none yet)."""
+        return next(reversed(self._calls.values()), None)
+
     def clear(self) -> None:
         self._calls.clear()
         self.agreed_batch = None

@@ -6,15 +6,17 @@
 the engine the planner, the pruner, the executor and the cost model read.
 """
 
-from .base import FULL, Full, FullBlocks, Intersection, Mask, Span, as_mask, intersect
+from .base import Mask, Span
 from .chunked import Chunked
 from .documents import Documents, check_offsets, documents_from_eod, documents_of, host_offsets, int_offsets
 from .packed import PackedBlocks, PackedDocuments, packed_documents
-from .spans import SpanBlocks, SubBlock
-from .window import Window, band_pairs, band_rectangle, check_window
+from .spans import (
+    FULL, Full, FullBlocks, Intersection, SpanBlocks, SpanMask, SubBlock, as_mask, band_pairs, band_rectangle, intersect,
+)
+from .window import Window, check_window
 
 __all__ = [
-    "Mask", "Span", "Full", "FULL", "Intersection", "intersect", "as_mask", "FullBlocks",
+    "Mask", "SpanMask", "Span", "Full", "FULL", "Intersection", "intersect", "as_mask", "FullBlocks",
     "Documents", "documents_of", "documents_from_eod", "check_offsets", "int_offsets", "host_offsets",
     "Window", "check_window", "band_pairs", "band_rectangle",
     "Chunked",

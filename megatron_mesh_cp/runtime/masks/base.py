@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
-__all__ = ["Mask", "Span", "Full", "FULL", "Intersection", "intersect", "as_mask", "tighter"]
+__all__ = ["Mask", "Span", "tighter"]
 
 
 @dataclass(frozen=True)
@@ -113,125 +113,8 @@ class Mask:
 
     def bind(self, chunks: int, total: int, causal: bool):
         """The block engine of this mask on ``chunks`` mesh chunks of a ``total``-token sequence."""
-        span = self.span(total, causal)
-        if span is None:
-            raise ValueError(f"the {self.name} mask has no block engine")
-        from .spans import SpanBlocks
-
-        return FullBlocks(chunks, total, causal) if span.unmasked else SpanBlocks(span, chunks, causal)
+        raise NotImplementedError
 
     def __and__(self, other: "Mask") -> "Mask":
-        return intersect(self, other)
-
-
-@dataclass(frozen=True)
-class Full(Mask):
-    """No mask beyond the causal flag."""
-
-    name = "full"
-    order = 0
-
-    def refine(self, span: Span, causal: bool) -> Span:
-        return span
-
-    def agreement(self) -> dict:
-        return {"mask": "full"}
-
-
-FULL = Full()
-
-
-class FullBlocks:
-    """The engine of an unmasked layer: every block runs its whole zigzag case (DESIGN.md section 3)."""
-
-    pruned = False
-
-    def __init__(self, chunks: int, total: int, causal: bool) -> None:
-        self.n, self.total, self.causal = chunks, total, causal
-
-    def needed(self, shape):
-        return None  # every block: the full plans as they are
-
-    def rank_parts(self, shape, position: int, device):
-        return None  # the executor's unmasked path (prepared calls, grouped computes)
-
-
-@dataclass(frozen=True)
-class Intersection(Mask):
-    """Several span masks at once: a query sees a key iff every one of them lets it."""
-
-    parts: Tuple[Mask, ...]
-
-    @property
-    def name(self) -> str:  # type: ignore[override]
-        return " & ".join(p.name for p in self.parts)
-
-    @property
-    def per_batch(self) -> bool:  # type: ignore[override]
-        return any(p.per_batch for p in self.parts)
-
-    def refine(self, span: Span, causal: bool) -> Span:
-        for p in self.parts:
-            span = p.refine(span, causal)
-        return span
-
-    @property
-    def cuts_documents(self) -> bool:  # type: ignore[override]
-        return any(p.cuts_documents for p in self.parts)
-
-    @property
-    def has_window(self) -> bool:  # type: ignore[override]
-        return any(p.has_window for p in self.parts)
-
-    def check(self, total, chunks, causal, batch) -> None:
-        for p in self.parts:
-            p.check(total, chunks, causal, batch)
-
-    def agreement(self) -> dict:
-        out: dict = {}
-        for p in self.parts:
-            out.update(p.agreement())
-        return out
-
-    def arranged(self, chunks: int, causal: bool) -> Mask:
-        return Intersection(tuple(p.arranged(chunks, causal) for p in self.parts))
-
-    def band(self, causal: bool) -> Optional[Tuple[int, int]]:
-        out = None
-        for p in self.parts:
-            w = p.band(causal)
-            if w is not None:
-                out = w if out is None else (tighter(out[0], w[0]), tighter(out[1], w[1]))
-        return out
-
-    def simplified(self, causal: bool) -> Mask:
-        return intersect(*(p.simplified(causal) for p in self.parts))
-
-
-def intersect(*masks: Optional[Mask]) -> Mask:
-    """The mask that lets a query see a key iff every given mask does (None and FULL drop out).
-    Span masks apply in their ``order`` (documents first, then what refines them); a mask that is not
-    a span (packed documents) stands alone."""
-    parts = []
-    for m in masks:
-        if m is None or isinstance(m, Full):
-            continue
-        parts.extend(m.parts if isinstance(m, Intersection) else (m,))
-    if not parts:
-        return FULL
-    if len(parts) == 1:
-        return parts[0]
-    for p in parts:
-        if p.span_error:  # not a span: it cannot be intersected
-            raise ValueError(p.span_error)
-    return Intersection(tuple(sorted(parts, key=lambda p: p.order)))
-
-
-def as_mask(mask) -> Mask:
-    """``mask`` as a :class:`Mask` (None: :data:`FULL`); ``ValueError`` for anything else."""
-    if mask is None:
-        return FULL
-    if not isinstance(mask, Mask):
-        raise ValueError(f"mask must be a megatron_mesh_cp mask (Documents, Window, Chunked, ... or their '&'), "
-                         f"got {type(mask).__name__}")
-    return mask
+        """The intersection of two masks (span masks compose; others stand alone)."""
+        raise ValueError(self.span_error or f"the {self.name} mask does not compose with others")

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .base import Mask, Span
+from .base import Span
+from .spans import SpanMask
 
 __all__ = ["Chunked"]
 
 
 @dataclass(frozen=True)
-class Chunked(Mask):
+class Chunked(SpanMask):
     """Attention inside chunks of ``size`` tokens, counted from each document's start."""
 
     size: int

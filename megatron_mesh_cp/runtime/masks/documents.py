@@ -15,7 +15,8 @@ from typing import Tuple
 
 import torch
 
-from .base import Mask, Span
+from .base import Span
+from .spans import SpanMask
 
 __all__ = ["Documents", "documents_of", "documents_from_eod", "check_offsets", "int_offsets", "host_offsets"]
 
@@ -65,7 +66,7 @@ def check_offsets(cu: Tuple[int, ...], total: int, name: str = "cu_seqlens") -> 
 
 
 @dataclass(frozen=True)
-class Documents(Mask):
+class Documents(SpanMask):
     """One batch's document offsets as host ints."""
 
     cu: Tuple[int, ...]

@@ -26,6 +26,7 @@ on the device (one small copy per batch, none per call).
 from __future__ import annotations
 
 from bisect import bisect_right
+from dataclasses import dataclass
 from typing import Dict, FrozenSet, List, NamedTuple, Optional, Tuple
 
 import numpy as np
@@ -33,10 +34,37 @@ import torch
 
 from ..kernels.base import Varlen
 from ..topology import MeshShape
-from .base import Span
-from .window import band_pairs, band_rectangle
+from .base import Mask, Span, tighter
 
-__all__ = ["SubBlock", "SpanBlocks"]
+__all__ = ["SubBlock", "SpanBlocks", "FullBlocks", "SpanMask", "Full", "FULL", "Intersection", "intersect", "as_mask",
+           "band_pairs", "band_rectangle"]
+
+
+def band_pairs(rows: int, keys: int, causal: bool, window) -> int:
+    """(row, key) pairs of a rows x keys call with ``key - row`` in the call's band (bottom-right aligned)."""
+    left, right = window if window is not None else (-1, -1)
+    if causal:
+        right = 0
+    shift = keys - rows  # bottom-right alignment
+    r = np.arange(rows)
+    lo = np.zeros(rows, dtype=np.int64) if left < 0 else np.maximum(r + shift - left, 0)
+    hi = np.full(rows, keys - 1, dtype=np.int64) if right < 0 else np.minimum(r + shift + right, keys - 1)
+    return int(np.clip(hi - lo + 1, 0, None).sum())
+
+
+def band_rectangle(r0, r1, c0, c1, lo, hi, big):
+    """The tight rows x keys of rectangle [r0, r1) x [c0, c1) within the band lo <= c - r <= hi, and
+    its kernel window (bottom-right aligned; None when the band covers it); None when empty."""
+    a, b = max(r0, c0 - hi), min(r1, c1 - lo)
+    c, e = max(c0, r0 + lo), min(c1, r1 - 1 + hi + 1)
+    if a >= b or c >= e:
+        return None
+    rows, keys = b - a, e - c
+    shift = keys - rows
+    lo_loc, hi_loc = lo - (c - a), hi - (c - a)
+    left = -1 if lo <= -big // 2 or lo_loc <= -(rows - 1) else shift - lo_loc
+    right = -1 if hi >= big // 2 or hi_loc >= keys - 1 else hi_loc - shift
+    return (a, b), (c, e), None if left == -1 and right == -1 else (left, right)
 
 
 class SubBlock(NamedTuple):
@@ -215,3 +243,131 @@ class SpanBlocks:
                     parts.append((s.rows, s.cols, s.causal, vl, s.window))
                 out[(qo, ko)] = tuple(parts)
         return out
+
+
+class SpanMask(Mask):
+    """A mask of documents and a band: it refines a :class:`Span`, composes with the other span
+    masks (``a & b``) and binds to the span engine (FullBlocks when it masks nothing)."""
+
+    def refine(self, span: Span, causal: bool) -> Span:
+        raise NotImplementedError
+
+    def bind(self, chunks: int, total: int, causal: bool):
+        span = self.span(total, causal)
+        return FullBlocks(chunks, total, causal) if span.unmasked else SpanBlocks(span, chunks, causal)
+
+    def __and__(self, other: Mask) -> Mask:
+        return intersect(self, other)
+
+
+@dataclass(frozen=True)
+class Full(SpanMask):
+    """No mask beyond the causal flag."""
+
+    name = "full"
+    order = 0
+
+    def refine(self, span: Span, causal: bool) -> Span:
+        return span
+
+    def agreement(self) -> dict:
+        return {"mask": "full"}
+
+
+FULL = Full()
+
+
+class FullBlocks:
+    """The engine of an unmasked layer: every block runs its whole zigzag case (DESIGN.md section 3)."""
+
+    pruned = False
+
+    def __init__(self, chunks: int, total: int, causal: bool) -> None:
+        self.n, self.total, self.causal = chunks, total, causal
+
+    def needed(self, shape):
+        return None  # every block: the full plans as they are
+
+    def rank_parts(self, shape, position: int, device):
+        return None  # the executor's unmasked path (prepared calls, grouped computes)
+
+
+@dataclass(frozen=True)
+class Intersection(SpanMask):
+    """Several span masks at once: a query sees a key iff every one of them lets it."""
+
+    parts: Tuple[Mask, ...]
+
+    @property
+    def name(self) -> str:  # type: ignore[override]
+        return " & ".join(p.name for p in self.parts)
+
+    @property
+    def per_batch(self) -> bool:  # type: ignore[override]
+        return any(p.per_batch for p in self.parts)
+
+    def refine(self, span: Span, causal: bool) -> Span:
+        for p in self.parts:
+            span = p.refine(span, causal)
+        return span
+
+    @property
+    def cuts_documents(self) -> bool:  # type: ignore[override]
+        return any(p.cuts_documents for p in self.parts)
+
+    @property
+    def has_window(self) -> bool:  # type: ignore[override]
+        return any(p.has_window for p in self.parts)
+
+    def check(self, total, chunks, causal, batch) -> None:
+        for p in self.parts:
+            p.check(total, chunks, causal, batch)
+
+    def agreement(self) -> dict:
+        out: dict = {}
+        for p in self.parts:
+            out.update(p.agreement())
+        return out
+
+    def arranged(self, chunks: int, causal: bool) -> Mask:
+        return Intersection(tuple(p.arranged(chunks, causal) for p in self.parts))
+
+    def band(self, causal: bool) -> Optional[Tuple[int, int]]:
+        out = None
+        for p in self.parts:
+            w = p.band(causal)
+            if w is not None:
+                out = w if out is None else (tighter(out[0], w[0]), tighter(out[1], w[1]))
+        return out
+
+    def simplified(self, causal: bool) -> Mask:
+        return intersect(*(p.simplified(causal) for p in self.parts))
+
+
+def intersect(*masks: Optional[Mask]) -> Mask:
+    """The mask that lets a query see a key iff every given mask does (None and FULL drop out).
+    Span masks apply in their ``order`` (documents first, then what refines them); a mask that is not
+    a span (packed documents) stands alone."""
+    parts = []
+    for m in masks:
+        if m is None or isinstance(m, Full):
+            continue
+        parts.extend(m.parts if isinstance(m, Intersection) else (m,))
+    if not parts:
+        return FULL
+    if len(parts) == 1:
+        return parts[0]
+    for p in parts:
+        if p.span_error:  # not a span: it cannot be intersected
+            raise ValueError(p.span_error)
+    return Intersection(tuple(sorted(parts, key=lambda p: p.order)))
+
+
+def as_mask(mask) -> Mask:
+    """``mask`` as a :class:`Mask` (None: :data:`FULL`); ``ValueError`` for anything else."""
+    if mask is None:
+        return FULL
+    if not isinstance(mask, Mask):
+        raise ValueError(f"mask must be a megatron_mesh_cp mask (Documents, Window, Chunked, ... or their '&'), "
+                         f"got {type(mask).__name__}")
+    return mask

@@ -2,8 +2,7 @@
 
 This is flash-attn's ``window_size``; under the causal mask ``right`` is 0. A window composes with
 documents (the band inside each document) and with the other span masks. The band geometry the
-block engine needs -- the pairs of a bottom-right aligned call and the tight rectangle of a band
-inside a document's rectangle -- lives here too.
+block engine needs lives with it (spans.py).
 """
 
 from __future__ import annotations
@@ -14,8 +13,9 @@ from typing import Optional, Tuple
 import numpy as np
 
 from .base import Mask, Span, tighter
+from .spans import FULL, SpanMask
 
-__all__ = ["Window", "check_window", "band_pairs", "band_rectangle"]
+__all__ = ["Window", "check_window"]
 
 
 def check_window(window, causal: bool) -> Optional[Tuple[int, int]]:
@@ -42,7 +42,7 @@ def check_window(window, causal: bool) -> Optional[Tuple[int, int]]:
 
 
 @dataclass(frozen=True)
-class Window(Mask):
+class Window(SpanMask):
     """A sliding window (left, right) as ``mesh_attention(window=...)`` takes it."""
 
     left: int
@@ -76,33 +76,4 @@ class Window(Mask):
         return check_window((self.left, self.right), causal)
 
     def simplified(self, causal: bool) -> Mask:
-        from .base import FULL
-
         return self if self.band(causal) is not None else FULL
-
-
-def band_pairs(rows: int, keys: int, causal: bool, window) -> int:
-    """(row, key) pairs of a rows x keys call with ``key - row`` in the call's band (bottom-right aligned)."""
-    left, right = window if window is not None else (-1, -1)
-    if causal:
-        right = 0
-    shift = keys - rows  # bottom-right alignment
-    r = np.arange(rows)
-    lo = np.zeros(rows, dtype=np.int64) if left < 0 else np.maximum(r + shift - left, 0)
-    hi = np.full(rows, keys - 1, dtype=np.int64) if right < 0 else np.minimum(r + shift + right, keys - 1)
-    return int(np.clip(hi - lo + 1, 0, None).sum())
-
-
-def band_rectangle(r0, r1, c0, c1, lo, hi, big):
-    """The tight rows x keys of rectangle [r0, r1) x [c0, c1) within the band lo <= c - r <= hi, and
-    its kernel window (bottom-right aligned; None when the band covers it); None when empty."""
-    a, b = max(r0, c0 - hi), min(r1, c1 - lo)
-    c, e = max(c0, r0 + lo), min(c1, r1 - 1 + hi + 1)
-    if a >= b or c >= e:
-        return None
-    rows, keys = b - a, e - c
-    shift = keys - rows
-    lo_loc, hi_loc = lo - (c - a), hi - (c - a)
-    left = -1 if lo <= -big // 2 or lo_loc <= -(rows - 1) else shift - lo_loc
-    right = -1 if hi >= big // 2 or hi_loc >= keys - 1 else hi_loc - shift
-    return (a, b), (c, e), None if left == -1 and right == -1 else (left, right)
