@@ -6,9 +6,12 @@
 the engine the planner, the pruner, the executor and the cost model read.
 """
 
+from .arranged import Arranged, SegmentBlocks, arranged_of
 from .base import Mask, Span
 from .chunked import Chunked
-from .documents import Documents, check_offsets, documents_from_eod, documents_of, host_offsets, int_offsets
+from .documents import (
+    Documents, check_offsets, check_one_sequence, documents_from_eod, documents_of, host_offsets, int_offsets,
+)
 from .packed import PackedBlocks, PackedDocuments, packed_documents
 from .spans import (
     FULL, Full, FullBlocks, Intersection, SpanBlocks, SpanMask, SubBlock, as_mask, band_pairs, band_rectangle, intersect,
@@ -17,9 +20,10 @@ from .window import Window, check_window
 
 __all__ = [
     "Mask", "SpanMask", "Span", "Full", "FULL", "Intersection", "intersect", "as_mask", "FullBlocks",
-    "Documents", "documents_of", "documents_from_eod", "check_offsets", "int_offsets", "host_offsets",
+    "Documents", "documents_of", "documents_from_eod", "check_offsets", "check_one_sequence", "int_offsets",
+    "host_offsets",
     "Window", "check_window", "band_pairs", "band_rectangle",
     "Chunked",
     "PackedDocuments", "packed_documents", "PackedBlocks",
-    "SpanBlocks", "SubBlock",
+    "SpanBlocks", "SubBlock", "Arranged", "arranged_of", "SegmentBlocks",
 ]

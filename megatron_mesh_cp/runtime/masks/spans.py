@@ -36,7 +36,7 @@ from ..kernels.base import Varlen
 from ..topology import MeshShape
 from .base import Mask, Span, tighter
 
-__all__ = ["SubBlock", "SpanBlocks", "FullBlocks", "SpanMask", "Full", "FULL", "Intersection", "intersect", "as_mask",
+__all__ = ["SubBlock", "SpanBlocks", "FullBlocks", "needed_blocks", "SpanMask", "Full", "FULL", "Intersection", "intersect", "as_mask",
            "band_pairs", "band_rectangle"]
 
 
@@ -65,6 +65,21 @@ def band_rectangle(r0, r1, c0, c1, lo, hi, big):
     left = -1 if lo <= -big // 2 or lo_loc <= -(rows - 1) else shift - lo_loc
     right = -1 if hi >= big // 2 or hi_loc >= keys - 1 else hi_loc - shift
     return (a, b), (c, e), None if left == -1 and right == -1 else (left, right)
+
+
+def needed_blocks(nonempty: np.ndarray, shape: MeshShape) -> FrozenSet[Tuple[int, int]]:
+    """Tile blocks (Q offset, KV offset) of ``shape`` with a nonempty block on some rank."""
+    a, b = shape.a, shape.b
+    g = np.arange(shape.n)
+    r, c = g // a, g % a
+    keep = set()
+    for qo in range(a):
+        qi = r * a + (c - qo) % a
+        for ko in range(b):
+            kj = ((r - ko) % b) * a + c
+            if nonempty[qi, kj].any():
+                keep.add((qo, ko))
+    return frozenset(keep)
 
 
 class SubBlock(NamedTuple):
@@ -214,18 +229,7 @@ class SpanBlocks:
         pruned plan computes them everywhere; a rank whose own block is empty runs no kernel)."""
         if shape.n != self.n:
             raise ValueError(f"the mask is for {self.n} mesh chunks, the mesh {shape} has {shape.n}")
-        ne = self.nonempty()
-        a, b = shape.a, shape.b
-        g = np.arange(shape.n)
-        r, c = g // a, g % a
-        keep = set()
-        for qo in range(a):
-            qi = r * a + (c - qo) % a
-            for ko in range(b):
-                kj = ((r - ko) % b) * a + c
-                if ne[qi, kj].any():
-                    keep.add((qo, ko))
-        return frozenset(keep)
+        return needed_blocks(self.nonempty(), shape)
 
     def rank_parts(self, shape: MeshShape, position: int, device) -> Dict[Tuple[int, int], tuple]:
         """Rank ``position``'s kernel calls per tile block (Q offset, KV offset): tuples of
@@ -322,6 +326,10 @@ class Intersection(SpanMask):
     def check(self, total, chunks, causal, batch) -> None:
         for p in self.parts:
             p.check(total, chunks, causal, batch)
+
+    def check_batch(self, batch: int) -> None:
+        for p in self.parts:
+            p.check_batch(batch)
 
     def agreement(self) -> dict:
         out: dict = {}
