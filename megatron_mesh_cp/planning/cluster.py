@@ -200,8 +200,8 @@ class Workload:
 
     def __post_init__(self) -> None:
         mask = None if self.mask is None else as_mask(self.mask).simplified(self.causal)
-        if mask is not None and mask.cuts_documents and mask.per_batch and self.batch != 1:
-            raise ValueError(f"unpadded documents take one sequence (batch 1), got batch {self.batch}")
+        if mask is not None:
+            mask.check_batch(self.batch)
         if mask is not None and mask.has_window and mask.cuts_documents and _tile(mask):
             raise ValueError("windowed blocks are priced by their exact pairs; give the documents kernel tile 0")
         object.__setattr__(self, "mask", mask)

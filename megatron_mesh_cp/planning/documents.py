@@ -23,7 +23,7 @@ from typing import Dict, NamedTuple, Tuple
 import numpy as np
 
 from ..runtime.balance import balance_order
-from ..runtime.masks import Span, SpanMask, check_offsets
+from ..runtime.masks import Span, SpanMask, check_offsets, check_one_sequence
 from .packing import DISTRIBUTIONS, _fill, _read_lengths, _rect, _tri, length_draws
 
 __all__ = ["UnpaddedDocuments", "BlockCalls", "block_calls", "span_sequence_work", "price_calls", "tile_bound",
@@ -77,6 +77,9 @@ class UnpaddedDocuments(SpanMask):
     def span(self, total: int = None, causal: bool = True) -> Span:
         """The canonical form over ``total`` tokens (default: the documents' own)."""
         return self.refine(Span(self.total if total is None else total), causal)
+
+    def check_batch(self, batch: int) -> None:
+        check_one_sequence(batch)
 
     def agreement(self) -> dict:
         return {"documents": self.cu}

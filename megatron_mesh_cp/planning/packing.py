@@ -40,7 +40,7 @@ from typing import Tuple
 
 import numpy as np
 
-from ..runtime.masks import Mask
+from ..runtime.masks import Mask, PackedDocuments
 
 __all__ = ["Packing", "DISTRIBUTIONS", "parse_tokens", "parse_doc_range", "sample_packing", "read_packing",
            "length_draws"]
@@ -105,9 +105,7 @@ class Packing(Mask):
     name = "packed documents"
     per_batch = True
     padded = True
-    span_error = ("a workload is either packed THD documents (padded: a Packing) or unpadded documents, chunks or a "
-                  "window, not both (the runtime refuses a sliding window on packed THD (padded) documents); give the "
-                  "documents unpadded or drop the packing")
+    span_error = PackedDocuments.span_error + " (a workload is either packed or unpadded documents, not both)"
 
     def __post_init__(self) -> None:
         if not self.lengths:

@@ -88,6 +88,9 @@ class Mask:
     #: packed THD documents padded per 2*CP (their own layout and engine)
     padded = False
 
+    def check_batch(self, batch: int) -> None:
+        """``ValueError`` naming the fix unless the mask can run ``batch`` sequences per call."""
+
     def kernel_needs(self) -> dict:
         """What the block kernels must support for this mask: ``varlen`` (calls over several documents),
         ``window`` (a sliding window), ``window_documents`` (windowed calls over documents, which can

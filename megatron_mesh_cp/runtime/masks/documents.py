@@ -18,7 +18,8 @@ import torch
 from .base import Span
 from .spans import SpanMask
 
-__all__ = ["Documents", "documents_of", "documents_from_eod", "check_offsets", "int_offsets", "host_offsets"]
+__all__ = ["Documents", "documents_of", "documents_from_eod", "check_offsets", "check_one_sequence", "int_offsets",
+           "host_offsets"]
 
 
 def int_offsets(cu, name: str) -> Tuple[int, ...]:
@@ -50,6 +51,13 @@ def host_offsets(cu, name: str) -> Tuple[int, ...]:
         while len(_HOST) > 16:
             _HOST.popitem(last=False)
     return hit[1]
+
+
+def check_one_sequence(batch: int) -> None:
+    """Documents are offsets into one sequence: a call takes one (batch 1)."""
+    if batch != 1:
+        raise ValueError(f"document masking (cu_seqlens) takes one sequence per call, got batch {batch}; run one "
+                         "sequence per micro-batch (Megatron: --micro-batch-size 1)")
 
 
 def check_offsets(cu: Tuple[int, ...], total: int, name: str = "cu_seqlens") -> None:
@@ -91,9 +99,10 @@ class Documents(SpanMask):
 
     def check(self, total, chunks, causal, batch) -> None:
         check_offsets(self.cu, total)
-        if batch != 1:
-            raise ValueError(f"document masking (cu_seqlens) takes one sequence per call, got batch {batch}; run one "
-                             "sequence per micro-batch (Megatron: --micro-batch-size 1)")
+        self.check_batch(batch)
+
+    def check_batch(self, batch: int) -> None:
+        check_one_sequence(batch)
 
     def agreement(self) -> dict:
         return {"documents": self.cu}
