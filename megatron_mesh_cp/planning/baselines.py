@@ -41,6 +41,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Dict, List, Optional, Tuple
 
+from .layouts import resolve_layout
 from .autoshape import choose_hybrid_shape, choose_shape, ulysses_degrees
 from .cluster import Cluster, Workload
 from .costs import (collective_time, monolithic_time, plan_peak_bytes, te_ring_peak_bytes, ulysses_a2a_steps,
@@ -100,6 +101,7 @@ def _from_phases(algo: str, fwd: PhaseResult, bwd: PhaseResult, shape: str, note
 
 
 def _plan_algo(algo, a, b, cluster, w, stride, planner="greedy", chains="auto", max_live=None, note=""):
+    w = resolve_layout(w, a, b, cluster, stride)  # documents laid out by auto: the layout chosen for this mesh
     if w.pruned:  # the runtime's plans for documents, chunks or a window: full, chains both ways, pruned
         fwd, bwd = document_plans(a, b, planner, cluster=cluster, workload=w, stride=stride, max_live=max_live)
     else:

@@ -31,7 +31,7 @@ from ..runtime.masks import Mask, Span, SpanBlocks, as_mask
 from ..runtime.packed import packed_slices
 from ..runtime.plan import ChunkDims
 from ..runtime.topology import MeshShape
-from .documents import block_calls as document_block_calls, price_calls
+from .documents import arranged_block_calls, block_calls as document_block_calls, price_calls
 from .packing import Packing
 from .windows import window_block_calls
 
@@ -235,21 +235,31 @@ class Workload:
         ``ranks`` if asked), None for none."""
         return None if self.mask is None else self.mask.arranged(ranks, self.causal)
 
-    def span(self, ranks: int) -> Span:
-        """The mask's canonical form over the sequence of ``ranks`` chunks, as it runs there."""
+    def _runs_as(self, ranks: int):
+        """The mask as it runs on ``ranks`` chunks, its documents checked to fill the sequence."""
         total = self.seq_local * ranks
         mask = self.arranged(ranks)
-        if mask is None:
-            return Span(total)
-        docs = mask_total(mask)
+        docs = None if mask is None else mask_total(mask)
         if docs is not None and docs != total:
             raise ValueError(f"the documents span {docs} tokens but {ranks} CP ranks of {self.seq_local} tokens "
                              f"hold {total}; the documents must fill the global sequence length")
-        return mask.span(total, self.causal)
+        return mask, total
 
-    def blocks(self, ranks: int) -> SpanBlocks:
+    def span(self, ranks: int) -> Optional[Span]:
+        """The mask's canonical form over the sequence of ``ranks`` chunks, as it runs there (None: a
+        mask that is not a span, e.g. documents re-laid in pieces by the split layout)."""
+        mask, total = self._runs_as(ranks)
+        if mask is None:
+            return Span(total)
+        return None if mask.span_error else mask.span(total, self.causal)
+
+    def blocks(self, ranks: int):
         """The runtime's block engine of the mask on ``ranks`` chunks (cached)."""
-        return _span_blocks(self.span(ranks), ranks, self.causal)
+        span = self.span(ranks)
+        if span is not None:
+            return _span_blocks(span, ranks, self.causal)
+        mask, total = self._runs_as(ranks)
+        return _bound(mask, ranks, total, self.causal)
 
     def nonempty(self, ranks: int) -> np.ndarray:
         """Bool [ranks, ranks]: the blocks with any (query, key) pair (the runtime's own mask)."""
@@ -257,7 +267,20 @@ class Workload:
 
     def needed(self, a: int, b: int) -> FrozenSet[Tuple[int, int]]:
         """Tile blocks some rank of the a x b mesh computes: what the pruned plans keep."""
-        return _needed(self.span(a * b), a, b, self.causal)
+        span = self.span(a * b)
+        if span is not None:
+            return _needed(span, a, b, self.causal)
+        return self.blocks(a * b).needed(MeshShape(a, b))
+
+    def mask_calls(self, ranks: int):
+        """Every kernel call of every block on ``ranks`` chunks under the (pruned) mask: vectorised for
+        span masks (planning/documents.py, planning/windows.py), from the block engine otherwise."""
+        span = self.span(ranks)
+        if span is None:  # documents re-laid in pieces (the packed and split layouts)
+            return arranged_block_calls(self._runs_as(ranks)[0], ranks, self.causal)
+        if span.window is None:
+            return document_block_calls(span, ranks, self.causal)
+        return window_block_calls(span, ranks, self.causal)
 
     @property
     def dv(self) -> int:
@@ -347,9 +370,7 @@ class Workload:
         per sub-block of its case (:func:`~megatron_mesh_cp.runtime.packed.packed_slices`), or (documents,
         window) one per call the mask makes, 0 for an empty block. [ranks, ranks]."""
         if self.pruned:
-            span = self.span(ranks)
-            calls = (document_block_calls(span, ranks, self.causal) if span.window is None
-                     else window_block_calls(span, ranks, self.causal))
+            calls = self.mask_calls(ranks)
             out = np.zeros((ranks, ranks))
             np.add.at(out, (calls.i, calls.j), 1.0)
             return out
@@ -378,15 +399,17 @@ class Workload:
             )
 
 
-def span_block_times(w, cluster, backward: bool, ranks: int) -> np.ndarray:
-    """Seconds of every block on ``ranks`` mesh chunks for a workload whose mask is a span (documents,
+def masked_block_times(w, cluster, backward: bool, ranks: int) -> np.ndarray:
+    """Seconds of every block on ``ranks`` mesh chunks for a workload with a pruned mask (documents,
     chunks, a window): the sum over the block's calls of the kernel (its work at the throughput of its
     rows) and the call's fixed costs (:meth:`Workload._call_cost` over its rows, :meth:`Workload._keys_cost`
     over its keys); 0 for an empty block."""
-    span = w.span(ranks)
-    calls = (document_block_calls(span, ranks, w.causal) if span.window is None
-             else window_block_calls(span, ranks, w.causal))
-    return price_calls(w, cluster, backward, ranks, calls)
+    return price_calls(w, cluster, backward, ranks, w.mask_calls(ranks))
+
+
+@lru_cache(maxsize=64)
+def _bound(mask, chunks: int, total: int, causal: bool):
+    return mask.bind(chunks, total, causal)
 
 
 
@@ -409,13 +432,18 @@ def _tile(mask) -> int:
 def mask_total(mask) -> Optional[int]:
     """The tokens a mask's documents span (None: the mask does not fix it)."""
     parts = getattr(mask, "parts", (mask,))
-    return next((p.cu[-1] for p in parts if getattr(p, "cuts_documents", False) and hasattr(p, "cu")), None)
+    for p in parts:
+        if getattr(p, "cuts_documents", False):
+            cu = getattr(p, "cu", None) or getattr(p, "cuts", None)
+            if cu is not None:
+                return cu[-1]
+    return None
 
 
 @lru_cache(maxsize=256)
 def _block_times(w: Workload, cluster: Cluster, backward: bool, ranks: int) -> np.ndarray:
     if w.pruned:  # each block's own kernel calls; empty blocks 0
-        out = span_block_times(w, cluster, backward, ranks)
+        out = masked_block_times(w, cluster, backward, ranks)
         out.setflags(write=False)
         return out
     i, j = np.indices((ranks, ranks))

@@ -9,6 +9,8 @@ the collective crosses (the NIC once the group spans nodes).
 from __future__ import annotations
 
 from dataclasses import replace
+
+import numpy as np
 from typing import Optional
 
 from ..runtime.memory import layout
@@ -63,6 +65,10 @@ def whole_sequence_pairs(w: Workload, ranks: int) -> Optional[float]:
     own triangle, cut by the window if any); None when the workload is neither packed nor windowed."""
     if w.pruned:  # documents, chunks, a window: each document's own triangle, cut by the window
         span = w.span(ranks)
+        if span is None:  # re-laid documents: the same documents, so the same pairs
+            lengths = np.bincount(np.asarray(w.arranged(ranks).docs), weights=np.diff(w.arranged(ranks).cuts))
+            x = lengths[lengths > 0]
+            return float((x * (x + 1) / 2).sum() if w.causal else (x * x).sum())
         return float(sequence_pairs(span, w.causal) if span.window is not None else span_sequence_work(span, w.causal))
     if w.packing is None:
         return None

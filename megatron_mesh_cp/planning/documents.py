@@ -16,17 +16,19 @@ pads every document to 2*CP and sends every chunk): they are priced with a
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from typing import Dict, NamedTuple, Tuple
 
 import numpy as np
 
 from ..runtime.balance import balance_order
+from ..runtime.layouts import arrange
 from ..runtime.masks import Span, SpanMask, check_offsets, check_one_sequence
 from .packing import DISTRIBUTIONS, _fill, _read_lengths, _rect, _tri, length_draws
 
-__all__ = ["UnpaddedDocuments", "BlockCalls", "block_calls", "span_sequence_work", "price_calls", "tile_bound",
+__all__ = ["UnpaddedDocuments", "BlockCalls", "block_calls", "arranged_block_calls", "span_sequence_work",
+           "price_calls", "tile_bound",
            "sample_documents", "read_documents"]
 
 
@@ -43,9 +45,14 @@ class UnpaddedDocuments(SpanMask):
     lengths: Tuple[int, ...]
     tile: int = 0
     label: str = field(default="", compare=False)
-    #: run in the order runtime/balance.py gives each chunk count (as the launcher's
-    #: ``--mesh-document-order balanced`` does per batch) instead of as given
+    #: run in the order runtime/balance.py gives each chunk count (the ``balanced`` layout, as the
+    #: launcher runs it per batch) instead of as given
     balanced: bool = False
+    #: run in the ``split`` layout cutting this many of the longest documents (runtime/layouts.py)
+    split: int = 0
+    #: the layout is chosen per mesh by the cost model (planning/layouts.py: ``resolve_layout``), as
+    #: the launcher's ``--mesh-layout auto`` chooses it per micro-batch
+    auto: bool = False
 
     name = "documents"
     per_batch = True
@@ -58,6 +65,9 @@ class UnpaddedDocuments(SpanMask):
                              "drop empty documents")
         if self.tile < 0:
             raise ValueError(f"kernel tile {self.tile} must be >= 0 (0: count exact pairs)")
+        if self.split and self.tile:
+            raise ValueError("the split layout's blocks are priced by their exact pairs; give the documents kernel "
+                             "tile 0")
         object.__setattr__(self, "lengths", tuple(int(x) for x in self.lengths))
 
     @property
@@ -85,14 +95,34 @@ class UnpaddedDocuments(SpanMask):
         return {"documents": self.cu}
 
     def with_tile(self, tile: int) -> "UnpaddedDocuments":
-        return UnpaddedDocuments(self.lengths, tile, self.label, self.balanced)
+        return replace(self, tile=tile)
 
     def with_balance(self, balanced: bool) -> "UnpaddedDocuments":
-        return UnpaddedDocuments(self.lengths, self.tile, self.label, bool(balanced))
+        return replace(self, balanced=bool(balanced), split=0, auto=False)
 
-    def arranged(self, chunks: int, causal: bool = True) -> "UnpaddedDocuments":
-        """The documents in the order they run on ``chunks`` zigzag chunks: balanced
-        (:func:`~megatron_mesh_cp.runtime.balance.balance_order`, cached) or as given."""
+    def with_layout(self, layout: str) -> "UnpaddedDocuments":
+        """The same documents run in ``layout``: ``zigzag``, ``balanced``, ``split:K`` (the K longest cut)
+        or ``auto`` (chosen per mesh by the cost model)."""
+        name, _, k = layout.partition(":")
+        if name not in ("zigzag", "balanced", "split", "auto") or (name == "split") != bool(k) or (
+                k and not k.isdigit()):
+            raise ValueError(f"unknown layout {layout!r}; choose zigzag, balanced, split:K (K documents cut) or auto")
+        return replace(self, balanced=name == "balanced", split=int(k) if k else 0, auto=name == "auto")
+
+    @property
+    def layout(self) -> str:
+        if self.auto:
+            return "auto"
+        return f"split:{self.split}" if self.split else "balanced" if self.balanced else "zigzag"
+
+    def arranged(self, chunks: int, causal: bool = True):
+        """The documents as they run on ``chunks`` chunks: balanced
+        (:func:`~megatron_mesh_cp.runtime.balance.balance_order`, cached), re-laid by the split layout
+        (an ``Arranged`` mask, cached) or as given; ``auto`` must be resolved for a mesh first."""
+        if self.auto:
+            raise ValueError("the auto layout is chosen per mesh: resolve it first (planning.layouts.resolve_layout)")
+        if self.split:
+            return _split(self, chunks, bool(causal))
         return _balanced(self, chunks, bool(causal)) if self.balanced else self
 
     for_chunks = arranged
@@ -113,7 +143,16 @@ class UnpaddedDocuments(SpanMask):
                 f"{int((x > 256 * 1024).sum())} over 256K; {self.total} tokens, unpadded; causal attention work "
                 f"{self.work_fraction():.2%} of one unmasked sequence")
         text += f" (counted in {self.tile}x{self.tile} tiles)" if self.tile else ""
+        if self.auto:
+            return text + "; laid out per mesh by the cost model (auto)"
+        if self.split:
+            return text + f"; run in the split layout ({self.split} longest split)"
         return text + ("; run in the order balancing each mesh's zigzag chunks" if self.balanced else "")
+
+
+@lru_cache(maxsize=64)
+def _split(docs: UnpaddedDocuments, chunks: int, causal: bool):
+    return arrange(docs.lengths, chunks, "split", split=docs.split, causal=causal).mask
 
 
 @lru_cache(maxsize=64)
@@ -206,6 +245,89 @@ def _shared_documents(lo, seg, piece, doc, n, tile):
             col.append(v)
     i, j, r, k = (np.concatenate(col) if col else np.zeros(0, dtype=np.int64) for col in out)
     return i, j, r, k, _rect(r, k, tile)
+
+
+def arranged_block_calls(mask, n: int, causal: bool) -> BlockCalls:
+    """Every kernel call of every block of documents re-laid in pieces (``runtime.masks.Arranged``) on
+    ``n`` mesh chunks: call for call what ``SegmentBlocks.block`` runs (tested), vectorised per
+    document over its segments (read-only arrays, cached)."""
+    return _arranged_calls(mask, n, bool(causal))
+
+
+@lru_cache(maxsize=64)
+def _arranged_calls(mask, n: int, causal: bool) -> BlockCalls:
+    cuts = np.asarray(mask.cuts, dtype=np.int64)
+    total = int(cuts[-1])
+    m = total // (2 * n)
+    # segments cut at the piece boundaries, with their chunk, first local row, document and positions
+    bounds = np.union1d(cuts, np.arange(0, total + 1, m, dtype=np.int64))
+    lo, seg = bounds[:-1], np.diff(bounds)
+    k = np.searchsorted(cuts, lo, side="right") - 1
+    piece = lo // m
+    chunk = np.where(piece < n, piece, 2 * n - 1 - piece)
+    row = np.where(piece < n, lo - piece * m, m + lo - piece * m)
+    doc = np.asarray(mask.docs, dtype=np.int64)[k]
+    pos = np.asarray(mask.starts, dtype=np.int64)[k] + lo - cuts[k]
+    # per chunk in row order; a run = consecutive segments of one document with increasing positions
+    order = np.lexsort((row, chunk))
+    chunk, row, doc, pos, seg = chunk[order], row[order], doc[order], pos[order], seg[order]
+    new_run = np.r_[True, (chunk[1:] != chunk[:-1]) | (doc[1:] != doc[:-1]) | (pos[1:] < pos[:-1] + seg[:-1])]
+    run = np.cumsum(new_run) - 1
+    run_len = np.bincount(run, weights=seg).astype(np.int64)
+    run_first = np.flatnonzero(new_run)
+    run_chunk = chunk[run_first]
+    tri = (lambda x: x * (x + 1) // 2) if causal else (lambda x: x * x)  # noqa: E731
+    diag_work = np.bincount(run_chunk, weights=tri(run_len), minlength=n).astype(np.int64)
+    full = np.full(n, 2 * m, dtype=np.int64)
+    parts = [(np.arange(n), np.arange(n), full, full, diag_work)]
+    # documents with several runs: their run pairs' rectangles
+    by_doc = np.lexsort((pos, doc))
+    d_sorted = doc[by_doc]
+    starts_ = np.flatnonzero(np.r_[True, d_sorted[1:] != d_sorted[:-1]])
+    ends_ = np.r_[starts_[1:], len(d_sorted)]
+    for a, b in zip(starts_, ends_):
+        idx = by_doc[a:b]
+        runs = np.unique(run[idx])
+        if len(runs) < 2:
+            continue
+        segs = np.sort(idx)  # this document's segments in (chunk, row) order: runs are contiguous in it
+        r_of, p_of, l_of, c_of = run[segs], pos[segs], seg[segs], chunk[segs]
+        uniq, first = np.unique(r_of, return_index=True)
+        col = np.searchsorted(uniq, r_of)  # run column of each segment
+        if causal:  # f[s, V]: key segments of run V before query segment s
+            before = p_of[None, :] + l_of[None, :] <= p_of[:, None]
+            f = np.zeros((len(segs), len(uniq)), dtype=np.int64)
+            np.add.at(f.T, col, before.T.astype(np.int64))
+            # keys of the first f segments of V: V's segments are in position order
+            cum = np.zeros((len(uniq), int(np.bincount(col).max()) + 1), dtype=np.int64)
+            for v in range(len(uniq)):
+                cum[v, 1:1 + np.sum(col == v)] = np.cumsum(l_of[col == v])
+            keys = cum[np.arange(len(uniq))[None, :], f]
+            # consecutive query segments of one run with the same f share a call
+            same_run = np.r_[False, r_of[1:] == r_of[:-1]]
+            start = ~(same_run[:, None] & (f == np.vstack([f[:1] * 0 - 1, f[:-1]])))
+            start[:, :] |= ~same_run[:, None]
+            gid = np.cumsum(start, axis=0)
+            for v in range(len(uniq)):
+                keep = (col != v) & (f[:, v] > 0)
+                if not keep.any():
+                    continue
+                g = gid[keep, v]
+                rows = np.bincount(g, weights=l_of[keep]).astype(np.int64)
+                hit = np.flatnonzero(rows)
+                firsts = np.flatnonzero(keep)[np.searchsorted(g, hit)]
+                qi, kj = c_of[firsts], np.full(len(hit), c_of[first[v]])
+                kk = keys[firsts, v]
+                parts.append((qi, kj, rows[hit], kk, rows[hit] * kk))
+        else:  # every pair of runs: one rectangle
+            rl = np.bincount(col, weights=l_of).astype(np.int64)
+            rc = c_of[first]
+            qa, kb = np.nonzero(~np.eye(len(uniq), dtype=bool))
+            parts.append((rc[qa], rc[kb], rl[qa], rl[kb], rl[qa] * rl[kb]))
+    out = BlockCalls(*(np.ascontiguousarray(np.concatenate(c), dtype=np.int64) for c in zip(*parts)))
+    for arr in out:
+        arr.setflags(write=False)
+    return out
 
 
 def span_sequence_work(span: Span, causal: bool) -> int:

@@ -12,9 +12,10 @@ layout's work per chunk is exact and cheap. Three layouts:
 * ``split``: the longest documents cut the way TE's THD partition cuts every document -- 2N pieces,
   pieces g and 2N-1-g to chunk g, unpadded (uneven by a token at most) -- so each spreads its work
   evenly; piece g ends piece g of x' and piece 2N-1-g starts piece 2N-1-g, so in chunk g they are
-  one run of rows. The other documents stay whole (their blocks stay prunable) and fill the rest
-  of each piece in an order balanced with the split documents' work (balance_order over regions).
-  The mask is :class:`~megatron_mesh_cp.runtime.masks.arranged.Arranged`.
+  one run of rows. The other documents stay whole (their blocks stay prunable) and are laid back to
+  back over the room left in each piece, in an order balancing the chunks' work with the split
+  documents' (balance_order over those regions). The mask is
+  :class:`~megatron_mesh_cp.runtime.masks.arranged.Arranged`.
 
 Every rank computes the same layout from the same lengths (all searches are seeded). The planning
 layer chooses among them by its cost model (planning/layouts.py); the launcher applies the order
@@ -112,54 +113,76 @@ def _split_sizes(length: int, cap: np.ndarray) -> np.ndarray:
 
 
 def _split(lengths: np.ndarray, chunks: int, count: int, causal: bool, seed: int) -> Optional[Arrangement]:
-    """The ``count`` longest documents split TE-style, the others whole and balanced around them
-    (None when they do not fit: a split document's pieces must leave room in every piece)."""
+    """The ``count`` longest documents split TE-style, the others whole, laid back to back over the
+    room the split pieces leave in an order balancing the chunks' work (balance_order over those
+    regions); None when the split ones do not fit (their pieces must leave room in every chunk).
+
+    In chunk c the first split document's two pieces meet at the centre (the end of x' piece c and
+    the start of piece 2N-1-c); every other split document's two pieces sit side by side in one half
+    (the one with more room left), so each split document is one run of rows per chunk and one
+    kernel call per block."""
     n2 = 2 * chunks
     total = int(lengths.sum())
     m = total // n2
-    longest = np.argsort(-lengths, kind="stable")[:count]
-    cap = np.full(n2, m, dtype=np.int64)
+    longest = [int(d) for d in np.argsort(-lengths, kind="stable")[:count]]
+    cap = np.full(n2, m, dtype=np.int64)  # room per x' piece
     sizes = {}
-    for d in longest:
-        sizes[int(d)] = _split_sizes(int(lengths[d]), cap)
-        cap = cap - sizes[int(d)]
-        if (cap < 0).any():
+    for d in longest:  # piece sizes; the remainder tokens go to the chunks with most room
+        sizes[d] = _split_sizes(int(lengths[d]), cap)
+        cap = cap - sizes[d]
+        if (cap < 0).any() and d == longest[0]:
             return None
-    rest = [int(d) for d in range(len(lengths)) if int(d) not in sizes]
-    # the split documents' work per chunk: piece g of document d holds positions [P_g, P_g + s_g)
+    # per chunk: which half holds each non-centre split document's pair (the centre one spans both)
+    room = np.full(n2, m, dtype=np.int64)
+    side = {}  # (document, chunk) -> x' piece holding both its pieces
+    for c in range(chunks):
+        hi = n2 - 1 - c
+        if longest:
+            room[c] -= sizes[longest[0]][c]
+            room[hi] -= sizes[longest[0]][hi]
+        for d in longest[1:]:
+            need = int(sizes[d][c] + sizes[d][hi])
+            p = c if room[c] >= room[hi] else hi
+            if room[p] < need:
+                p = hi if p == c else c
+                if room[p] < need:
+                    return None
+            room[p] -= need
+            side[(d, c)] = p
+    if (room < 0).any():
+        return None
+    piece_first = {d: np.concatenate(([0], np.cumsum(s)))[:-1] for d, s in sizes.items()}
+    # the split documents' work per chunk: piece g of document d holds positions [first_g, first_g + s_g)
     fixed = np.zeros(chunks)
     for d, s in sizes.items():
-        first = np.concatenate(([0], np.cumsum(s)))[:-1]
-        if causal:
-            w = s * first + s * (s + 1) / 2  # sum of (position + 1) over the piece
-        else:
-            w = s * float(lengths[d])
+        w = s * piece_first[d] + s * (s + 1) / 2 if causal else s * float(lengths[d])
         np.add.at(fixed, chunk_of_piece(np.arange(n2), chunks), w)
-    if rest:
-        order_rest = balance_order(lengths[rest].tolist(), chunks, causal=causal, regions=cap.tolist(), fixed=fixed,
-                                   seed=seed)
-        rest = [rest[i] for i in order_rest]
-    # x': region p of the whole documents' stream, then the split pieces (p < N: at the piece's end, the
-    # first split document innermost, next to the chunk's other half; p >= N: at its start)
-    starts = np.concatenate(([0], np.cumsum(lengths)))[:-1]
-    stream_docs = np.repeat(np.asarray(rest, dtype=np.int64), lengths[rest]) if rest else np.zeros(0, np.int64)
-    stream_pos = (np.arange(len(stream_docs)) - np.repeat(np.cumsum(lengths[rest]) - lengths[rest], lengths[rest])
-                  if rest else np.zeros(0, np.int64))
-    piece_first = {d: np.concatenate(([0], np.cumsum(s)))[:-1] for d, s in sizes.items()}
-    docs_out: List[np.ndarray] = []
-    pos_out: List[np.ndarray] = []
-    at = 0
-    split_order = [int(d) for d in longest]
+    rest = [d for d in range(len(lengths)) if d not in sizes]
+    if len(rest) > 1:
+        rest = [rest[i] for i in balance_order(lengths[rest].tolist(), chunks, causal=causal, regions=room.tolist(),
+                                                fixed=fixed, seed=seed)]
+    rl = lengths[rest] if rest else np.zeros(0, dtype=np.int64)
+    stream_docs = np.repeat(np.asarray(rest, dtype=np.int64), rl)
+    stream_pos = np.arange(int(rl.sum())) - np.repeat(np.cumsum(rl) - rl, rl)
+
+    def piece(d, g):
+        return np.full(int(sizes[d][g]), d, dtype=np.int64), piece_first[d][g] + np.arange(int(sizes[d][g]))
+
+    # x' piece p: (p < N) the whole documents' region, the pairs kept in this half, the centre document's
+    # piece c; (p >= N) the centre document's piece 2N-1-c, the pairs kept here, the region
+    docs_out, pos_out, at = [], [], 0
     for p in range(n2):
-        region = (stream_docs[at:at + cap[p]], stream_pos[at:at + cap[p]])
-        at += int(cap[p])
-        pieces = [(np.full(int(sizes[d][p]), d, dtype=np.int64), piece_first[d][p] + np.arange(int(sizes[d][p])))
-                  for d in (reversed(split_order) if p < chunks else split_order)]
-        parts = ([region] + pieces) if p < chunks else (pieces + [region])
+        c = min(p, n2 - 1 - p)
+        region = (stream_docs[at:at + room[p]], stream_pos[at:at + room[p]])
+        at += int(room[p])
+        pairs = [part for d in longest[1:] if side[(d, c)] == p for part in (piece(d, c), piece(d, n2 - 1 - c))]
+        centre = [piece(longest[0], p)] if longest else []
+        parts = [region] + pairs + centre if p < chunks else centre + pairs + [region]
         docs_out.extend(x for x, _ in parts)
         pos_out.extend(y for _, y in parts)
     docs = np.concatenate(docs_out)
     pos = np.concatenate(pos_out)
+    starts = np.concatenate(([0], np.cumsum(lengths)))[:-1]
     order = starts[docs] + pos
     change = np.flatnonzero((docs[1:] != docs[:-1]) | (pos[1:] != pos[:-1] + 1)) + 1
     cuts = np.concatenate(([0], change, [total]))

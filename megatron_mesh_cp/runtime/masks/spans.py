@@ -99,6 +99,8 @@ class SubBlock(NamedTuple):
         """Unmasked (query, key) pairs of this call."""
         r, c = self.rows.stop - self.rows.start, self.cols.stop - self.cols.start
         spans = [(r, c)] if self.lens is None else [(x, x) for x in self.lens]
+        if self.window is None:  # squares (causal: triangles) and rectangles
+            return sum(x * (x + 1) // 2 if self.causal else x * y for x, y in spans)
         return sum(band_pairs(x, y, self.causal, self.window) for x, y in spans)
 
 
