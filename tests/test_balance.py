@@ -24,7 +24,7 @@ def test_chunk_work_is_the_masks_pair_count(causal):
     for n in (1, 2, 3, 4, 6):
         for _ in range(20):
             lengths = _draw(rng, 2 * n * int(rng.integers(1, 9)))
-            want = row_pairs(UnpaddedDocuments(tuple(lengths)), n, causal, None)
+            want = row_pairs(UnpaddedDocuments(tuple(lengths)).span(), n, causal)
             np.testing.assert_allclose(chunk_work(lengths, n, causal), want)
 
 
@@ -73,10 +73,10 @@ def test_the_simulator_runs_balanced_documents_in_the_runtimes_order():
     cluster = load_cluster("h100-ib400")
     lengths = list(sample_documents(4096, 64, 1024, seed=3).lengths)
     w = Workload(seq_local=4096 // 8, heads=4, kv_heads=2, head_dim=16,
-                 documents=UnpaddedDocuments(tuple(lengths), balanced=True))
+                 mask=UnpaddedDocuments(tuple(lengths), balanced=True))
     for a, b in ((2, 4), (1, 8)):
         order = balance_order(lengths, a * b)
-        plain = replace(w, documents=UnpaddedDocuments(tuple(lengths[i] for i in order)))
+        plain = replace(w, mask=UnpaddedDocuments(tuple(lengths[i] for i in order)))
         assert order != tuple(range(len(lengths)))
         np.testing.assert_array_equal(w.block_times(cluster, True, a * b), plain.block_times(cluster, True, a * b))
         assert w.needed(a, b) == plain.needed(a, b)

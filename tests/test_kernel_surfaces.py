@@ -535,9 +535,9 @@ def test_te_window_and_thd_checks_ask_with_mlas_value_head_dim(monkeypatch):
 def test_kernel_checks_see_sequence_major_inputs_for_bshd(monkeypatch):
     """Review finding 8: blocks run sequence-major, so mesh_attention asks the kernel with
     sequence-major views of bshd inputs: TE's selection reads max_seqlen from dim 0."""
-    from megatron_mesh_cp.attention import _prepare
+    from megatron_mesh_cp.call import prepare, resolve
     from megatron_mesh_cp.runtime.kernels.te import TEKernel
-    from megatron_mesh_cp.runtime.topology import MeshShape
+    from megatron_mesh_cp.virtual import VirtualMesh
 
     fake_kernels.pretend_cuda(monkeypatch, te="2.15", flash=None)
     seen = []
@@ -550,12 +550,12 @@ def test_kernel_checks_see_sequence_major_inputs_for_bshd(monkeypatch):
     monkeypatch.setattr(TEKernel, "_supported", spy)
     monkeypatch.setattr("megatron_mesh_cp.runtime.kernels.te.check_cuda_half", lambda *a, **kw: None)  # CPU tensors
 
-    class Mesh:
-        shape, ulysses, stride, cluster, comm = MeshShape(2, 2), 1, 1, None, None
-
     q = torch.randn(1, 96, 4, 16, dtype=torch.float16)  # bshd: batch 1, 96 tokens on this rank
-    _prepare(q, q, q, Mesh(), True, None, "bshd", "te", None, None, "greedy", False)
+    prepare(resolve(q, q, q, VirtualMesh((2, 2)), layout="bshd", kernel="te"))
     assert seen and all(s == (96, 96) for s in seen), seen
+    seen.clear()  # a2a+mesh: the blocks run u times the tokens on h/u heads (and so are asked)
+    prepare(resolve(q, q, q, VirtualMesh((2, 1, 2)), layout="bshd", kernel="te"))
+    assert seen and all(s == (192, 192) for s in seen), seen
 
 
 def test_flash_varlen_refuses_mla_where_its_varlen_build_takes_one_head_dim(monkeypatch):

@@ -247,7 +247,7 @@ def _documents(tokens, args):
     from megatron.core.packed_seq_params import PackedSeqParams
     from megatron.training import get_tokenizer
 
-    from ..runtime.documents import documents_from_eod
+    from ..runtime.masks import documents_from_eod
 
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     cu = documents_from_eod(tokens[0].to(device), get_tokenizer().eod) if tokens is not None else None

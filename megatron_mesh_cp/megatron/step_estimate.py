@@ -232,7 +232,7 @@ def estimate(args, dp: int, cluster, sequences: Optional[Sequence[Tuple[int, ...
         docs = UnpaddedDocuments(tuple(lengths)).with_balance(balanced)
         work = chunk_work(docs.for_chunks(chunks).lengths, chunks)
         ratios.append(float(work.max() / work.mean()))
-        a, t, _ = micro_batch(replace(w, documents=docs))
+        a, t, _ = micro_batch(replace(w, mask=docs))
         attn.append(a)
         times.append(t)
     name = ("zigzag, documents reordered per micro-batch (--mesh-document-order balanced)" if balanced

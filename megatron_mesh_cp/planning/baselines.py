@@ -41,6 +41,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Dict, List, Optional, Tuple
 
+from .layouts import resolve_layout
 from .autoshape import choose_hybrid_shape, choose_shape, ulysses_degrees
 from .cluster import Cluster, Workload
 from .costs import (collective_time, monolithic_time, plan_peak_bytes, te_ring_peak_bytes, ulysses_a2a_steps,
@@ -100,7 +101,8 @@ def _from_phases(algo: str, fwd: PhaseResult, bwd: PhaseResult, shape: str, note
 
 
 def _plan_algo(algo, a, b, cluster, w, stride, planner="greedy", chains="auto", max_live=None, note=""):
-    if w.pruned:  # the runtime's plans for documents or a window: full, chains both ways, pruned
+    w = resolve_layout(w, a, b, cluster, stride)  # documents laid out by auto: the layout chosen for this mesh
+    if w.pruned:  # the runtime's plans for documents, chunks or a window: full, chains both ways, pruned
         fwd, bwd = document_plans(a, b, planner, cluster=cluster, workload=w, stride=stride, max_live=max_live)
     else:
         fwd, bwd = build_plans(a, b, planner, cluster=cluster, workload=w, stride=stride, max_live=max_live,
@@ -141,7 +143,7 @@ def _allgather(n: int, cluster: Cluster, w: Workload, stride: int) -> SimResult:
     if pairs is not None:
         w.check_packing(n)
     if w.window is not None:
-        pairs = float(row_pairs(w.mask_documents(n), n, w.causal, w.window).max())
+        pairs = float(row_pairs(w.span(n), n, w.causal).max())
     f_comp = monolithic_time(cluster, w, w.seq_local, w.seq_local * n, w.heads, False, pairs)
     b_comp = monolithic_time(cluster, w, w.seq_local, w.seq_local * n, w.heads, True, pairs)
     x = 1.0 if spans else 0.0
@@ -241,7 +243,7 @@ def simulate_algorithm(
     algo: str, n: int, cluster: Cluster, w: Workload, *, tp: int = 1, max_live: Optional[int] = None
 ) -> SimResult:
     """One algorithm's simulated forward+backward of one attention layer on ``n`` CP ranks."""
-    if w.documents is not None and not algo.startswith(PRUNED):
+    if w.pruned and w.mask.cuts_documents and not algo.startswith(PRUNED):
         raise ValueError(f"{algo} cannot run unpadded documents (TE's THD pads every document to 2*CP and sends "
                          f"every chunk): price it on the padded packing of the same documents (doc_baselines, "
                          f"--doc-layout), or use passq, mesh, mesh:AxB, mesh-naive, a2a+mesh, a2a+mesh:UxAxB or "

@@ -18,8 +18,9 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from .comm import ProcessGroupComm, Traffic
 from .buffers import BufferPool
+from .comm import ProcessGroupComm, Traffic
+from .mesh import DEFAULT_PLAN_OPTIONS, CallCache, PlanOptions
 from .topology import MeshShape
 
 __all__ = ["MeshGroups"]
@@ -97,11 +98,14 @@ class MeshGroups:
     """This rank's view of an a x b mesh over real process groups (times u for ``a2a+mesh``).
 
     Attributes: ``shape`` (MeshShape), ``position`` (CP rank), ``cp_group``, ``row_group``,
-    ``col_group``, ``cp_ranks`` (global ranks in CP order) and ``traffic`` (bytes this rank moved).
+    ``col_group``, ``cp_ranks`` (global ranks in CP order), ``traffic`` (bytes this rank moved),
+    ``plan_options`` (what its plans are tuned for: :class:`~megatron_mesh_cp.runtime.mesh.PlanOptions`)
+    and ``calls`` (the calls its CP group agreed on). It implements the mesh protocol (runtime/mesh.py).
     """
 
     def __init__(self, shape: MeshShape, cp_group, row_group, col_group, cp_ranks: List[int],
-                 timeout: Optional[timedelta] = None, ulysses_group=None, ulysses: int = 1) -> None:
+                 timeout: Optional[timedelta] = None, ulysses_group=None, ulysses: int = 1,
+                 plan_options: Optional[PlanOptions] = None) -> None:
         self.shape = shape
         self.timeout = timeout  # what a stalled peer costs: the rings' process-group timeout
         self.cp_group, self.row_group, self.col_group = cp_group, row_group, col_group
@@ -122,18 +126,15 @@ class MeshGroups:
         }
         self.traffic = Traffic()
         self.buffers = BufferPool()  # receive buffers and accumulators, reused by every layer
-        self._agreed_calls = None  # call signatures all CP ranks agreed on (attention.py)
+        self.calls = CallCache()  # the calls all CP ranks agreed on (attention.py)
         self._comm: Optional[ProcessGroupComm] = None
-        # what greedy plans are tuned for: a Cluster (None = $MESH_CP_CLUSTER or h100-ib400) and
-        # the GPU distance between consecutive CP ranks (Megatron: the TP size)
-        self.cluster = None
-        self.stride = 1
-        # the live-chunk limit greedy plans keep to (None: none); mesh_shape=auto sets what fits its budget
-        self.max_live: Optional[int] = None
+        # what greedy plans are tuned for (cluster, TP stride, live-chunk limit)
+        self.plan_options = plan_options if plan_options is not None else DEFAULT_PLAN_OPTIONS
 
     # --- construction ------------------------------------------------------------------------
     @classmethod
-    def create(cls, shape, group=None, *, timeout: Optional[timedelta] = None, ulysses: int = 1) -> "MeshGroups":
+    def create(cls, shape, group=None, *, timeout: Optional[timedelta] = None, ulysses: int = 1,
+               plan_options: Optional[PlanOptions] = None) -> "MeshGroups":
         """Build the row and column groups of ``shape`` over the CP ``group`` (None = world).
 
         ``ulysses=u`` > 1 builds ``a2a+mesh``: ``shape`` = (a, b) with u*a*b = the CP size, the
@@ -184,10 +185,11 @@ class MeshGroups:
                     new_group("col", [members[i] for i in ring])
         cp_group = group if group is not None else dist.group.WORLD
         return cls(mesh_shape, cp_group, mine.get("row"), mine.get("col"), cp_ranks, timeout=timeout,
-                   ulysses_group=mine.get("ulysses"), ulysses=u)
+                   ulysses_group=mine.get("ulysses"), ulysses=u, plan_options=plan_options)
 
     @classmethod
-    def from_groups(cls, cp_group, row_group, col_group, ulysses_group=None) -> "MeshGroups":
+    def from_groups(cls, cp_group, row_group, col_group, ulysses_group=None, *,
+                    plan_options: Optional[PlanOptions] = None) -> "MeshGroups":
         """Adopt existing groups; the shape is (size of row group, size of column group).
 
         With ``ulysses_group`` (u ranks, ``a2a+mesh``): it must be u consecutive CP ranks, the row
@@ -211,7 +213,7 @@ class MeshGroups:
             error = str(exc)
         _shared_verdict(error, cp_group, "MeshGroups.from_groups")
         return cls(shape, cp_group, row_group, col_group, cp_ranks, timeout=group_timeout(row_group),
-                   ulysses_group=ulysses_group, ulysses=len(ulysses) if ulysses else 1)
+                   ulysses_group=ulysses_group, ulysses=len(ulysses) if ulysses else 1, plan_options=plan_options)
 
     @staticmethod
     def _check_rings(cp_ranks: List[int], row: List[int], col: List[int], ulysses: Optional[List[int]] = None) -> MeshShape:
