@@ -33,10 +33,10 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from megatron_mesh_cp import MeshGroups, mesh_attention  # noqa: E402
-from megatron_mesh_cp.planning.cluster import Workload, load_cluster  # noqa: E402
+from megatron_mesh_cp.planning import Workload, load_cluster  # noqa: E402
 from megatron_mesh_cp.logs import configure as configure_logging  # noqa: E402
-from megatron_mesh_cp.runtime.mesh import PlanOptions  # noqa: E402
-from megatron_mesh_cp.runtime.topology import MeshShape  # noqa: E402
+from megatron_mesh_cp.runtime import PlanOptions  # noqa: E402
+from megatron_mesh_cp.runtime import MeshShape  # noqa: E402
 
 TE_ALGOS = ("p2p", "all_gather", "a2a", "a2a+p2p")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -152,7 +152,7 @@ def _mesh_runs(algos, shapes):
 
 def _shape(args, algo, text, n, cluster, dtype):
     """((a, b), u, row label) for one mesh-family run; auto asks the simulator (the same choice as the launcher)."""
-    from megatron_mesh_cp.planning.autoshape import choose_hybrid_shape, choose_shape
+    from megatron_mesh_cp.planning import choose_hybrid_shape, choose_shape
 
     if text == "auto":
         w = Workload(seq_local=args.seq // n, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,

@@ -23,13 +23,13 @@ import numpy as np
 import torch
 
 from megatron_mesh_cp import valid_shapes
-from megatron_mesh_cp.planning.schedule import build_plans
-from megatron_mesh_cp.runtime.balance import balance_order
-from megatron_mesh_cp.runtime.masks import Documents
-from megatron_mesh_cp.runtime.memory import layout
-from megatron_mesh_cp.runtime.plan import ChunkDims, plan_traffic
-from megatron_mesh_cp.runtime.prune import prune
-from megatron_mesh_cp.runtime.topology import MeshShape
+from megatron_mesh_cp.planning import build_plans
+from megatron_mesh_cp.runtime import balance_order
+from megatron_mesh_cp.runtime import Documents
+from megatron_mesh_cp.runtime import memory_layout as layout
+from megatron_mesh_cp.runtime import ChunkDims, plan_traffic
+from megatron_mesh_cp.runtime import prune
+from megatron_mesh_cp.runtime import MeshShape
 
 
 def stdlib_lengths() -> np.ndarray:

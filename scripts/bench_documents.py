@@ -23,14 +23,14 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from megatron_mesh_cp.planning.autoshape import choose_hybrid_shape, choose_shape  # noqa: E402
-from megatron_mesh_cp.planning.baselines import simulate_algorithm  # noqa: E402
-from megatron_mesh_cp.planning.cluster import Workload, load_cluster, workload_dims  # noqa: E402
-from megatron_mesh_cp.planning.costs import ulysses_inner  # noqa: E402
-from megatron_mesh_cp.planning.doc_baselines import compare_documents, document_sets  # noqa: E402
-from megatron_mesh_cp.planning.documents import sample_documents  # noqa: E402
-from megatron_mesh_cp.planning.schedule import build_plans, document_plans  # noqa: E402
-from megatron_mesh_cp.runtime.plan import plan_traffic  # noqa: E402
+from megatron_mesh_cp.planning import choose_hybrid_shape, choose_shape  # noqa: E402
+from megatron_mesh_cp.planning import simulate_algorithm  # noqa: E402
+from megatron_mesh_cp.planning import Workload, load_cluster, workload_dims  # noqa: E402
+from megatron_mesh_cp.planning import ulysses_inner  # noqa: E402
+from megatron_mesh_cp.planning import compare_documents, document_sets  # noqa: E402
+from megatron_mesh_cp.planning import sample_documents  # noqa: E402
+from megatron_mesh_cp.planning import build_plans, document_plans  # noqa: E402
+from megatron_mesh_cp.runtime import plan_traffic  # noqa: E402
 
 N, SEQ, CLUSTER = 256, 1 << 20, "h100-ib400"
 ROWS = (("ring", "Ring (TE p2p), padded THD"), ("usp", "USP (TE a2a+p2p), padded THD"),

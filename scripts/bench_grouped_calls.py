@@ -26,8 +26,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from megatron_mesh_cp.runtime.kernels.torch_sdpa import TorchKernel  # noqa: E402
-from megatron_mesh_cp.runtime.merge import merge_into  # noqa: E402
+from megatron_mesh_cp.runtime import TorchKernel  # noqa: E402
+from megatron_mesh_cp.runtime import merge_into  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
 

@@ -41,13 +41,13 @@ import torch  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from megatron_mesh_cp.planning.cluster import Workload  # noqa: E402
-from megatron_mesh_cp.planning.schedule import build_plans, default_cluster  # noqa: E402
-from megatron_mesh_cp.runtime import hybrid  # noqa: E402
-from megatron_mesh_cp.runtime.comm import Traffic, VirtualHub  # noqa: E402
-from megatron_mesh_cp.runtime.execute import run_virtual  # noqa: E402
-from megatron_mesh_cp.runtime.kernels import TorchKernel  # noqa: E402
-from megatron_mesh_cp.runtime.topology import MeshShape  # noqa: E402
+from megatron_mesh_cp.planning import Workload  # noqa: E402
+from megatron_mesh_cp.planning import build_plans, default_cluster  # noqa: E402
+from megatron_mesh_cp.runtime import UlyssesIn, UlyssesOut  # noqa: E402
+from megatron_mesh_cp.runtime import Traffic, VirtualHub  # noqa: E402
+from megatron_mesh_cp.runtime import run_virtual  # noqa: E402
+from megatron_mesh_cp.runtime import TorchKernel  # noqa: E402
+from megatron_mesh_cp.runtime import MeshShape  # noqa: E402
 
 #: (label, u, a, b) per n: square-ish meshes, the a2a+mesh shapes auto picks at 128K MHA, Ring
 CONFIGS = {
@@ -111,7 +111,7 @@ def count_ops(fns):
 def lockstep(plan, shape, per, kern, hub, scale, chunk):
     """``run_virtual``'s loop (every rank steps each op in turn, then finishes) cut into pieces of
     ``chunk`` plan ops, each a callable, so a 256-rank run can be profiled piece by piece."""
-    from megatron_mesh_cp.runtime.execute import Executor
+    from megatron_mesh_cp.runtime import Executor
 
     execs = [Executor(plan, hub.ranks[g], kern, causal=True, scale=scale, tensors=per[g], buffers=hub.ranks[g].buffers)
              for g in range(shape.n)]
@@ -214,8 +214,8 @@ def ulysses_layer(u: int, heads: int, seq: int, d: int = 16):
     def layer():
         with mock.patch.object(hybrid, "exchange", fake_exchange):
             x = [t.clone().requires_grad_(True) for t in (q, k, v)]
-            qs, ks, vs = hybrid.UlyssesIn.apply(*x, mesh, 1, None)
-            out, _ = hybrid.UlyssesOut.apply(qs + ks + vs, torch.zeros(1, heads // u, qs.shape[0]), mesh, False, None)
+            qs, ks, vs = UlyssesIn.apply(*x, mesh, 1, None)
+            out, _ = UlyssesOut.apply(qs + ks + vs, torch.zeros(1, heads // u, qs.shape[0]), mesh, False, None)
             out.sum().backward()
 
     # what the layer adds beyond the two autograd functions (the add and the loss) is subtracted

@@ -27,10 +27,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from megatron_mesh_cp.planning.autoshape import choose_hybrid_shape, choose_shape  # noqa: E402
-from megatron_mesh_cp.planning.baselines import simulate_algorithm  # noqa: E402
-from megatron_mesh_cp.planning.cluster import Workload, cluster_presets, load_cluster  # noqa: E402
-from megatron_mesh_cp.planning.schedule import _greedy_plans  # noqa: E402
+from megatron_mesh_cp.planning import choose_hybrid_shape, choose_shape  # noqa: E402
+from megatron_mesh_cp.planning import simulate_algorithm  # noqa: E402
+from megatron_mesh_cp.planning import Workload, cluster_presets, load_cluster  # noqa: E402
+from megatron_mesh_cp.planning import clear_plan_cache  # noqa: E402
 
 PAPER = (
     "Paper (Mesh-Attention, arXiv 2512.20968, abstract; 256 GPUs vs Ring-Attention): up to 3.4x faster "
@@ -161,7 +161,7 @@ def main():
     for label, fn in (("mesh", choose_shape), ("a2a+mesh", choose_hybrid_shape)):
         choose_shape.cache_clear()
         choose_hybrid_shape.cache_clear()
-        _greedy_plans.cache_clear()
+        clear_plan_cache()
         t = time.process_time()
         choice = fn(ns[-1], h100, w)
         timings[label] = (time.process_time() - t, choice)

@@ -22,10 +22,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from megatron_mesh_cp.planning.baselines import simulate_algorithm  # noqa: E402
-from megatron_mesh_cp.planning.cluster import Workload, load_cluster  # noqa: E402
-from megatron_mesh_cp.planning.window_baselines import te_a2a_refusal  # noqa: E402
-from megatron_mesh_cp.runtime.masks import Window  # noqa: E402
+from megatron_mesh_cp.planning import simulate_algorithm  # noqa: E402
+from megatron_mesh_cp.planning import Workload, load_cluster  # noqa: E402
+from megatron_mesh_cp.planning import te_a2a_refusal  # noqa: E402
+from megatron_mesh_cp.runtime import Window  # noqa: E402
 
 N, CLUSTER = 256, "h100-ib400"
 SEQS = ((128 * 1024, "128K"), (1 << 20, "1M"))

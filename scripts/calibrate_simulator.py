@@ -25,7 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from megatron_mesh_cp.planning import calibration as cal  # noqa: E402
-from megatron_mesh_cp.planning.cluster import CALIBRATED  # noqa: E402
+from megatron_mesh_cp.planning import CALIBRATED  # noqa: E402
 
 GRID = {
     "slowdown_intra": [0.0, 0.1, 0.2, 0.3],

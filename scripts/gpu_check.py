@@ -66,7 +66,7 @@ def _sync(device):
 
 def backend_status(device):
     """Per backend: 'available' or why not ('not installed', an import or constructor error)."""
-    from megatron_mesh_cp.runtime import kernels as K
+    import megatron_mesh_cp.runtime.kernels as K
 
     status = {}
     for name in ("te", "flash", "torch"):
@@ -98,8 +98,8 @@ def _virtual(q, k, v, do, shape):
 
 def section_a(device, quick):
     """Per backend, dtype and block case: relative errors of out/lse/dq/dk/dv."""
-    from megatron_mesh_cp.runtime.kernels import get_kernel
-    from megatron_mesh_cp.runtime.layout import BlockCase, BlockSlices
+    from megatron_mesh_cp.runtime import get_kernel
+    from megatron_mesh_cp.runtime import BlockCase, BlockSlices
     from megatron_mesh_cp.reference import reference_attention
 
     s, b, h, hk, d = (64, 1, 4, 2, 64) if quick else (512, 2, 8, 2, 128)
@@ -136,7 +136,7 @@ def section_a(device, quick):
 
 def section_b(device, quick):
     """Virtual ranks vs one monolithic call of the same kernel on the whole sequence."""
-    from megatron_mesh_cp.runtime.kernels import select_kernel
+    from megatron_mesh_cp.runtime import select_kernel
     from megatron_mesh_cp.reference import reference_attention
 
     dtypes = (torch.bfloat16, torch.float32) if device == "cuda" else (torch.float32,)
@@ -183,7 +183,7 @@ def _timer(device):
 
 def section_d(device, quick):
     """Block times of the torch kernel alone and while a side stream copies 256 MiB back to back."""
-    from megatron_mesh_cp.runtime.kernels import get_kernel
+    from megatron_mesh_cp.runtime import get_kernel
 
     timer = _timer(device)
     kern = get_kernel("torch", device)
@@ -244,10 +244,10 @@ def section_d(device, quick):
 
 def section_c(device, quick):
     """One rank's forward+backward block work (kernels + merges) vs one monolithic call."""
-    from megatron_mesh_cp.runtime.kernels import select_kernel
-    from megatron_mesh_cp.runtime.layout import BlockSlices, block_case
-    from megatron_mesh_cp.runtime.merge import empty_partial, merge_into
-    from megatron_mesh_cp.runtime.topology import MeshShape
+    from megatron_mesh_cp.runtime import select_kernel
+    from megatron_mesh_cp.runtime import BlockSlices, block_case
+    from megatron_mesh_cp.runtime import empty_partial, merge_into
+    from megatron_mesh_cp.runtime import MeshShape
 
     timer = _timer(device)
     h, hk, d = (4, 2, 32) if quick else (32, 8, 128)

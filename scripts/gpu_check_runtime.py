@@ -28,16 +28,16 @@ from typing import Dict, List, Tuple
 
 import torch
 
-from megatron_mesh_cp.planning.cluster import Workload
-from megatron_mesh_cp.planning.schedule import build_plans, default_cluster
-from megatron_mesh_cp.runtime.buffers import BufferPool
-from megatron_mesh_cp.runtime.comm import RingComm, Traffic, VirtualHub
-from megatron_mesh_cp.runtime.execute import run_virtual
-from megatron_mesh_cp.runtime.kernels import BlockKernel, select_kernel
-from megatron_mesh_cp.runtime.layout import zigzag_shard
-from megatron_mesh_cp.runtime.memory import peak_live_bytes
-from megatron_mesh_cp.runtime.plan import ChunkDims
-from megatron_mesh_cp.runtime.topology import MeshShape
+from megatron_mesh_cp.planning import Workload
+from megatron_mesh_cp.planning import build_plans, default_cluster
+from megatron_mesh_cp.runtime import BufferPool
+from megatron_mesh_cp.runtime import RingComm, Traffic, VirtualHub
+from megatron_mesh_cp.runtime import run_virtual
+from megatron_mesh_cp.runtime import BlockKernel, select_kernel
+from megatron_mesh_cp.runtime import zigzag_shard
+from megatron_mesh_cp.runtime import peak_live_bytes
+from megatron_mesh_cp.runtime import ChunkDims
+from megatron_mesh_cp.runtime import MeshShape
 
 __all__ = ["StreamHub", "section_e", "section_f", "section_g", "TABLES"]
 

@@ -48,7 +48,7 @@ def step_time(name: str, cluster_name: str, gemm_tflops: float, docs=None, mix=R
     """(row dict) attention ms/layer, seconds per step, the config's layout; ``mix`` None (and no ``docs``):
     unmasked."""
     from megatron_mesh_cp.megatron import step_estimate as se
-    from megatron_mesh_cp.planning.cluster import load_cluster
+    from megatron_mesh_cp.planning import load_cluster
 
     args = resolve(name)
     cp, tp, pp = args.context_parallel_size, args.tensor_model_parallel_size, args.pipeline_model_parallel_size

@@ -86,7 +86,7 @@ def test_cycle_finder_finds_a_planted_cycle():
 def test_graph_sees_relative_and_function_level_imports():
     g = import_graph()
     assert f"{ROOT}.runtime.plan" in g[f"{ROOT}.runtime.execute"]
-    assert f"{ROOT}.planning.shape_cache" in g[f"{ROOT}.megatron.arguments"]  # imported inside a function
+    assert f"{ROOT}.megatron.attention" in g[f"{ROOT}.megatron.arguments"]  # imported inside a function
     assert f"{ROOT}.runtime.kernels" in g[f"{ROOT}.runtime.execute"]  # a subpackage
     assert len(g) >= 40
 
@@ -119,3 +119,52 @@ def test_layer_check_flags_an_upward_import():
 def test_layers_import_only_downwards():
     bad = layer_violations(import_graph())
     assert not bad, "layer violations:\n" + "\n".join(bad)
+
+
+#: the namespaces the Megatron integration and the scripts import the runtime and planning through
+PUBLIC = {f"{ROOT}.runtime", f"{ROOT}.runtime.kernels", f"{ROOT}.runtime.masks", f"{ROOT}.planning"}
+
+
+def internal_imports(paths) -> List[str]:
+    """Imports of runtime / planning names from anything but their public namespaces (``PUBLIC``), or of
+    names those namespaces do not export (their ``__all__``)."""
+    import importlib
+
+    exported = {m: set(importlib.import_module(m).__all__) for m in PUBLIC}
+    bad = []
+    for path in paths:
+        rel = path.relative_to(PKG.parent)
+        base = list(rel.with_suffix("").parts[:-1])
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            src = ".".join(base[: len(base) - (node.level - 1)] + ([node.module] if node.module else [])) \
+                if node.level else (node.module or "")
+            if not src.startswith((f"{ROOT}.runtime", f"{ROOT}.planning")):
+                continue
+            names = [a.name for a in node.names]
+            if src not in PUBLIC:
+                bad.append(f"{rel}:{node.lineno}: from {src} import {', '.join(names)}")
+            else:
+                missing = [n for n in names if n not in exported[src]]
+                if missing:
+                    bad.append(f"{rel}:{node.lineno}: {src} does not export {', '.join(missing)}")
+    return bad
+
+
+def test_public_import_check_flags_an_internal_import(tmp_path):
+    pkg = PKG / "megatron"
+    probe = pkg / "_probe_internal_import.py"
+    probe.write_text("from ..runtime.execute import Executor\nfrom ..planning import not_exported\n")
+    try:
+        found = internal_imports([probe])
+    finally:
+        probe.unlink()
+    assert len(found) == 2 and "runtime.execute" in found[0] and "not_exported" in found[1], found
+
+
+def test_megatron_and_scripts_use_the_public_namespaces():
+    """megatron/ and scripts/ reach the runtime and planning layers through what they export."""
+    paths = sorted((PKG / "megatron").glob("*.py")) + sorted((PKG.parent / "scripts").rglob("*.py"))
+    bad = internal_imports(paths)
+    assert not bad, "imports past the public namespaces:\n" + "\n".join(bad)

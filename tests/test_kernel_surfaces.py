@@ -157,10 +157,9 @@ def _megatron_args(**kw):
 def _megatron_on_gpu(monkeypatch, capability, te="2.15"):
     import contextlib
 
-    from megatron_mesh_cp.megatron.settings import SETTINGS
+    from megatron_mesh_cp.megatron import settings
 
-    for field in ("kernel", "deterministic", "cluster", "partial_dtype", "planner", "shape_explanation"):
-        monkeypatch.setattr(SETTINGS, field, getattr(SETTINGS, field))
+    monkeypatch.setitem(settings._STATE, "options", settings.options())  # restored after the test
     fake_kernels.pretend_cuda(monkeypatch, capability=capability, te=te, flash=None)
     monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
 
@@ -169,7 +168,7 @@ def test_megatron_start_up_checks_the_kernel_for_the_model(monkeypatch):
     """Under Megatron the argument check asks the backend (TE's own selection) about this
     model's attention inputs before any process group, honouring --deterministic-mode."""
     from megatron_mesh_cp.megatron.arguments import MeshArgumentError, apply_mesh_args
-    from megatron_mesh_cp.megatron.settings import SETTINGS
+    from megatron_mesh_cp.megatron.settings import options
 
     _megatron_on_gpu(monkeypatch, (8, 0))
     args = _megatron_args
@@ -179,7 +178,7 @@ def test_megatron_start_up_checks_the_kernel_for_the_model(monkeypatch):
         apply_mesh_args(args(), argv=[])
     apply_mesh_args(args(mesh_kernel="auto"), argv=[])  # auto takes torch here
     apply_mesh_args(args(kv_channels=128), argv=[])
-    assert SETTINGS.deterministic is False
+    assert options().deterministic is False
     with pytest.raises(MeshArgumentError, match="no deterministic fused-attention backward .*--deterministic-mode"):
         apply_mesh_args(args(kv_channels=128, deterministic_mode=True), argv=[])
     # docs/DESIGN.md section 6, defect 7: --mesh-packed-data needs a backend for packed (THD) blocks; on sm80 TE has

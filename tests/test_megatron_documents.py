@@ -20,7 +20,7 @@ from megatron_runs import run_bad_args, train, write_config  # noqa: E402
 from test_megatron_composition import DOCS, ITERS, grad_diff, loss_diff  # noqa: E402
 
 from megatron_mesh_cp.megatron.arguments import MeshArgumentError, apply_mesh_args  # noqa: E402
-from megatron_mesh_cp.megatron.settings import SETTINGS  # noqa: E402
+from megatron_mesh_cp.megatron.settings import options  # noqa: E402
 
 MESH4 = dict(DOCS, context_parallel_size=4, create_attention_mask_in_dataloader=False, train_iters=ITERS)
 DOC_DATA = ["--stdlib-doc-bytes", "12"]
@@ -87,7 +87,7 @@ def test_stock_pretrain_gpt_refuses_documents_it_cannot_pass():
     with pytest.raises(MeshArgumentError, match="needs megatron-mesh-cp's launcher"):
         apply_mesh_args(args, [], launcher=False)
     apply_mesh_args(args, [])
-    assert SETTINGS.documents == "eod"
+    assert options().documents == "eod"
 
 
 def test_dry_run_states_the_masking(tmp_path):

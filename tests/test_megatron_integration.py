@@ -167,9 +167,9 @@ def test_apply_maps_a2a_mesh_onto_hierarchical_sizes():
                                  tensor_model_parallel_size=2), argv=[])
     u, a, b = args.hierarchical_context_parallel_sizes
     assert u * 2 <= 8 and u * a * b == 32 and args.mesh_shape == f"{u}x{a}x{b}"
-    from megatron_mesh_cp.megatron.settings import SETTINGS
+    from megatron_mesh_cp.megatron.settings import options
 
-    assert SETTINGS.shape_explanation.startswith("mesh_shape=auto (a2a+mesh) -> ")
+    assert options().shape_explanation.startswith("mesh_shape=auto (a2a+mesh) -> ")
 
 
 A2A_BAD = [

@@ -102,7 +102,7 @@ cpu_compat.activate()
 from megatron_mesh_cp.megatron.cp_layer import attention_peak_bytes, attention_workload, simulator_name
 from megatron_mesh_cp.megatron.memory import report
 from megatron_mesh_cp.megatron.pretrain import parse_megatron_args
-from megatron_mesh_cp.megatron.settings import SETTINGS
+from megatron_mesh_cp.megatron.settings import options
 from megatron_mesh_cp.planning.baselines import simulate_algorithm
 from megatron_mesh_cp.planning.schedule import default_cluster
 
@@ -120,8 +120,8 @@ for flags in json.loads(sys.argv[1]):
     logged.clear()
     args = parse_megatron_args(base + flags, set_globals=False)
     sim = simulator_name(args)
-    want = simulate_algorithm(sim, args.context_parallel_size, SETTINGS.cluster or default_cluster(),
-                              attention_workload(args), max_live=SETTINGS.max_live).peak_bytes
+    want = simulate_algorithm(sim, args.context_parallel_size, options().cluster or default_cluster(),
+                              attention_workload(args), max_live=options().max_live).peak_bytes
     auto = [m for m in logged if "mesh_shape=auto" in m and "peak attention memory" in m]
     out.append(dict(sim=sim, got=attention_peak_bytes(args), want=want, line=report(args, 80.0)[0][1],
                     auto_mib=float(auto[-1].split("peak attention memory ")[1].split(" MiB")[0]) if auto else None))

@@ -46,7 +46,9 @@ def _resolve(name):
 
 
 def test_the_estimate_prices_each_micro_batch_as_it_runs_and_prints_the_layout():
-    from megatron_mesh_cp.megatron.settings import SETTINGS
+    from dataclasses import replace
+
+    from megatron_mesh_cp.megatron import settings
     from megatron_mesh_cp.planning.cluster import load_cluster
 
     args = _resolve("llama31_8b_cpt_s1_128k")  # a2a+mesh 8x1x4 on CP 32: the documents balanced over 4 chunks
@@ -58,15 +60,24 @@ def test_the_estimate_prices_each_micro_batch_as_it_runs_and_prints_the_layout()
     assert mixed.step_s == pytest.approx((short.step_s + whole.step_s) / 2, rel=1e-9)  # the mean micro-batch
     assert whole.layout.chunks == 4 and whole.algo == "a2a+mesh:8x1x4"
     skewed = [tuple([s // 2] + [s // 512] * 256)]  # one long document among short ones
-    SETTINGS.document_order = "given"
-    given = se.estimate(args, 8, cluster, skewed)
-    SETTINGS.document_order = "balanced"
-    balanced = se.estimate(args, 8, cluster, skewed)
+    resolved = settings.options()
+    estimates = {}
+    try:
+        for layout in ("zigzag", "balanced", "split", "auto"):
+            settings.configure(replace(resolved, layout=layout))
+            estimates[layout] = se.estimate(args, 8, cluster, skewed)
+    finally:
+        settings.configure(resolved)
+    given, balanced = estimates["zigzag"], estimates["balanced"]
     assert balanced.layout.busiest_over_mean < given.layout.busiest_over_mean
-    assert "documents reordered" in balanced.layout.name and "dataset's order" in given.layout.name
+    assert "balanced 1 of 1" in balanced.layout.name and "zigzag 1 of 1" in given.layout.name
+    # split: the long document cut over the chunks evens them out; auto takes the fastest its model predicts
+    split, auto = estimates["split"], estimates["auto"]
+    assert split.layout.busiest_over_mean < balanced.layout.busiest_over_mean and "split:1 1 of 1" in split.layout.name
+    assert auto.attention_ms <= min(e.attention_ms for e in estimates.values()) * (1 + 1e-9)
     lines = dict((text.split(":")[0], (level, text)) for level, text in se.layout_lines(balanced, save_interval=50))
-    assert lines["layout"][1].startswith(f"layout: zigzag, documents reordered per micro-batch "
-                                         f"(--mesh-document-order balanced) over 4 chunks; busiest chunk "
+    assert lines["layout"][1].startswith(f"layout: --mesh-layout balanced (balanced 1 of 1 sampled micro-batches) "
+                                         f"over 4 chunks; busiest chunk "
                                          f"{balanced.layout.busiest_over_mean:.2f}x the mean attention work "
                                          "(simulated on the h100-ib400 preset, mean over 1 sampled micro-batches)")
     assert "without document masking" in lines["step time (estimate"][1]

@@ -21,16 +21,17 @@ from typing import List, Optional, Sequence
 
 import torch
 
-from ..runtime.topology import MeshShape, parse_shape
+from ..runtime import MeshShape, parse_shape
 from . import variant_args
-from .settings import SETTINGS
+from .settings import MeshOptions, configure
 
 __all__ = ["ALGORITHMS", "MESH_ALGORITHMS", "add_mesh_args", "apply_mesh_args", "apply_mesh_args_or_exit", "MeshArgumentError",
            "escape_stray_percent"]
 
 ALGORITHMS = ("p2p", "all_gather", "a2a", "a2a+p2p", "mesh", "a2a+mesh")
 MESH_ALGORITHMS = variant_args.MESH_ALGORITHMS  # ("mesh", "a2a+mesh")
-KERNELS = ("auto", "torch", "te", "flash")
+from ..runtime.kernels import KERNELS  # noqa: E402  (the registry's names, auto first)
+from .layout import LAYOUT_CHOICES  # noqa: E402
 
 
 class MeshArgumentError(ValueError):
@@ -66,10 +67,12 @@ def add_mesh_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
              "a block-diagonal mask at CP = 1)")
     add("--mesh-pack-multiple", type=int, default=None,
         help="with --mesh-packed-data: pad every document to a multiple of this (default 2 x CP; a multiple of it)")
+    add("--mesh-layout", choices=LAYOUT_CHOICES, default=None,
+        help="with --reset-attention-mask under mesh CP: each micro-batch's token layout; auto (default) the one the "
+             "cost model predicts fastest, zigzag the dataset's order, balanced whole documents reordered to even the "
+             "zigzag chunks, split the longest documents cut into pieces over every chunk (exact in every case)")
     add("--mesh-document-order", choices=("balanced", "given"), default=None,
-        help="with --reset-attention-mask under mesh CP: balanced (default) reorders each micro-batch's documents "
-             "so the zigzag chunks carry near-equal attention work (exact: documents are independent); given keeps "
-             "the dataset's order")
+        help="the older name of --mesh-layout balanced / zigzag")
     add("--mesh-pack-doc-tokens", type=int, default=None,
         help="with --mesh-packed-data: cut documents into pieces of at most this many tokens (default: whole files)")
     return escape_stray_percent(parser)
@@ -124,32 +127,68 @@ def apply_mesh_args(args, argv: Optional[Sequence[str]] = None, *, launcher: boo
     ``launcher``: the arguments are for this package's launcher, whose get_batch hands document
     boundaries to the attention (False: stock ``pretrain_gpt.py``, whose get_batch does not).
     """
-    args = _apply_cp_algo(args, argv)
+    opts: dict = {}  # what the options resolve to, configured once at the end (settings.MeshOptions)
+    args = _apply_cp_algo(args, argv, opts)
     _check_packed_data(args)
-    _check_document_masking(args, launcher)
+    _check_document_masking(args, launcher, opts)
     try:
         variant_args.check_attention_variants(lambda name, default=None: _get(args, name, default), launcher)
     except ValueError as exc:
         raise MeshArgumentError(str(exc)) from None
+    configure(MeshOptions(**opts))
     return args
 
 
-def _check_document_masking(args, launcher: bool) -> None:
+def _check_document_masking(args, launcher: bool, opts: dict) -> None:
     """``--reset-attention-mask`` (documents end at EOD tokens, Megatron's GPTDataset): honoured by
     mesh CP through the launcher (each micro-batch's EOD boundaries, unpadded, pruned plans, the
-    documents in balanced order) and by Megatron's local attention at CP = 1 (its dense mask);
-    refused wherever it would be dropped, as is ``--mesh-document-order`` without it."""
-    order = _get(args, "mesh_document_order")
-    _check_documents(args, launcher)
-    SETTINGS.document_order = (order or "balanced") if SETTINGS.documents == "eod" else "given"
-    if order is not None and SETTINGS.documents != "eod":
+    tokens in the layout ``--mesh-layout`` chooses) and by Megatron's local attention at CP = 1 (its
+    dense mask); refused wherever it would be dropped, as are ``--mesh-layout`` / ``--mesh-document-order``
+    without it."""
+    _check_documents(args, launcher, opts)
+    layout = _layout(args)
+    given = _get(args, "mesh_layout") is not None or _get(args, "mesh_document_order") is not None
+    if given and opts["documents"] != "eod":
+        flag = "--mesh-layout" if _get(args, "mesh_layout") is not None else "--mesh-document-order"
         raise MeshArgumentError(
-            f"--mesh-document-order {order} orders the documents of --reset-attention-mask under mesh CP (CP > 1, "
-            "this launcher); there are none here: drop it")
+            f"{flag} lays out the documents of --reset-attention-mask under mesh CP (CP > 1, this launcher); there are "
+            "none here: drop it")
+    if opts["documents"] == "eod":
+        cuts = _why_not_split(args)
+        if layout == "split" and cuts:
+            raise MeshArgumentError(f"--mesh-layout split cuts documents into pieces, which {cuts}; use --mesh-layout "
+                                    "auto, balanced or zigzag (auto then keeps documents whole)")
+        opts["layout"] = "balanced" if layout == "auto" and cuts else layout
+    else:
+        opts["layout"] = "zigzag"
 
 
-def _check_documents(args, launcher: bool) -> None:
-    SETTINGS.documents = ""
+def _layout(args) -> str:
+    """``--mesh-layout`` (auto by default), or the older ``--mesh-document-order`` it replaces."""
+    layout, order = _get(args, "mesh_layout"), _get(args, "mesh_document_order")
+    if order is not None:
+        old = {"given": "zigzag", "balanced": "balanced"}[order]
+        if layout is not None and layout != old:
+            raise MeshArgumentError(f"--mesh-document-order {order} is --mesh-layout {old}, which contradicts "
+                                    f"--mesh-layout {layout}; pass --mesh-layout alone")
+        return old
+    return layout or "auto"
+
+
+def _why_not_split(args) -> str:
+    """Why this model cannot run a layout that cuts documents ('' when it can)."""
+    if _get(args, "window_size") is not None:
+        return "a sliding window (--window-size) does not take (its blocks are described piece by piece of the zigzag)"
+    if _get(args, "multi_latent_attention", False):
+        return "MLA's own rotary embedding does not follow (it would rotate the pieces at their new places)"
+    pos = _get(args, "position_embedding_type", "learned_absolute") or "learned_absolute"
+    if pos not in ("rope", "learned_absolute", "none"):
+        return f"--position-embedding-type {pos} does not follow (only rope, learned_absolute and none are re-laid)"
+    return ""
+
+
+def _check_documents(args, launcher: bool, opts: dict) -> None:
+    opts["documents"] = ""
     cp = int(_get(args, "context_parallel_size", 1) or 1)
     algo = _get(args, "context_parallel_algo") or (_as_list(_get(args, "cp_comm_type")) or ["p2p"])[0]
     if cp > 1 and algo in MESH_ALGORITHMS and _get(args, "eod_mask_loss", False) \
@@ -180,7 +219,7 @@ def _check_documents(args, launcher: bool) -> None:
         if _get(args, "mesh_packed_data", False):
             raise MeshArgumentError("--reset-attention-mask and --mesh-packed-data are two ways to mask documents; "
                                     "pass one of them")
-        SETTINGS.documents = "eod"
+        opts["documents"] = "eod"
         return
     if not launcher:  # Megatron's own paths without mesh CP are Megatron's
         return
@@ -229,8 +268,9 @@ def _check_packed_data(args) -> None:
     args.mesh_pack_multiple = multiple
 
 
-def _apply_cp_algo(args, argv: Optional[Sequence[str]] = None):
-    """The CP-algorithm part of :func:`apply_mesh_args`."""
+def _apply_cp_algo(args, argv: Optional[Sequence[str]] = None, opts: Optional[dict] = None):
+    """The CP-algorithm part of :func:`apply_mesh_args` (what it resolves goes into ``opts``)."""
+    opts = {} if opts is None else opts
     algo = _get(args, "context_parallel_algo")
     shape_text = _get(args, "mesh_shape")
     cp = int(_get(args, "context_parallel_size", 1) or 1)
@@ -285,11 +325,11 @@ def _apply_cp_algo(args, argv: Optional[Sequence[str]] = None):
             "--mesh-packed-data, or pass PackedSeqParams with cu_seqlens_padded from your own data pipeline"
         )
     _refuse_incompatible_features(args)
-    SETTINGS.max_live = None  # an explicit shape plans without a limit; auto sets the one that fits its budget
+    opts["max_live"] = None  # an explicit shape plans without a limit; auto sets the one that fits its budget
     if algo == "a2a+mesh":
-        sizes = _resolve_hybrid_shape(args, shape_text or "auto", cp)
+        sizes = _resolve_hybrid_shape(args, shape_text or "auto", cp, opts)
     else:
-        shape = _resolve_shape(args, shape_text or "auto", cp)
+        shape = _resolve_shape(args, shape_text or "auto", cp, opts)
         sizes = [shape.a, shape.b]
     text = "x".join(map(str, sizes))
     hier = _get(args, "hierarchical_context_parallel_sizes")
@@ -302,12 +342,12 @@ def _apply_cp_algo(args, argv: Optional[Sequence[str]] = None):
     _set(args, "cp_comm_type", comm if len(comm) > 1 else [algo])  # a per-layer list: every entry is algo
     _set(args, "context_parallel_algo", algo)
     _set(args, "mesh_shape", text)
-    SETTINGS.kernel = _get(args, "mesh_kernel", "auto") or "auto"
-    SETTINGS.deterministic = bool(_get(args, "deterministic_mode", False))
-    _check_kernel(args, cp)
-    SETTINGS.partial_dtype = torch.bfloat16 if _get(args, "mesh_partial_dtype", "fp32") == "bf16" else None
-    SETTINGS.planner = _get(args, "mesh_planner", "greedy") or "greedy"
-    SETTINGS.check_finite = bool(_get(args, "mesh_check_finite", False))
+    opts["kernel"] = _get(args, "mesh_kernel", "auto") or "auto"
+    opts["deterministic"] = bool(_get(args, "deterministic_mode", False))
+    _check_kernel(args, cp, opts["kernel"], opts["deterministic"])
+    opts["partial_dtype"] = torch.bfloat16 if _get(args, "mesh_partial_dtype", "fp32") == "bf16" else None
+    opts["planner"] = _get(args, "mesh_planner", "greedy") or "greedy"
+    opts["check_finite"] = bool(_get(args, "mesh_check_finite", False))
     return args
 
 
@@ -328,8 +368,8 @@ def _refuse_incompatible_features(args) -> None:
 
 
 def _cluster(args):
-    from ..planning.cluster import load_cluster
-    from ..planning.schedule import default_cluster
+    from ..planning import load_cluster
+    from ..planning import default_cluster
 
     name = _get(args, "mesh_cluster")
     try:
@@ -353,19 +393,19 @@ def _layer(args, cp: int):
             max(1, kv_heads // tp), int(head_dim))
 
 
-def _check_kernel(args, cp: int) -> None:
+def _check_kernel(args, cp: int, kernel: str, deterministic: bool) -> None:
     """Choose and check the block kernel for this model's attention inputs now, before any process
     group: a forced backend that cannot run them (or TE without a fused backend for them on this GPU
     and cuDNN, e.g. head dim > 128 off sm90, or --deterministic-mode where TE has no deterministic
     backward; MLA's value head dim, a sliding window, the max logit of --qk-clip) fails here, naming
     the alternative; with documents (--mesh-packed-data, --reset-attention-mask) the backend must also
     run packed (THD) blocks, and windows over them. On CUDA the check runs on this rank's own GPU."""
-    from ..runtime.kernels import get_kernel, input_spec, select_kernel
+    from ..runtime import KernelNeeds, get_kernel, input_spec, select_kernel
 
     try:
         if not torch.cuda.is_available():
-            if SETTINGS.kernel != "auto":
-                get_kernel(SETTINGS.kernel, "cpu")
+            if kernel != "auto":
+                get_kernel(kernel, "cpu")
             return
         s, b, h, hk, d = _layer(args, cp)
         _, dv = variant_args.head_dims(lambda name, default=None: _get(args, name, default))
@@ -377,19 +417,18 @@ def _check_kernel(args, cp: int) -> None:
             q = input_spec((s, b, h, d), half, dev)
             documents = bool(_get(args, "mesh_packed_data", False) or _get(args, "reset_attention_mask", False))
             kk, vv = input_spec((s, b, hk, d), half, dev), input_spec((s, b, hk, dv), half, dev)
-            blk = select_kernel(SETTINGS.kernel, q, kk, deterministic=SETTINGS.deterministic, v=vv,
-                                packed=documents)  # EOD documents run packed (varlen) own blocks too
-            if _get(args, "window_size") is not None:  # the kernel runs the window layers' partial blocks
-                blk.check_window(q, kk, vv, documents=documents)
-            if _get(args, "qk_clip", False) or _get(args, "log_max_attention_logit", False):
-                blk.check_max_logit(q, packed=documents)
+            window = _get(args, "window_size") is not None  # the kernel runs the window layers' partial blocks
+            top = bool(_get(args, "qk_clip", False) or _get(args, "log_max_attention_logit", False))
+            select_kernel(kernel, KernelNeeds(q, kk, vv, deterministic=deterministic, varlen=documents, window=window,
+                                              window_documents=window and documents, max_logit=top,
+                                              max_logit_packed=top and documents))
     except ValueError as exc:
-        raise MeshArgumentError(f"--mesh-kernel {SETTINGS.kernel}: {exc}") from None
+        raise MeshArgumentError(f"--mesh-kernel {kernel}: {exc}") from None
 
 
-def _resolve_shape(args, text: str, cp: int) -> MeshShape:
+def _resolve_shape(args, text: str, cp: int, opts: dict) -> MeshShape:
     cluster = _cluster(args)
-    SETTINGS.cluster = cluster
+    opts["cluster"] = cluster
     if str(text).lower() != "auto":
         if str(text).lower().replace("×", "x").count("x") == 2:
             raise MeshArgumentError(f"--mesh-shape {text} has three factors (UxAxB); use --context-parallel-algo a2a+mesh")
@@ -397,16 +436,16 @@ def _resolve_shape(args, text: str, cp: int) -> MeshShape:
             return MeshShape.for_size(parse_shape(text), cp)
         except ValueError as exc:
             raise MeshArgumentError(f"--mesh-shape: {exc}") from None
-    from ..planning.shape_cache import cached_choice
+    from ..planning import cached_choice
 
     choice = cached_choice("mesh", cp, cluster, _workload(args, cp), stride=_tp(args))  # choose_shape, on disk
-    SETTINGS.shape_explanation = choice.explanation  # choose_shape has logged it
-    SETTINGS.max_live = choice.max_live  # the plans that run are the ones that fit the budget
+    opts["shape_explanation"] = choice.explanation  # choose_shape has logged it
+    opts["max_live"] = choice.max_live  # the plans that run are the ones that fit the budget
     return choice.shape
 
 
 def _workload(args, cp: int):
-    from ..planning.cluster import Workload
+    from ..planning import Workload
 
     seq_local, batch, heads, kv_heads, head_dim = _layer(args, cp)
     half = _get(args, "bf16", False) or _get(args, "fp16", False)
@@ -426,20 +465,20 @@ def _parse_hybrid(text: str) -> List[int]:
     return [int(p) for p in parts]
 
 
-def _resolve_hybrid_shape(args, text: str, cp: int) -> List[int]:
+def _resolve_hybrid_shape(args, text: str, cp: int, opts: dict) -> List[int]:
     """[u, a, b] for a2a+mesh, validated against the CP size, the heads and (if known) the node size."""
-    from ..runtime.ulysses import valid_ulysses
+    from ..runtime import valid_ulysses
 
     cluster = _cluster(args)
-    SETTINGS.cluster = cluster
+    opts["cluster"] = cluster
     _, _, heads, _, _ = _layer(args, cp)
     tp = _tp(args)
     if str(text).lower() == "auto":
-        from ..planning.shape_cache import cached_choice
+        from ..planning import cached_choice
 
         choice = cached_choice("a2a+mesh", cp, cluster, _workload(args, cp), stride=tp)  # choose_hybrid_shape, on disk
-        SETTINGS.shape_explanation = choice.explanation  # choose_hybrid_shape has logged it
-        SETTINGS.max_live = choice.max_live
+        opts["shape_explanation"] = choice.explanation  # choose_hybrid_shape has logged it
+        opts["max_live"] = choice.max_live
         return [choice.u, choice.shape.a, choice.shape.b]
     u, a, b = _parse_hybrid(text)
     if u * a * b != cp:

@@ -39,13 +39,13 @@ from megatron.core.transformer.utils import (
 )
 
 from ..attention import mesh_attention
-from ..runtime.groups import MeshGroups
-from ..runtime.masks import check_window, packed_documents
-from ..runtime.mesh import PlanOptions
-from ..runtime.ulysses import check_ulysses_heads
-from .settings import SETTINGS
+from ..runtime import MeshGroups
+from ..runtime import check_window, packed_documents
+from ..runtime import PlanOptions
+from ..runtime import check_ulysses_heads
+from .settings import COUNTERS, options
 
-__all__ = ["MeshCoreAttention", "SoftmaxOffset", "mesh_groups_for", "attention_traffic"]
+__all__ = ["MeshCoreAttention", "SoftmaxOffset", "mesh_groups_for", "attention_traffic", "agree_batch_documents"]
 
 _MESHES: Dict[tuple, MeshGroups] = {}
 _SUPPORTED_MASKS = (AttnMaskType.causal, AttnMaskType.no_mask)
@@ -78,19 +78,31 @@ def mesh_groups_for(pg_collection=None, levels: int = 2) -> MeshGroups:
     key = (tuple(torch.distributed.get_process_group_ranks(cp)), levels)
     if key not in _MESHES:
         tp = parallel_state.get_tensor_model_parallel_world_size() if parallel_state.model_parallel_is_initialized() else 1
-        options = PlanOptions(cluster=SETTINGS.cluster, stride=tp, max_live=SETTINGS.max_live)
+        opts = options()
+        plan_options = PlanOptions(cluster=opts.cluster, stride=tp, max_live=opts.max_live)
         if levels == 3:
-            mesh = MeshGroups.from_groups(cp, hcp[1], hcp[2], ulysses_group=hcp[0], plan_options=options)
+            mesh = MeshGroups.from_groups(cp, hcp[1], hcp[2], ulysses_group=hcp[0], plan_options=plan_options)
         else:
-            mesh = MeshGroups.from_groups(cp, hcp[0], hcp[1], plan_options=options)
+            mesh = MeshGroups.from_groups(cp, hcp[0], hcp[1], plan_options=plan_options)
         _MESHES[key] = mesh
     return _MESHES[key]
+
+
+def agree_batch_documents(params) -> None:
+    """The launcher's once-per-micro-batch agreement on its documents (the mask the layers will run),
+    on every mesh of this rank's CP group: collective, called by every CP rank's get_batch."""
+    from ..attention import agree_batch
+    from ..runtime import documents_of
+
+    mask = getattr(params, "mesh_mask", None) or documents_of(params.cu_seqlens_q)
+    for mesh in _MESHES.values():
+        agree_batch(mesh, mask)
 
 
 def attention_traffic() -> Dict[str, int]:
     """Bytes this rank sent for mesh attention so far, and what Ring would have sent for the same calls."""
     sent = sum(m.traffic.total_sent() for m in _MESHES.values())
-    return {"mesh_bytes": sent, "ring_bytes": SETTINGS.ring_bytes, "calls": SETTINGS.calls}
+    return {"mesh_bytes": sent, "ring_bytes": COUNTERS.ring_bytes, "calls": COUNTERS.calls}
 
 
 def _tp_group(pg_collection):
@@ -294,10 +306,11 @@ class MeshCoreAttention(MegatronModule):
             raise ValueError(f"mesh CP supports causal and no-mask attention, not {mask.name}")
         # the attention_mask tensor of a causal model is the standard causal mask; like TE, it is
         # implied by the mask type and not read
+        opts = options()
         out = mesh_attention(
             query, key, value, self.mesh, causal=mask == AttnMaskType.causal, softmax_scale=self.softmax_scale,
-            layout="thd" if thd else "sbhd", kernel=SETTINGS.kernel, partial_dtype=SETTINGS.partial_dtype,
-            planner=SETTINGS.planner, deterministic=SETTINGS.deterministic, check_finite=SETTINGS.check_finite,
+            layout="thd" if thd else "sbhd", kernel=opts.kernel, partial_dtype=opts.partial_dtype,
+            planner=opts.planner, deterministic=opts.deterministic, check_finite=opts.check_finite,
             window=self.window, sink=self._sink(query), return_max_logit=self.max_logit, **packed,
         )
         if self.max_logit:  # a running max, detached, as TE's wrapper keeps it (Megatron's clip_qk resets it)
@@ -305,10 +318,10 @@ class MeshCoreAttention(MegatronModule):
             top = top.detach()
             self._max_logits = top if self._max_logits is None else torch.maximum(self._max_logits, top)
         if thd:  # [t, h, d] -> [t, h*d], as TE returns for thd
-            SETTINGS.count_call(query.unsqueeze(1), key.unsqueeze(1), self.mesh.size, training=torch.is_grad_enabled(),
+            COUNTERS.count_call(query.unsqueeze(1), key.unsqueeze(1), self.mesh.size, training=torch.is_grad_enabled(),
                                 packed=True, v_head_dim=value.shape[-1])
             return out.reshape(out.shape[0], -1)
-        SETTINGS.count_call(query, key, self.mesh.size, training=torch.is_grad_enabled(), packed=bool(packed),
+        COUNTERS.count_call(query, key, self.mesh.size, training=torch.is_grad_enabled(), packed=bool(packed),
                             v_head_dim=value.shape[-1])
         s, b = out.shape[0], out.shape[1]
         return out.reshape(s, b, -1)
@@ -318,6 +331,9 @@ class MeshCoreAttention(MegatronModule):
         kv must list the same documents; a per-sample CP group is hybrid CP, which mesh is not).
         ``thd``: packed, padded per 2·CP; ``sbhd``: documents of any length on the ordinary layout."""
         fmt = getattr(params, "qkv_format", None)
+        laid = getattr(params, "mesh_mask", None)
+        if fmt == "sbhd" and laid is not None:  # documents a layout cut into pieces (megatron/layout.py)
+            return {"mask": laid}
         if fmt == "sbhd":
             cu = params.cu_seqlens_q
             if cu is None or params.cu_seqlens_q_padded is not None or params.cu_seqlens_kv_padded is not None:

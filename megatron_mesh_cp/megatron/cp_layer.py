@@ -31,7 +31,7 @@ def cp_algorithm(args) -> Tuple[str, List[int]]:
 
 def attention_workload(args, packing=None):
     """One CP rank's attention inputs (after TP) as the planner's :class:`Workload`."""
-    from ..planning.cluster import Workload
+    from ..planning import Workload
 
     cp, tp = args.context_parallel_size, args.tensor_model_parallel_size
     heads = args.num_attention_heads
@@ -61,22 +61,22 @@ def simulator_name(args) -> str:
 
 def attention_peak_bytes(args) -> int:
     """Attention memory per rank beyond q, k, v and the output, for the layer this config runs."""
-    from ..planning.costs import plan_peak_bytes, te_ring_peak_bytes, ulysses_buffer_bytes, ulysses_inner
-    from ..planning.schedule import build_plans, default_cluster
-    from .settings import SETTINGS
+    from ..planning import plan_peak_bytes, te_ring_peak_bytes, ulysses_buffer_bytes, ulysses_inner
+    from ..planning import build_plans, default_cluster
+    from .settings import options
 
     if args.context_parallel_size <= 1:
         return 0
     algo, sizes = cp_algorithm(args)
     w, tp = attention_workload(args), args.tensor_model_parallel_size
-    cluster = SETTINGS.cluster or default_cluster()
+    cluster = options().cluster or default_cluster()
     if algo in ("mesh", "a2a+mesh"):
         u, (a, b) = (1, sizes) if algo == "mesh" else (sizes[0], sizes[1:])
         inner = ulysses_inner(u, w) if u > 1 else w
         pool = 0
         if a * b > 1:  # u = CP: one kernel call per phase, no mesh
-            fwd, bwd = build_plans(a, b, SETTINGS.planner, cluster=cluster, workload=inner, stride=tp * u,
-                                   max_live=SETTINGS.max_live)
+            fwd, bwd = build_plans(a, b, options().planner, cluster=cluster, workload=inner, stride=tp * u,
+                                   max_live=options().max_live)
             pool = plan_peak_bytes(fwd, bwd, inner)
         return pool + ulysses_buffer_bytes(u, w)
     if algo == "p2p":
@@ -84,6 +84,6 @@ def attention_peak_bytes(args) -> int:
     if algo == "a2a+p2p":
         u, ring = sizes
         return (te_ring_peak_bytes(ulysses_inner(u, w)) if ring > 1 else 0) + ulysses_buffer_bytes(u, w)
-    from ..planning.baselines import simulate_algorithm  # a2a, all_gather: closed forms, no plan
+    from ..planning import simulate_algorithm  # a2a, all_gather: closed forms, no plan
 
     return int(simulate_algorithm(simulator_name(args), args.context_parallel_size, cluster, w, tp=tp).peak_bytes)

@@ -10,6 +10,7 @@ short training sequence holds several documents (document-masking tests and demo
 
 from __future__ import annotations
 
+import itertools
 import os
 import sysconfig
 import time
@@ -25,13 +26,15 @@ EOD = 256
 VOCAB_SIZE = 257
 
 
-def build_stdlib_corpus(prefix: str, max_bytes: int = 8 << 20, doc_bytes: Optional[int] = None) -> str:
+def build_stdlib_corpus(prefix: str, max_bytes: int = 8 << 20, doc_bytes=None) -> str:
     """Write ``prefix.bin`` / ``prefix.idx`` (at most ``max_bytes`` of source; files cut into documents
-    of at most ``doc_bytes`` when given); returns ``prefix``."""
+    of at most ``doc_bytes`` when given: an int, or sizes used in turn, e.g. a long one then short ones);
+    returns ``prefix``."""
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
     root = Path(sysconfig.get_paths()["stdlib"])
     files = sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts and "test" not in p.parts)
+    sizes = None if not doc_bytes else itertools.cycle((doc_bytes,) if isinstance(doc_bytes, int) else tuple(doc_bytes))
     tmp = f"{prefix}.tmp{os.getpid()}"
     builder = IndexedDatasetBuilder(f"{tmp}.bin", dtype=np.uint16)
     total = 0
@@ -40,10 +43,12 @@ def build_stdlib_corpus(prefix: str, max_bytes: int = 8 << 20, doc_bytes: Option
         if not data.strip():
             continue
         tokens = np.frombuffer(data, dtype=np.uint8).astype(np.int64)
-        step = doc_bytes or len(tokens)
-        for at in range(0, len(tokens), step):
+        at = 0
+        while at < len(tokens):
+            step = next(sizes) if sizes is not None else len(tokens)
             builder.add_item(torch.from_numpy(np.append(tokens[at:at + step], EOD)))
             builder.end_document()
+            at += step
         total += len(data)
         if total >= max_bytes:
             break
@@ -54,7 +59,7 @@ def build_stdlib_corpus(prefix: str, max_bytes: int = 8 << 20, doc_bytes: Option
 
 
 def ensure_stdlib_corpus(prefix: str, local_rank: Optional[int] = None, timeout_s: float = 600,
-                         doc_bytes: Optional[int] = None) -> str:
+                         doc_bytes=None) -> str:
     """Build the corpus once per machine (local rank 0); other ranks wait for it to appear."""
     local_rank = int(os.environ.get("LOCAL_RANK", "0")) if local_rank is None else local_rank
     Path(prefix).parent.mkdir(parents=True, exist_ok=True)

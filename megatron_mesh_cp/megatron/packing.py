@@ -18,7 +18,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from ..runtime.packed import thd_partition_indices
+from ..runtime import thd_partition_indices
 
 __all__ = ["pack_sample", "packed_batch", "STATS"]
 

@@ -209,7 +209,7 @@ def _mesh_shape(args, argv: List[str]) -> List[Check]:
     import copy
     import time
 
-    from ..planning.shape_cache import cache_dir
+    from ..planning import cache_dir
     from .arguments import MeshArgumentError, apply_mesh_args
 
     auto = str(getattr(args, "mesh_shape", "") or "").lower() == "auto"

@@ -211,7 +211,7 @@ def _get_batch(data_iterator):
     from megatron.core.utils import get_batch_on_this_cp_rank, get_batch_on_this_tp_rank
     from megatron.training import get_args
 
-    from .settings import SETTINGS
+    from .settings import options
 
     args = get_args()
     if getattr(args, "mesh_packed_data", False):
@@ -232,9 +232,13 @@ def _get_batch(data_iterator):
             pipeline_model_parallel_size=args.pipeline_model_parallel_size,
             is_pipeline_first_stage=mpu.is_pipeline_first_stage(), is_pipeline_last_stage=mpu.is_pipeline_last_stage(),
         )
-    params = _documents(raw["tokens"] if raw is not None else None, args) if SETTINGS.documents == "eod" else None
-    if params is not None and SETTINGS.document_order == "balanced":
-        batch, params = _balanced(batch, params, args)
+    params = _documents(raw["tokens"] if raw is not None else None, args) if options().documents == "eod" else None
+    if params is not None:  # the micro-batch's layout (megatron/layout.py), agreed once over the CP group
+        from .attention import agree_batch_documents
+        from .layout import lay_out
+
+        batch, params = lay_out(batch, params, args)
+        agree_batch_documents(params)
     batch = get_batch_on_this_cp_rank(batch, is_hybrid_cp=False, cp_group=mpu.get_context_parallel_group())
     return [batch.get(k) for k in keys] + [params]
 
@@ -247,7 +251,7 @@ def _documents(tokens, args):
     from megatron.core.packed_seq_params import PackedSeqParams
     from megatron.training import get_tokenizer
 
-    from ..runtime.masks import documents_from_eod
+    from ..runtime import documents_from_eod
 
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     cu = documents_from_eod(tokens[0].to(device), get_tokenizer().eod) if tokens is not None else None
@@ -260,27 +264,6 @@ def _documents(tokens, args):
         torch.distributed.broadcast(cu, src, group=group)
     s = args.seq_length
     return PackedSeqParams(qkv_format="sbhd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=s, max_seqlen_kv=s)
-
-
-def _balanced(batch, params, args):
-    """--mesh-document-order balanced: the micro-batch's documents reordered so the zigzag chunks of
-    the mesh carry near-equal attention work (runtime/balance.py), before the CP split. Each document
-    keeps its tokens, labels, loss mask and position ids; documents attend only to themselves and
-    RoPE sees only relative positions, so the loss is the same sum over the same tokens. Every rank
-    computes the same order from the same offsets."""
-    from dataclasses import replace
-
-    from ..runtime.balance import balance_documents
-    from .settings import SETTINGS
-
-    sizes = list(args.hierarchical_context_parallel_sizes or [args.context_parallel_size])
-    chunks = sizes[-2] * sizes[-1] if len(sizes) >= 2 else sizes[0]  # the mesh's chunks (a2a+mesh: a * b)
-    cu, index = balance_documents(params.cu_seqlens_q, chunks)
-    if index is None:
-        return batch, params
-    SETTINGS.reordered += 1
-    batch = {k: (v.index_select(1, index.to(v.device)) if v is not None else None) for k, v in batch.items()}
-    return batch, replace(params, cu_seqlens_q=cu, cu_seqlens_kv=cu)
 
 
 def _loss_func(loss_mask, output_tensor):
@@ -354,17 +337,29 @@ def _launcher_parser() -> argparse.ArgumentParser:
     g.add_argument("--data-cache-dir", default=os.environ.get("MESH_CP_DATA_DIR", str(Path.home() / ".cache" / "megatron-mesh-cp")),
                    help="where the stdlib corpus is built when no --data-path / --mock-data is given "
                         "(default $MESH_CP_DATA_DIR or ~/.cache/megatron-mesh-cp)")
-    g.add_argument("--stdlib-doc-bytes", type=int, default=None, metavar="N",
-                   help="the built-in stdlib corpus: cut every file into documents of at most N bytes "
-                        "(default: one document per file)")
+    g.add_argument("--stdlib-doc-bytes", type=_doc_sizes, default=None, metavar="N[,N...]",
+                   help="the built-in stdlib corpus: cut every file into documents of at most N bytes; several "
+                        "sizes are used in turn (e.g. 90,6,6,6,6,6: a long document among short ones); default: one "
+                        "document per file")
     return p
+
+
+def _doc_sizes(text: str) -> tuple:
+    """``--stdlib-doc-bytes``: positive document sizes, one or a comma-separated cycle of them."""
+    try:
+        sizes = tuple(int(x) for x in str(text).split(","))
+    except ValueError:
+        sizes = ()
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"--stdlib-doc-bytes takes positive byte counts N or N,N,..., got {text!r}")
+    return sizes
 
 
 def _launcher_options(argv: Sequence[str]):
     return _launcher_parser().parse_known_args(list(argv))
 
 
-def _default_data(argv: List[str], cache_dir: str, doc_bytes: Optional[int] = None, build: bool = True) -> List[str]:
+def _default_data(argv: List[str], cache_dir: str, doc_bytes: Optional[tuple] = None, build: bool = True) -> List[str]:
     """Without --data-path / --mock-data: the stdlib corpus and its byte-level tokenizer. ``build``
     False (--dry-run): only the tokenizer flags, so the estimate sees the real vocabulary."""
     if _has(argv, "--data-path") or _has(argv, "--mock-data"):
@@ -373,7 +368,8 @@ def _default_data(argv: List[str], cache_dir: str, doc_bytes: Optional[int] = No
 
     extra = []
     if build:
-        name = f"stdlib-py{sys.version_info[0]}{sys.version_info[1]}" + (f"-docs{doc_bytes}" if doc_bytes else "")
+        name = f"stdlib-py{sys.version_info[0]}{sys.version_info[1]}" + (
+            f"-docs{'-'.join(map(str, doc_bytes))}" if doc_bytes else "")
         prefix = ensure_stdlib_corpus(os.path.join(cache_dir, f"{name}_text_document"), doc_bytes=doc_bytes)
         extra = ["--data-path", prefix, "--data-cache-path", os.path.join(cache_dir, "index-cache")]
     if not _has(argv, "--tokenizer-type"):
@@ -391,7 +387,7 @@ def _documents_per_sequence() -> Optional[float]:
 
 def _summary(args, opts, started: float) -> Dict:
     from .attention import attention_traffic
-    from .settings import SETTINGS
+    from .settings import COUNTERS, options
 
     traffic = attention_traffic()
     return {
@@ -399,14 +395,15 @@ def _summary(args, opts, started: float) -> Dict:
         "context_parallel_size": args.context_parallel_size,
         "algo": getattr(args, "context_parallel_algo", None) or "p2p",
         "mesh_shape": getattr(args, "mesh_shape", None),
-        "shape_explanation": SETTINGS.shape_explanation,
+        "shape_explanation": options().shape_explanation,
         "attention_bytes_sent_per_rank": traffic["mesh_bytes"],
         "ring_bytes_per_rank": traffic["ring_bytes"],
         "attention_calls": traffic["calls"],
-        "packed_attention_calls": SETTINGS.packed_calls,
+        "packed_attention_calls": COUNTERS.packed_calls,
         "packed_documents_per_sequence": _documents_per_sequence(),
-        "document_order": SETTINGS.document_order if SETTINGS.documents == "eod" else None,
-        "document_batches_reordered": SETTINGS.reordered,
+        "layout": options().layout if options().documents == "eod" else None,
+        "layouts": COUNTERS.layout_summary(),
+        "document_batches_reordered": COUNTERS.relaid,
         "seconds": time.time() - started,
     }
 
@@ -451,14 +448,20 @@ def _print_resolved(args, gpu_gib: Optional[float]) -> None:
 
 def _masking(args) -> str:
     """The document masking a run does, in words (the dry run prints it)."""
-    from .settings import SETTINGS
+    from .settings import options
 
     if getattr(args, "mesh_packed_data", False):
         return f"packed THD (--mesh-packed-data), every document padded to a multiple of {args.mesh_pack_multiple}"
-    if SETTINGS.documents == "eod":
-        order = ("; documents reordered per micro-batch to balance the zigzag chunks (--mesh-document-order balanced)"
-                 if SETTINGS.document_order == "balanced" else "; documents in the dataset's order")
-        return "from EOD (--reset-attention-mask), unpadded; blocks and chunks no document needs are pruned" + order
+    if options().documents == "eod":
+        layout = {
+            "auto": "; each micro-batch's token layout chosen by the cost model (--mesh-layout auto: zigzag, balanced "
+                    "document order, or the longest documents split over every chunk)",
+            "balanced": "; documents reordered per micro-batch to balance the zigzag chunks (--mesh-layout balanced)",
+            "split": "; the longest documents split over every chunk, the others reordered around them (--mesh-layout "
+                     "split)",
+            "zigzag": "; documents in the dataset's order (--mesh-layout zigzag)",
+        }[options().layout]
+        return "from EOD (--reset-attention-mask), unpadded; blocks and chunks no document needs are pruned" + layout
     if getattr(args, "reset_attention_mask", False):
         return "from EOD (--reset-attention-mask), Megatron's dense mask (CP = 1)"
     return "none (attention crosses document boundaries)"
@@ -472,7 +475,7 @@ def _print_summary(s: Dict) -> None:
     if s["attention_calls"]:
         mesh, ring = s["attention_bytes_sent_per_rank"], s["ring_bytes_per_rank"]
         n = s["context_parallel_size"]
-        every = " sending every chunk, as TE's does with documents" if s.get("document_order") else ""
+        every = " sending every chunk, as TE's does with documents" if s.get("layout") else ""
         log.info(f"attention bytes sent by this rank: {mesh / 2**20:.2f} MiB over {s['attention_calls']} "
                  f"layer calls; Ring (1x{n}){every} would have sent {ring / 2**20:.2f} MiB "
                  f"({(1 - mesh / ring) if ring else 0:.1%} less with mesh)")
@@ -545,9 +548,9 @@ def _plot(summary: Dict, ref: Dict, path: str) -> None:
     plt.close(fig)
 
 
-def _data_label(args, stdlib: bool, doc_bytes: Optional[int] = None) -> str:
+def _data_label(args, stdlib: bool, doc_bytes: Optional[tuple] = None) -> str:
     if stdlib and getattr(args, "reset_attention_mask", False):
-        cut = f"documents of <= {doc_bytes} bytes" if doc_bytes else "files as documents"
+        cut = f"documents of <= {','.join(map(str, doc_bytes))} bytes" if doc_bytes else "files as documents"
         return f"the Python stdlib's sources ({cut}, masked at EOD)"
     if stdlib and getattr(args, "mesh_packed_data", False):
         cut = f" of <= {args.mesh_pack_doc_tokens} bytes" if args.mesh_pack_doc_tokens else ""
@@ -635,6 +638,12 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     from . import exits
 
     exits.install()
+    from .settings import options
+
+    if options().documents == "eod" and options().layout in ("auto", "split"):  # layouts that cut documents
+        from .layout import install_rotary
+
+        install_rotary()
     try:
         pretrain(container, datasets_provider, ModelType.encoder_or_decoder, forward_step)
     except SystemExit as exc:  # planned early exits (duration, signal, interval) and failures both end in sys.exit

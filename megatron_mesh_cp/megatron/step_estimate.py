@@ -7,7 +7,7 @@ the sequence most of it. So the estimate samples micro-batches as Megatron's GPT
 the document lengths of the configured data (each prefix's ``.idx``, read through megatron-core's
 index reader; no token is read) or from a length mix (:func:`mix_sources`, the recipe's assumed
 one), runs each through the simulator as the launcher runs it (mesh / a2a+mesh: unpadded, pruned
-plans, the documents reordered by ``runtime/balance.py`` when ``--mesh-document-order balanced``)
+plans, each micro-batch in the token layout ``--mesh-layout`` gives it, megatron/layout.py)
 and adds the GEMMs at an assumed rate. Per micro-batch on the slowest pipeline stage: its layers x
 (attention forward + backward + the forward again under full recompute) plus ``8 x`` weights per
 token (``6 x`` without recompute; ``6 x`` for the output layer) at ``gemm_tflops``; a step is
@@ -18,6 +18,7 @@ not modelled. Simulated attention, an estimate: labelled so wherever it is print
 from __future__ import annotations
 
 import os
+from collections import Counter
 from dataclasses import dataclass, replace
 from typing import List, Optional, Sequence, Tuple
 
@@ -101,7 +102,7 @@ def data_sources(args) -> List[Source]:
 def parse_mix(spec: str, seq: int) -> List[Tuple[float, int, int]]:
     """``"0.5 S-4S 0.5 1K-16K"`` -> [(weight, shortest, longest)]: a blend of document length ranges, in token
     counts (``4K``, ``1M``) or multiples of the sequence length ``S`` (``S``, ``4S``)."""
-    from ..planning.packing import parse_tokens
+    from ..planning import parse_tokens
 
     words = spec.replace(",", " ").split()
     if not words or len(words) % 2:
@@ -129,7 +130,7 @@ def parse_mix(spec: str, seq: int) -> List[Tuple[float, int, int]]:
 def mix_sources(spec: str, seq: int, seed: int = 0, pool: int = 4096) -> List[Source]:
     """A length mix as sources: ``pool`` log-uniform draws per range
     (:func:`~megatron_mesh_cp.planning.packing.length_draws`)."""
-    from ..planning.packing import length_draws
+    from ..planning import length_draws
 
     parts = parse_mix(spec, seq)
     total = sum(w for w, _, _ in parts)
@@ -197,11 +198,11 @@ def estimate(args, dp: int, cluster, sequences: Optional[Sequence[Tuple[int, ...
              gemm_tflops: float = GEMM_TFLOPS, warnings: Sequence[str] = ()) -> StepEstimate:
     """The step of a resolved config (after ``apply_mesh_args``) at ``dp`` data-parallel ranks, on the sampled
     ``sequences`` (document lengths) under document masking, else unmasked."""
-    from ..planning.baselines import simulate_algorithm
-    from ..planning.documents import UnpaddedDocuments
-    from ..runtime.balance import chunk_work
+    from ..planning import simulate_algorithm
+    from ..planning import UnpaddedDocuments
+    from .layout import choose as choose_layout
     from .cp_layer import attention_workload, simulator_name
-    from .settings import SETTINGS
+    from .settings import options
 
     cp, tp, pp = args.context_parallel_size, args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     m = args.global_batch_size // (args.micro_batch_size * dp)
@@ -214,30 +215,30 @@ def estimate(args, dp: int, cluster, sequences: Optional[Sequence[Tuple[int, ...
     def micro_batch(workload):
         if cp <= 1:
             return 0.0, gemm, "-"
-        res = simulate_algorithm(sim, cp, cluster, workload, tp=tp, max_live=SETTINGS.max_live)
+        res = simulate_algorithm(sim, cp, cluster, workload, tp=tp, max_live=options().max_live)
         recompute = res.time_by_phase["forward"] if full else 0.0
         return res.time, layers * (res.time + recompute) + gemm, res.shape
 
     attn0, t0, shape = micro_batch(w)
     unmasked = (m + pp - 1) * t0
-    documents = sequences is not None and SETTINGS.documents == "eod" and cp > 1
+    documents = sequences is not None and options().documents == "eod" and cp > 1
     if not documents:
         layout = Layout("zigzag" if cp > 1 else "one rank", cp)
         return StepEstimate(sim, shape, layout, data or "no document masking", 0, m, attn0 * 1e3, unmasked, unmasked,
                             cluster.name, gemm_tflops, tuple(warnings))
-    balanced = SETTINGS.document_order == "balanced"
     chunks = _chunks(args)
-    attn, times, ratios = [], [], []
+    attn, times, ratios, chosen = [], [], [], Counter()
     for lengths in sequences:
-        docs = UnpaddedDocuments(tuple(lengths)).with_balance(balanced)
-        work = chunk_work(docs.for_chunks(chunks).lengths, chunks)
-        ratios.append(float(work.max() / work.mean()))
-        a, t, _ = micro_batch(replace(w, mask=docs))
+        arr, _ = choose_layout(lengths, args)  # what the launcher's get_batch runs for this micro-batch
+        name = f"split:{arr.split}" if arr.split else arr.name
+        chosen[name] += 1
+        ratios.append(arr.balance)
+        a, t, _ = micro_batch(replace(w, mask=UnpaddedDocuments(tuple(lengths)).with_layout(name)))
         attn.append(a)
         times.append(t)
-    name = ("zigzag, documents reordered per micro-batch (--mesh-document-order balanced)" if balanced
-            else "zigzag, documents in the dataset's order")
-    layout = Layout(name, chunks, float(np.mean(ratios)))
+    picks = ", ".join(f"{k} {v}" for k, v in sorted(chosen.items(), key=lambda kv: -kv[1]))
+    layout = Layout(f"--mesh-layout {options().layout} ({picks} of {len(sequences)} sampled micro-batches)", chunks,
+                    float(np.mean(ratios)))
     return StepEstimate(sim, shape, layout, data, len(sequences), m, float(np.mean(attn)) * 1e3,
                         (m + pp - 1) * float(np.mean(times)), unmasked, cluster.name, gemm_tflops, tuple(warnings))
 
@@ -271,14 +272,14 @@ def dry_run_estimate(args, sequences: int = 8, seed: int = 0) -> StepEstimate:
     """The launcher's ``--dry-run`` estimate: under document masking on ``sequences`` micro-batches sampled from the
     configured data's documents (``--data-path`` / ``--train-data-path``; a dry run builds no stdlib corpus),
     else unmasked."""
-    from ..planning.cluster import load_cluster
-    from ..planning.schedule import default_cluster
-    from .settings import SETTINGS
+    from ..planning import load_cluster
+    from ..planning import default_cluster
+    from .settings import options
 
     name = getattr(args, "mesh_cluster", None)
-    cluster = SETTINGS.cluster or (load_cluster(name) if name else default_cluster())
+    cluster = options().cluster or (load_cluster(name) if name else default_cluster())
     dp = int(args.data_parallel_size)
-    if SETTINGS.documents != "eod" or args.context_parallel_size <= 1:
+    if options().documents != "eod" or args.context_parallel_size <= 1:
         return estimate(args, dp, cluster)
     if not (args.data_path or args.train_data_path) or args.mock_data:
         what = "mock data" if args.mock_data else "the built-in stdlib corpus (not read by a dry run)"

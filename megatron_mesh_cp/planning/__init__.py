@@ -6,16 +6,33 @@ plan replayer (``replay``), the algorithms we compare with (``baselines``) and t
 measurements (``calibration``). Imports the runtime's plan language, never the executor's state.
 """
 
-from .autoshape import choose_hybrid_shape, choose_shape
-from .baselines import compare, simulate_algorithm
-from .cluster import Cluster, Workload, cluster_presets, load_cluster, workload_dims
+from . import calibration
+from .autoshape import BUDGET_X_RING, HybridChoice, ShapeChoice, choose_hybrid_shape, choose_shape, ulysses_degrees
+from .baselines import ALGORITHMS, SimResult, check_algorithms, compare, format_table, simulate_algorithm
+from .bounds import mesh_bound
+from .cluster import CALIBRATED, HOST_PER_CALL_US, Cluster, Workload, cluster_presets, load_cluster, workload_dims
+from .costs import plan_peak_bytes, te_ring_peak_bytes, ulysses_buffer_bytes, ulysses_inner
+from .doc_baselines import compare_documents, document_sets, format_documents_table, runs_unpadded
 from .documents import UnpaddedDocuments, read_documents, sample_documents
-from .packing import Packing, read_packing, sample_packing
-from .schedule import PLANNERS, build_plans, call_plans, default_cluster, document_plans, in_order_plan
+from .layouts import LayoutChoice, candidate_layouts, choose_layout, resolve_layout
+from .packing import DISTRIBUTIONS, Packing, length_draws, parse_doc_range, parse_tokens, read_packing, sample_packing
+from .replay import replay
+from .schedule import (
+    PLANNERS, build_plans, call_plans, clear_plan_cache, default_cluster, document_plans, in_order_plan,
+)
+from .shape_cache import cache_dir, cached_choice
+from .window_baselines import compare_windows, format_window_table, te_a2a_refusal
 
 __all__ = [
-    "Cluster", "Workload", "load_cluster", "cluster_presets", "workload_dims", "default_cluster",
-    "build_plans", "call_plans", "document_plans", "in_order_plan", "PLANNERS",
-    "UnpaddedDocuments", "sample_documents", "read_documents", "Packing", "sample_packing", "read_packing",
-    "choose_shape", "choose_hybrid_shape", "simulate_algorithm", "compare",
+    "calibration",
+    "BUDGET_X_RING", "HybridChoice", "ShapeChoice", "choose_hybrid_shape", "choose_shape", "ulysses_degrees",
+    "ALGORITHMS", "SimResult", "check_algorithms", "compare", "format_table", "simulate_algorithm", "mesh_bound",
+    "CALIBRATED", "HOST_PER_CALL_US", "Cluster", "Workload", "cluster_presets", "load_cluster", "workload_dims",
+    "plan_peak_bytes", "te_ring_peak_bytes", "ulysses_buffer_bytes", "ulysses_inner",
+    "compare_documents", "document_sets", "format_documents_table", "runs_unpadded",
+    "UnpaddedDocuments", "read_documents", "sample_documents",
+    "LayoutChoice", "candidate_layouts", "choose_layout", "resolve_layout",
+    "DISTRIBUTIONS", "Packing", "length_draws", "parse_doc_range", "parse_tokens", "read_packing", "sample_packing",
+    "replay", "PLANNERS", "build_plans", "call_plans", "clear_plan_cache", "default_cluster", "document_plans",
+    "in_order_plan", "cache_dir", "cached_choice", "compare_windows", "format_window_table", "te_a2a_refusal",
 ]

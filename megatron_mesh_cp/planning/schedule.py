@@ -29,7 +29,7 @@ from .greedy import CONFIGS, PlanCost, greedy_plan, grouping_pays
 from .replay import replay
 
 __all__ = ["in_order_plan", "build_plans", "call_plans", "document_plans", "PLANNERS", "default_cluster",
-           "DEFAULT_WORKLOAD"]
+           "DEFAULT_WORKLOAD", "clear_plan_cache"]
 
 PLANNERS = ("greedy", "in-order")
 #: how ``build_plans`` may direct the gather and reduction chains
@@ -140,6 +140,12 @@ def document_plans(a: int, b: int, planner: str = "greedy", *, cluster: Optional
     ``mesh_attention`` runs them (:func:`call_plans`)."""
     return call_plans(a, b, planner, workload=workload.unmasked, cluster=cluster, stride=stride, max_live=max_live,
                       keep=workload.needed(a, b), masked=True)
+
+
+def clear_plan_cache() -> None:
+    """Forget every plan built so far (benchmarks time planning from scratch)."""
+    _greedy_plans.cache_clear()
+    document_plans.cache_clear()
 
 
 @lru_cache(maxsize=256)

@@ -32,9 +32,9 @@ import numpy as np
 from .balance import balance_order
 from .masks import Documents, Mask, arranged_of
 
-__all__ = ["LAYOUTS", "Arrangement", "arrange", "token_work", "chunk_of_piece"]
+__all__ = ["TOKEN_LAYOUTS", "Arrangement", "arrange", "token_work", "chunk_of_piece"]
 
-LAYOUTS = ("zigzag", "balanced", "split")
+TOKEN_LAYOUTS = ("zigzag", "balanced", "split")
 
 
 @dataclass(frozen=True, eq=False)
@@ -208,7 +208,7 @@ def arrange(lengths: Sequence[int], chunks: int, layout: str = "balanced", *, ca
             raise ValueError(f"the {split} longest documents do not fit the split layout's pieces ({int(x.sum())} "
                              f"tokens over {2 * chunks} pieces); split fewer")
         return out
-    raise ValueError(f"unknown layout {layout!r}; choose one of {', '.join(LAYOUTS)} (or auto, which the launcher "
+    raise ValueError(f"unknown layout {layout!r}; choose one of {', '.join(TOKEN_LAYOUTS)} (or auto, which the launcher "
                      "chooses per micro-batch)")
 
 

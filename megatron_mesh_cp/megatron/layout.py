@@ -1,0 +1,157 @@
+"""Each micro-batch's token layout under document masking, applied before Megatron's CP split.
+
+``--mesh-layout`` (``auto`` by default): the launcher's ``get_batch`` reads the micro-batch's
+documents (its EOD tokens), builds the layout (runtime/layouts.py) -- ``auto`` the one the cost model
+predicts fastest for this mesh and layer (planning/layouts.py), never one it predicts slower than the
+balanced document order -- and re-lays tokens, labels, loss mask and position ids with its order
+before ``get_batch_on_this_cp_rank`` splits them. Every rank of every pipeline stage computes the same
+layout from the same offsets (the searches are seeded), and the CP group agrees on the resulting
+mask once per micro-batch (``attention.agree_batch``).
+
+A layout that cuts documents (``split``) moves a document's pieces apart in the sequence, so RoPE
+must rotate each token at its own position: :func:`install_rotary` makes Megatron's
+``RotaryEmbedding`` take the current micro-batch's order (the embedding of the original positions,
+re-laid, then sliced per CP rank as Megatron slices it) -- Llama-3.1's scaled frequencies included,
+as they live in the embedding. Layouts that keep documents whole change no position a document sees
+relative to itself and leave RoPE as it is. The mask of a cut layout reaches the attention on the
+batch's ``PackedSeqParams`` (:class:`LaidOutParams`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+__all__ = ["LAYOUT_CHOICES", "LaidOutParams", "BatchLayout", "CURRENT", "lay_out", "install_rotary"]
+
+#: --mesh-layout values: auto (chosen per micro-batch), or one layout every micro-batch
+LAYOUT_CHOICES = ("auto", "zigzag", "balanced", "split")
+
+
+def _params_class():
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    @dataclass
+    class LaidOutParams(PackedSeqParams):
+        """Megatron's PackedSeqParams of a micro-batch whose documents a layout cut into pieces: the
+        mask the mesh attention runs (``runtime.masks.Arranged``) rides along."""
+
+        mesh_mask: object = None
+
+    return LaidOutParams
+
+
+class BatchLayout:
+    """The current micro-batch's layout as the rotary embedding needs it: the original position of
+    every re-laid token (None: positions as given)."""
+
+    def __init__(self) -> None:
+        self.positions: Optional[torch.Tensor] = None
+        self.name = ""
+
+
+#: set by the launcher's get_batch for each micro-batch, read by the rotary embedding in that forward
+CURRENT = BatchLayout()
+LaidOutParams = None  # made on first use (megatron-core is imported lazily)
+
+
+def _mesh_dims(args):
+    """(u, a, b) of the configured mesh (the launcher resolved --mesh-shape)."""
+    sizes = [int(x) for x in (args.hierarchical_context_parallel_sizes or [])]
+    if len(sizes) == 3:
+        return tuple(sizes)
+    if len(sizes) == 2:
+        return (1,) + tuple(sizes)
+    return 1, 1, int(args.context_parallel_size)
+
+
+def choose(lengths, args):
+    """The Arrangement this micro-batch runs (``--mesh-layout``) and, for auto, the choice's report."""
+    from ..planning import load_cluster
+    from ..planning import ulysses_inner
+    from ..planning import candidate_layouts, choose_layout
+    from ..planning import default_cluster
+    from ..runtime import arrange
+    from .cp_layer import attention_workload
+    from .settings import options
+
+    u, a, b = _mesh_dims(args)
+    chunks = a * b
+    layout = options().layout
+    if layout == "zigzag":
+        return arrange(lengths, chunks, "zigzag"), None
+    if layout == "balanced":
+        return arrange(lengths, chunks, "balanced"), None
+    if layout == "split":
+        piece = sum(lengths) // (2 * chunks)
+        count = max(1, sum(1 for x in lengths if x > 2 * piece))  # every document longer than a chunk
+        for k in range(count, 0, -1):
+            try:
+                return arrange(lengths, chunks, "split", split=k), None
+            except ValueError:
+                continue
+        return arrange(lengths, chunks, "balanced"), None
+    w = attention_workload(args)
+    inner = ulysses_inner(u, w) if u > 1 else w
+    cluster = options().cluster or (load_cluster(args.mesh_cluster) if getattr(args, "mesh_cluster", None)
+                                   else default_cluster())
+    choice = choose_layout(lengths, a, b, cluster, inner, stride=args.tensor_model_parallel_size * u,
+                           candidates=candidate_layouts(lengths, chunks))
+    return choice.arrangement, choice
+
+
+def lay_out(batch: dict, params, args):
+    """The micro-batch re-laid by its layout (before the CP split): ``(batch, params)`` with the tokens,
+    labels, loss mask and position ids in the layout's order and the attention's documents."""
+    global LaidOutParams
+    from dataclasses import fields
+
+    from ..runtime import Documents
+    from .settings import COUNTERS
+
+    cu = params.cu_seqlens_q
+    lengths = (cu[1:] - cu[:-1]).tolist()
+    arr, choice = choose(lengths, args)
+    COUNTERS.note_layout(arr, choice)
+    CURRENT.positions, CURRENT.name = None, arr.name
+    if arr.order is None:
+        return batch, params
+    index = torch.from_numpy(arr.order).to(cu.device)
+    batch = {k: (v.index_select(1, index.to(v.device)) if v is not None else None) for k, v in batch.items()}
+    if isinstance(arr.mask, Documents):  # whole documents in a new order: new offsets, RoPE as it is
+        new = torch.tensor(arr.mask.cu, dtype=cu.dtype, device=cu.device)
+        return batch, type(params)(**{f.name: getattr(params, f.name) for f in fields(params)} | {
+            "cu_seqlens_q": new, "cu_seqlens_kv": new})
+    if LaidOutParams is None:
+        LaidOutParams = _params_class()
+    CURRENT.positions = index
+    cuts = torch.tensor(arr.mask.cuts, dtype=cu.dtype, device=cu.device)
+    kw = {f.name: getattr(params, f.name) for f in fields(params)}
+    kw.update(cu_seqlens_q=cuts, cu_seqlens_kv=cuts, mesh_mask=arr.mask)
+    return batch, LaidOutParams(**kw)
+
+
+def install_rotary() -> None:
+    """Make Megatron's RotaryEmbedding rotate each token at its own position under a layout that cuts
+    documents (:data:`CURRENT`); without one it is Megatron's (cached) forward."""
+    from megatron.core.models.common.embeddings import rotary_pos_embedding as rope
+
+    cls = rope.RotaryEmbedding
+    if getattr(cls, "_mesh_layout_forward", None) is not None:
+        return
+    inner = cls.forward
+
+    def forward(self, max_seq_len: int, offset: int = 0, packed_seq: bool = False, cp_group=None):
+        positions = CURRENT.positions
+        if positions is None or packed_seq:
+            return inner(self, max_seq_len, offset, packed_seq, cp_group)
+        emb = self.get_emb(max_seq_len, offset).index_select(0, positions.to(self.inv_freq.device))
+        group = cp_group if cp_group is not None else self.cp_group
+        if group is not None and group.size() > 1:
+            emb = rope.get_pos_emb_on_this_cp_rank(emb, 0, group)
+        return emb
+
+    cls._mesh_layout_forward = inner
+    cls.forward = forward
