@@ -304,6 +304,8 @@ def _prepare(q, k, v, mesh, causal, softmax_scale, layout, kernel, plans, partia
     if window is not None:
         blk.check_window(sq, sk, sv, documents=isinstance(spec, Documents))
     if variant.max_logit:
+        if isinstance(spec, PackedSpec):
+            spec.check_max_logit()
         blk.check_max_logit(sq, packed=spec is not None)
     scale = resolve_scale(softmax_scale, q.shape[-1])
     if partial_dtype is not None and (not isinstance(partial_dtype, torch.dtype) or not partial_dtype.is_floating_point):

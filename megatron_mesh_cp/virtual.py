@@ -186,6 +186,8 @@ def virtual_mesh_attention(
     slots = [list(range(j, n, u)) for j in range(u)]
 
     if return_max_logit:
+        if thd:
+            spec.check_max_logit()
         blk.check_max_logit(qs, packed=thd or docs is not None)
     sinks = None if sink is None else [sink.view(u, -1)[j] for j in range(u)]  # per slot: its head group
 

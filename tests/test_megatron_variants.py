@@ -210,3 +210,18 @@ def test_start_up_kernel_check_covers_mla_windows_and_the_max_logit(monkeypatch)
     assert seen == {"dims": (192, 192, 128), "max_logit": True}
     with pytest.raises(MeshArgumentError, match="--mesh-kernel auto: no sliding window here"):
         apply_mesh_args(_flat(**mla, window_size=(128, 0)), argv=[])
+
+
+def test_max_logit_with_padded_packed_data_is_refused_at_start_up():
+    """--qk-clip / --log-max-attention-logit with --mesh-packed-data under mesh CP: the launcher pads
+    every document, and padding rows would enter the max logit; refused before any process group,
+    naming --reset-attention-mask (unpadded documents: exact)."""
+    from test_megatron_integration import _flat
+
+    packed = dict(context_parallel_size=4, context_parallel_algo="mesh", mesh_shape="2x2", mesh_packed_data=True,
+                  calculate_per_token_loss=True, seq_length=1024)
+    apply_mesh_args(_flat(**packed), argv=[])
+    for flag in ("qk_clip", "log_max_attention_logit"):
+        with pytest.raises(MeshArgumentError, match=r"--qk-clip / --log-max-attention-logit with --mesh-packed-data.*"
+                                                    r"--reset-attention-mask --no-create-attention-mask-in-dataloader"):
+            apply_mesh_args(_flat(**packed, **{flag: True}), argv=[])

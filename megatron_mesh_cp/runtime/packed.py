@@ -129,6 +129,19 @@ class PackedSpec:
                 raise ValueError(f"document {i} has real length {length} but padded length {padded}; "
                                  "cu_seqlens must not exceed cu_seqlens_padded per document")
 
+    def check_max_logit(self) -> None:
+        """``ValueError`` naming the fix if these documents have padding: every kernel computes a
+        padding row like a real one (packed.py's contract: they are zeroed afterwards), and the
+        per-call max logit ``[h]`` is reduced inside the kernel call, before that, so it would count
+        logits of padding rows (and QK-clip act on them). Which rows are padding differs per chunk
+        of origin, which a packed sub-block call (one ``cu_seqlens`` per batch) does not carry."""
+        if self.cu_real is not None:
+            raise ValueError("return_max_logit with padded packed documents (cu_seqlens != cu_seqlens_padded) would "
+                             "count the logits of padding rows (computed like real rows, zeroed only afterwards); "
+                             "pass the documents unpadded on the ordinary layout (cu_seqlens with layout 'bshd' or "
+                             "'sbhd'; Megatron: --reset-attention-mask instead of --mesh-packed-data), or documents "
+                             "that need no padding (cu_seqlens_padded equal to cu_seqlens)")
+
 
 #: host copies of recently seen offset tensors: one device-to-host copy per batch, not per layer
 _HOST: "OrderedDict[tuple, Tuple[torch.Tensor, Tuple[int, ...]]]" = OrderedDict()
