@@ -49,7 +49,8 @@ def test_gpu_check_script_smoke_on_cpu(tmp_path):
     output directory. The executor sections (issue 20) pass on CPU: the stream stand-in (copies
     deferred to the first wait) is bitwise equal to the same-stream run on slab plans for 2x2, 4x4
     and 8x2; warm a2a+mesh calls are bitwise equal with every pool at peak_live_bytes; the n = 16
-    run reports its host cost per kernel call."""
+    run reports its host cost per kernel call; (h) runs the torch kernel over calls of changing shapes
+    and mesh attention over batches of new documents."""
     import json
 
     env = dict(os.environ, PYTHON=sys.executable, OUT=str(tmp_path))
@@ -58,7 +59,8 @@ def test_gpu_check_script_smoke_on_cpu(tmp_path):
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-2000:]
     text = (tmp_path / "gpu_results.md").read_text()
     for section in ("(a) Block kernels", "(b) Mesh attention on virtual ranks", "(d) Block-time sweep", "(c) One rank's block work",
-                    "(e) NCCL-like streams", "(f) Warm-call hygiene", "(g) n = 16 at 64K tokens"):
+                    "(e) NCCL-like streams", "(f) Warm-call hygiene", "(g) n = 16 at 64K tokens",
+                    "(h) Calls of changing shapes"):
         assert section in text
     assert "FAIL" not in text and "ERROR" not in text
     kernels = text.split("## (b)")[0]
@@ -76,6 +78,9 @@ def test_gpu_check_script_smoke_on_cpu(tmp_path):
     assert warm["host_syncs"] is None and "CPU: no sync debug mode" in warm["notes"]
     (host,) = raw["g"]["data"]
     assert host["n"] == 16 and host["kernel_calls"] > 0 and host["host_us_per_call"] > 0 and host["mono_ms"] > 0
+    shapes, docs = raw["h"]["data"]  # CPU: the torch kernel's shapes, then documents over changing batches
+    assert shapes["backend"] == "torch" and shapes["calls"] == 24 and shapes["memory_growth_mib"] is None
+    assert docs["part"] == "documents" and docs["calls"] == 4 and all(r["result"] == "ok" for r in (shapes, docs))
 
 
 def test_attention_benchmark_on_gloo(tmp_path):
