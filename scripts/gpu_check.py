@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """GPU checks for the block kernels, the executor on virtual ranks, block times and block-work efficiency.
 
-    python3 scripts/gpu_check.py --out-dir "$OUT"                       # on a CUDA machine (<= 8 min, H200)
+    python3 scripts/gpu_check.py --out-dir "$OUT"                       # on a CUDA machine (<= 8.2 min, H200)
     python3 scripts/gpu_check.py --device cpu --quick --out-dir x/      # CI run of every section on CPU
 
 Sections, each run in its own subprocess with its own time limit, so a crash, a sticky CUDA error or
@@ -55,7 +55,7 @@ SECTIONS = {  # name -> (title, time limit in seconds)
     "e": ("(e) NCCL-like streams: side streams, event waits and delays vs the same-stream run, bitwise", 60),
     "f": ("(f) Warm-call hygiene: a2a+mesh 2x2x2, bf16 partials, deterministic", 40),
     "g": ("(g) n = 16 at 64K tokens vs one monolithic call: block efficiency and host cost per kernel call", 90),
-    "h": ("(h) Calls of changing shapes (documents): kernel caches, cuDNN graph builds, memory", 90),
+    "h": ("(h) Calls of changing shapes (documents): kernel caches, cuDNN graph builds, memory", 60),
 }
 TABLES = dict(runtime_checks.TABLES, **document_checks.TABLES)  # per section: (column heads, row -> cells)
 LIMITS = {"bfloat16": 2e-2, "float16": 2e-2, "float32": 1e-3}
