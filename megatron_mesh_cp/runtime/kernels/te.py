@@ -379,9 +379,8 @@ class TEKernel(BlockKernel):
         sq, sk = q.shape[0], k.shape[0]
         if (_te_bucket(sq), _te_bucket(sk)) == (sq, sk) or (max_logit and self._te < (2, 11)):
             return False
-        major, minor = torch.cuda.get_device_capability(q.device)
         dv = v.shape[-1] if v.shape[-1] != q.shape[-1] else None
-        key = (q.dtype, tuple(q.shape[2:]), k.shape[2], dv, causal, window is not None, sq <= sk, major, minor)
+        key = (str(q.device), q.dtype, tuple(q.shape[2:]), k.shape[2], dv, causal, window is not None, sq <= sk)
         if key not in self._routes:
             self._routes[key] = self._supported(q, k, causal, self.deterministic, thd=True, dv=dv, window=window)
         return self._routes[key]
