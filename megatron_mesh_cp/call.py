@@ -281,6 +281,8 @@ def resolve(q, k, v, mesh, *, causal: bool = True, softmax_scale=None, layout: s
     if layout == "thd" and not isinstance(mask, PackedDocuments):
         raise ValueError("packed sequences take layout='thd' together with cu_seqlens / cu_seqlens_padded")
     mask.check(seq * cp, cp, bool(causal), batch)
+    if return_max_logit and mask.max_logit_error:
+        raise ValueError(mask.max_logit_error)
     check_sink(sink, heads, q.device)
     check_partial_dtype(partial_dtype)
     check_plans(plans, shape)

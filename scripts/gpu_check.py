@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """GPU checks for the block kernels, the executor on virtual ranks, block times and block-work efficiency.
 
-    python3 scripts/gpu_check.py --out-dir "$OUT"                       # on a CUDA machine (<= 8 min, H200)
+    python3 scripts/gpu_check.py --out-dir "$OUT"                       # on a CUDA machine (<= 8.2 min, H200)
     python3 scripts/gpu_check.py --device cpu --quick --out-dir x/      # CI run of every section on CPU
 
 Sections, each run in its own subprocess with its own time limit, so a crash, a sticky CUDA error or
@@ -18,7 +18,10 @@ a hang in one is reported and the others still run (rows finished before a time-
 (e) the executor on a transport stand-in with NCCL's streams and delays, bitwise against the
     same-stream run; (f) warm-call hygiene (no host sync, flat memory, pool = peak_live_bytes,
     bitwise); (g) n = 16 at 64K tokens vs one monolithic call, and the host cost per kernel call
-    (``scripts/gpu_check_runtime.py``). Every section also runs on CPU, saying what it cannot check there.
+    (``scripts/gpu_check_runtime.py``); (h) calls of changing shapes as documents make them: per backend
+    the kernels' per-shape state, cuDNN graph builds (slow first calls against TE's token buckets) and
+    the allocator's memory, and mesh attention over batches of new documents against one repeated
+    (``scripts/gpu_check_documents.py``). Every section also runs on CPU, saying what it cannot check there.
 Writes ``gpu_results.md`` and ``gpu_results.json`` (raw numbers) into ``--out-dir`` (default ``$OUT``).
 """
 
@@ -41,6 +44,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
+import gpu_check_documents as document_checks  # noqa: E402
 import gpu_check_runtime as runtime_checks  # noqa: E402
 
 SECTIONS = {  # name -> (title, time limit in seconds)
@@ -51,7 +55,9 @@ SECTIONS = {  # name -> (title, time limit in seconds)
     "e": ("(e) NCCL-like streams: side streams, event waits and delays vs the same-stream run, bitwise", 60),
     "f": ("(f) Warm-call hygiene: a2a+mesh 2x2x2, bf16 partials, deterministic", 40),
     "g": ("(g) n = 16 at 64K tokens vs one monolithic call: block efficiency and host cost per kernel call", 90),
+    "h": ("(h) Calls of changing shapes (documents): kernel caches, cuDNN graph builds, memory", 60),
 }
+TABLES = dict(runtime_checks.TABLES, **document_checks.TABLES)  # per section: (column heads, row -> cells)
 LIMITS = {"bfloat16": 2e-2, "float16": 2e-2, "float32": 1e-3}
 
 
@@ -330,8 +336,8 @@ def render(env, results):
                                 [(r["rows"], r["causal"], r["dir"], f"{r['ms']:.4f}", f"{r['tflops']:.1f}",
                                   _f(r["ms_copies"], ".4f"), _f(r["tflops_copies"], ".1f"), _f(r["slowdown"], ".2f"))
                                  for r in data]))
-        elif key in runtime_checks.TABLES:
-            head, cells = runtime_checks.TABLES[key]
+        elif key in TABLES:
+            head, cells = TABLES[key]
             lines.append(_table(head, [cells(r) for r in data]))
         else:
             lines.append(_table(("S", "n", "shape", "kernel", "tile ms", "monolithic ms", "efficiency", "tile TFLOP/s"),
@@ -347,7 +353,7 @@ def run_section(args):
     if args.device == "cpu" and args.quick:
         torch.set_num_threads(1)  # tiny tensors: threads only add contention
     fn = {"a": section_a, "b": section_b, "c": section_c, "d": section_d, "e": runtime_checks.section_e,
-          "f": runtime_checks.section_f, "g": runtime_checks.section_g}[args.section]
+          "f": runtime_checks.section_f, "g": runtime_checks.section_g, "h": document_checks.section_h}[args.section]
     t0 = time.time()
     res = dict(data=[])
     try:
@@ -366,7 +372,7 @@ def main():
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--quick", action="store_true", help="tiny sizes (CPU smoke run of this script)")
     p.add_argument("--out-dir", default=os.environ.get("OUT") or "gpu_check_out")
-    p.add_argument("--sections", default="abdcefg", help="which sections to run, in order")
+    p.add_argument("--sections", default="abdcefgh", help="which sections to run, in order")
     p.add_argument("--section", help=argparse.SUPPRESS)
     p.add_argument("--part", help=argparse.SUPPRESS)
     args = p.parse_args()

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# The prepared GPU check (a few minutes on one H200, hard limit ~7.5): kernel accuracy per backend,
+# The prepared GPU check (a few minutes on one H200, hard limit ~8.2): kernel accuracy per backend,
 # virtual-rank mesh attention for n = 4 and 16, a block-time sweep alone and under concurrent
-# copies, block-work efficiency, the executor on NCCL-like streams, warm-call hygiene and the host
-# cost per kernel call. `--device cpu --quick` runs every section on CPU (CI does). Writes gpu_results.md and gpu_results.json into the directory
+# copies, block-work efficiency, the executor on NCCL-like streams, warm-call hygiene, the host
+# cost per kernel call, and calls of changing shapes as documents make them (kernel caches, cuDNN
+# graph builds, memory). `--device cpu --quick` runs every section on CPU (CI does). Writes
+# gpu_results.md and gpu_results.json into the directory
 # given as the first argument, else $OUT, else ./gpu_check_out. Needs CUDA and torch; Transformer
 # Engine and flash-attn are used when installed and reported as "not installed" otherwise.
 set -uo pipefail

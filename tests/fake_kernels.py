@@ -3,9 +3,12 @@
 TE: ``fused_attn_fwd``/``fused_attn_bwd`` in both call forms (2.0-2.14 with a positional
 ``dqkv_dtype``; 2.15+ with ``o_format``/``do_format``/``dqkv_layout``) and its backend selection
 (``get_attention_backend`` with the F16 rules of the real one), enforcing TE's rules (packed sbhd,
-fp16/bf16, causal with ``window_size=(-1, 0)``; sliding windows bottom-right aligned, refused -- as
-TE finds no backend for them -- on calls with more query rows than keys). THD (``thd_thd_thd``, ``padding_causal`` /
-``padding``): int32 ``cu_seqlens`` and ``cu_seqlens_*_padded`` on the device, ``[t, h, d]``
+fp16/bf16, causal with ``window_size=(-1, 0)``; sliding windows bottom-right aligned; no backend --
+``nvte_fused_attn_fwd`` raises -- where ``nvte_get_fused_attn_backend``'s sliding-window clause for
+that TE and cuDNN fails, e.g. windows on calls with more query rows than keys, two-sided ``no_mask``
+windows before TE 2.16, padding masks with cuDNN 9.2-9.5: ``fake_te_backend``), and they record the
+cuDNN graph key of every call as TE v2.18 forms it (``fake_te_backend.GRAPHS``). THD (``thd_thd_thd``,
+``padding_causal`` / ``padding``): int32 ``cu_seqlens`` and ``cu_seqlens_*_padded`` on the device, ``[t, h, d]``
 tensors; softmax stats as TE's ``fused_attn_f16_arbitrary_seqlen.cu`` allocates them: ragged with
 cuDNN >= 9.6 (``[get_max_tokens(t), h, 1]`` up to TE 2.10, the rows past t unwritten; ``[t, h, 1]``
 from 2.11), dense ``[b, h, max_seqlen, 1]`` before 9.6 and on sm120 from TE 2.14 (2.14-2.17
@@ -28,6 +31,8 @@ import types
 from typing import Optional
 
 import torch
+
+from fake_te_backend import get_max_tokens, record_graph, window_backend
 
 
 def _mask(sq, sk, align, device):
@@ -115,20 +120,21 @@ CUDNN = {"version": (9, 10, 0)}
 TE = {"version": (2, 15)}
 
 
-def get_max_tokens(t: int) -> int:
-    """TE's ``get_max_tokens`` (common/fused_attn/utils.cu, 2.0-2.10): 1024 up to 1024 tokens, then the
-    next power of two up to 32K, then multiples of 32K."""
-    log2_t = math.ceil(math.log2(t)) if t > 0 else 0
-    if log2_t <= 10:
-        return 1024
-    if log2_t <= 15:
-        return 2 ** log2_t
-    return (t + 32767) // 32768 * 32768
+#: False: the TE stand-ins check every rule and form every graph key but skip the math (zeros come
+#: back), so a long-context workload's calls can be counted on CPU
+COMPUTE = {"on": True}
+
+
+def _capability() -> tuple:
+    try:
+        return tuple(torch.cuda.get_device_capability())
+    except (RuntimeError, AssertionError):  # no pretend_cuda: the stand-ins' default GPU
+        return (9, 0)
 
 
 def _ragged_stats() -> bool:
     """TE's ``use_ragged_stats``: cuDNN >= 9.6, and (from TE 2.14, which runs THD on sm120) not on sm120."""
-    sm120 = tuple(torch.cuda.get_device_capability()) == (12, 0) and TE["version"] >= (2, 14)
+    sm120 = _capability() == (12, 0) and TE["version"] >= (2, 14)
     return CUDNN["version"] >= (9, 6, 0) and not sm120
 
 
@@ -137,64 +143,76 @@ def _from_sbhd(x):
     return x.permute(1, 2, 0, 3)
 
 
-def _te_window(attn_mask_type, window_size, bottom_right_diagonal, max_seqlen_q, max_seqlen_kv):
-    """TE's sliding-window rules; returns the window to mask with (None: none). Spellings
-    (check_set_window_size): causal takes (-1, 0) or (>= 0, 0), no_mask (-1, -1) or (>= -1, >= -1).
-    Any other window needs bottom-right alignment (what we ask for: top-left would be another mask),
-    cuDNN >= 9.6 and ``max_seqlen_q <= max_seqlen_kv`` (``nvte_get_fused_attn_backend``,
-    fused_attn.cpp:464@v2.18); otherwise TE finds no backend and ``nvte_fused_attn_fwd`` raises."""
-    left, right = window_size
-    if attn_mask_type in ("causal", "padding_causal"):
-        assert left >= -1 and right == 0, (attn_mask_type, window_size)
-    else:
-        assert left >= -1 and right >= -1, (attn_mask_type, window_size)
-    if (attn_mask_type, (left, right)) in (("causal", (-1, 0)), ("padding_causal", (-1, 0)), ("no_mask", (-1, -1)),
-                                           ("padding", (-1, -1))):
-        return None
-    assert bottom_right_diagonal is True, "our windows are aligned to the bottom-right corner"
-    if max_seqlen_q > max_seqlen_kv or CUDNN["version"] < (9, 6, 0):
-        raise RuntimeError("Invalid combination of data type and sequence length for fused attention "
-                           f"(sliding window {window_size}, max_seqlen_q {max_seqlen_q} > max_seqlen_kv {max_seqlen_kv} "
-                           "or cuDNN < 9.6)")
-    return (left, right)
-
-
-def _te_rules(q, k, fake_dtype, qkv_layout, attn_mask_type, window_size, dropout, backend, cu_seqlens_q, max_seqlen_q,
-              max_seqlen_kv, bottom_right_diagonal):
-    """TE's sbhd rules; returns the window to mask with (None: none)."""
+def _te_rules(q, k, fake_dtype, qkv_layout, attn_mask_type, window_size, dropout, backend, bottom_right_diagonal,
+              max_seqlen_q, max_seqlen_kv):
+    """TE's rules for every call: fp16/bf16, the F16 arbitrary-seqlen backend, the mask/window spellings
+    (check_set_window_size: causal masks take (-1, 0) or (>= 0, 0), the others (>= -1, >= -1)), our
+    windows bottom-right aligned, and ``nvte_get_fused_attn_backend``'s sliding-window clause for this
+    TE and cuDNN (fake_te_backend.window_backend; no backend: ``nvte_fused_attn_fwd`` raises).
+    Returns (causal, window to mask with or None)."""
     assert q.dtype in (torch.float16, torch.bfloat16) and fake_dtype == q.dtype, "F16 fused attention: fp16/bf16"
-    assert qkv_layout == "sbhd_sbhd_sbhd" and backend == FusedAttnBackend.F16_arbitrary_seqlen and dropout == 0.0
+    assert backend == FusedAttnBackend.F16_arbitrary_seqlen and dropout == 0.0
+    thd = qkv_layout == "thd_thd_thd"
+    assert qkv_layout in ("sbhd_sbhd_sbhd", "thd_thd_thd"), qkv_layout
+    masks = ("padding_causal", "padding") if thd else ("causal", "no_mask", "padding")
+    assert attn_mask_type in masks, (qkv_layout, attn_mask_type)
+    causal = attn_mask_type in ("causal", "padding_causal")
+    left, right = window_size = tuple(window_size)
+    assert left >= -1 and (right == 0 if causal else right >= -1), (attn_mask_type, window_size)
+    window = None if window_size == ((-1, 0) if causal else (-1, -1)) else window_size
+    if window is not None:
+        assert bottom_right_diagonal is True, "our windows are aligned to the bottom-right corner"
+    if not window_backend(attn_mask_type, window_size, max_seqlen_q, max_seqlen_kv, "thd" if thd else "sbhd",
+                          TE["version"], CUDNN["version"], _capability()):
+        raise RuntimeError("Invalid combination of data type and sequence length for fused attention (no backend for "
+                           f"{attn_mask_type} with window {window_size}, max_seqlen_q {max_seqlen_q}, max_seqlen_kv "
+                           f"{max_seqlen_kv} on TE {TE['version']} with cuDNN {CUDNN['version']})")
+    return causal, window
+
+
+def _sbhd_rules(q, k, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv):
+    """sbhd: max_seqlen = the tensors' sequence dims, cu_seqlens their full lengths (what a padding
+    mask then applies: the stand-in models no shorter sequences on sbhd)."""
     b = q.shape[1]
     assert max_seqlen_q == q.shape[0] and cu_seqlens_q.tolist() == list(range(0, (b + 1) * q.shape[0], q.shape[0]))
-    assert max_seqlen_kv == k.shape[0]
-    return _te_window(attn_mask_type, tuple(window_size), bottom_right_diagonal, max_seqlen_q, max_seqlen_kv)
+    assert max_seqlen_kv == k.shape[0] and cu_seqlens_kv.tolist() == list(range(0, (b + 1) * k.shape[0], k.shape[0]))
 
 
-def _te_forward(q, k, v, attn_scale, attn_mask_type, window=None, return_max_logit=False):
+def _graph(direction, q, k, v, b, max_q, max_kv, scale, layout, mask, window_size, bottom_right, deterministic=False,
+           max_logit=False):
+    return record_graph(direction, b=b, h=q.shape[-2], hg=k.shape[-2], s_q=max_q, s_kv=max_kv, t_q=q.shape[0],
+                        t_kv=k.shape[0], d_qk=q.shape[-1], d_v=v.shape[-1], scale=scale, layout=layout, mask=mask,
+                        window=tuple(window_size), bottom_right=bottom_right, deterministic=deterministic,
+                        dtype=q.dtype, max_logit=max_logit, te=TE["version"], cudnn=CUDNN["version"], cap=_capability())
+
+
+def _te_forward(q, k, v, attn_scale, causal, window=None, return_max_logit=False):
     _max_logit_rule(return_max_logit)
+    if not COMPUTE["on"]:
+        b, h, sq = q.shape[1], q.shape[2], q.shape[0]
+        res = (q.new_zeros(q.shape[:-1] + v.shape[-1:]), [torch.zeros(b, h, sq, 1), torch.zeros(2, dtype=torch.int64)])
+        return res + (torch.zeros(h, dtype=q.dtype),) if return_max_logit else res
     qs, ks, vs = (_from_sbhd(x).float() for x in (q, k, v))
-    out, lse = math_forward(qs, ks, vs, attn_scale, attn_mask_type == "causal", window=window)
+    out, lse = math_forward(qs, ks, vs, attn_scale, causal, window=window)
     res = (out.permute(2, 0, 1, 3).to(q.dtype).contiguous(), [lse.unsqueeze(-1).contiguous(), torch.zeros(2, dtype=torch.int64)])
     if not return_max_logit:
         return res
-    top = row_max(qs, ks, attn_scale, attn_mask_type == "causal", window=window).amax(dim=(0, 2))
+    top = row_max(qs, ks, attn_scale, causal, window=window).amax(dim=(0, 2))
     return res + (top.to(q.dtype),)  # [h] in O's dtype, as TE returns it
 
 
-def _te_backward(q, k, v, o, d_o, aux_ctx_tensors, attn_scale, attn_mask_type, deterministic, window=None):
+def _te_backward(q, k, v, o, d_o, aux_ctx_tensors, attn_scale, causal, deterministic, window=None):
     SEEN["deterministic"] = deterministic
     stats = aux_ctx_tensors[0]
     assert stats.is_contiguous() and stats.shape == (q.shape[1], q.shape[2], q.shape[0], 1)
+    if not COMPUTE["on"]:
+        return [torch.zeros_like(x) for x in (q, k, v)]
     grads = math_backward(*(_from_sbhd(x).float() for x in (d_o, q, k, v, o)), stats.squeeze(-1), attn_scale,
-                          attn_mask_type == "causal", window=window)
+                          causal, window=window)
     return [x.permute(2, 0, 1, 3).to(q.dtype).contiguous() for x in grads]
 
 
-def _te_thd_rules(q, k, fake_dtype, attn_mask_type, window_size, dropout, backend, cu_q, cu_kv, cu_q_pad, cu_kv_pad,
-                  max_q, max_kv):
-    assert q.dtype in (torch.float16, torch.bfloat16) and fake_dtype == q.dtype, "F16 fused attention: fp16/bf16"
-    assert backend == FusedAttnBackend.F16_arbitrary_seqlen and dropout == 0.0
-    assert (attn_mask_type, tuple(window_size)) in (("padding_causal", (-1, 0)), ("padding", (-1, -1))), (attn_mask_type, window_size)
+def _te_thd_rules(q, k, cu_q, cu_kv, cu_q_pad, cu_kv_pad, max_q, max_kv):
     assert q.dim() == 3 and k.dim() == 3 and q.is_contiguous() and k.is_contiguous(), "thd: contiguous [t, h, d]"
     assert CUDNN["version"] >= (9, 6, 0) or q.shape[1] == k.shape[1], "no fused backend: thd below cuDNN 9.6 needs h == h_kv"
     for cu, pad, x, m in ((cu_q, cu_q_pad, q, max_q), (cu_kv, cu_kv_pad, k, max_kv)):
@@ -209,17 +227,20 @@ def _te_thd_segments(cu_q, cu_kv, pad_q, pad_kv):
     return [((a, a + x), (c, c + y)) for a, x, c, y in zip(pad_q[:-1].tolist(), lq, pad_kv[:-1].tolist(), lk)]
 
 
-def _te_thd_forward(q, k, v, attn_scale, attn_mask_type, cu_q, cu_kv, pad_q, pad_kv, max_q, return_max_logit=False):
+def _te_thd_forward(q, k, v, attn_scale, causal, cu_q, cu_kv, pad_q, pad_kv, max_q, return_max_logit=False,
+                    window=None):
+    """Per sequence: causal top-left (``padding_causal``), the window bottom-right aligned to the
+    sequence's own lengths (``bottom_right_diagonal`` with a padding mask)."""
     _max_logit_rule(return_max_logit)
-    out = torch.zeros(q.shape, dtype=torch.float32)
+    out = torch.zeros(q.shape[:-1] + v.shape[-1:], dtype=torch.float32)
     lse = torch.zeros(q.shape[0], q.shape[1])
     top = torch.full((q.shape[0], q.shape[1]), float("-inf"))
-    for (a, b), (c, d) in _te_thd_segments(cu_q, cu_kv, pad_q, pad_kv):
+    for (a, b), (c, d) in _te_thd_segments(cu_q, cu_kv, pad_q, pad_kv) if COMPUTE["on"] else ():
         if b > a:
             qs, ks, vs = (x.transpose(0, 1).unsqueeze(0).float() for x in (q[a:b], k[c:d], v[c:d]))
-            o, l = math_forward(qs, ks, vs, attn_scale, attn_mask_type == "padding_causal")
+            o, l = math_forward(qs, ks, vs, attn_scale, causal, window=window)
             out[a:b], lse[a:b] = o[0].transpose(0, 1), l[0].T
-            top[a:b] = row_max(qs, ks, attn_scale, attn_mask_type == "padding_causal")[0].T
+            top[a:b] = row_max(qs, ks, attn_scale, causal, window=window)[0].T
     t, h = q.shape[0], q.shape[1]
     if _ragged_stats():  # [max_tokens(t), h, 1] through TE 2.10 (rows past t never written), [t, h, 1] after
         rows = get_max_tokens(t) if TE["version"] < (2, 11) else t
@@ -242,8 +263,8 @@ def _te_thd_forward(q, k, v, attn_scale, attn_mask_type, cu_q, cu_kv, pad_q, pad
     return res + (reduced.to(q.dtype),)
 
 
-def _te_thd_backward(q, k, v, o, d_o, aux_ctx_tensors, attn_scale, attn_mask_type, deterministic, cu_q, cu_kv, pad_q,
-                     pad_kv, max_q):
+def _te_thd_backward(q, k, v, o, d_o, aux_ctx_tensors, attn_scale, causal, deterministic, cu_q, cu_kv, pad_q,
+                     pad_kv, max_q, window=None):
     SEEN["deterministic"] = deterministic
     stats = aux_ctx_tensors[0]
     segments = _te_thd_segments(cu_q, cu_kv, pad_q, pad_kv)
@@ -253,14 +274,45 @@ def _te_thd_backward(q, k, v, o, d_o, aux_ctx_tensors, attn_scale, attn_mask_typ
     else:  # dense: [b, h, max_seqlen, 1]
         assert stats.is_contiguous() and stats.shape == (cu_q.numel() - 1, q.shape[1], max_q, 1), stats.shape
     grads = [torch.zeros(x.shape, dtype=q.dtype) for x in (q, k, v)]
-    for i, ((a, b), (c, d)) in enumerate(segments):
+    for i, ((a, b), (c, d)) in enumerate(segments) if COMPUTE["on"] else ():
         if b > a:
             lse = stats[a:b, :, 0].T if stats.dim() == 3 else stats[i, :, : b - a, 0]
             g = math_backward(*(x.transpose(0, 1).unsqueeze(0).float() for x in (d_o[a:b], q[a:b], k[c:d], v[c:d], o[a:b])),
-                              lse.unsqueeze(0).float(), attn_scale, attn_mask_type == "padding_causal")
+                              lse.unsqueeze(0).float(), attn_scale, causal, window=window)
             for buf, x, (lo, hi) in zip(grads, g, ((a, b), (c, d), (c, d))):
                 buf[lo:hi] = x[0].transpose(0, 1).to(q.dtype)
     return grads
+
+
+def _fwd(max_q, max_kv, cu_q, cu_kv, q, k, v, fake_dtype, backend, pad_q, pad_kv, attn_scale, dropout, layout, mask,
+         window_size, bottom_right_diagonal, return_max_logit):
+    causal, window = _te_rules(q, k, fake_dtype, layout, mask, window_size, dropout, backend, bottom_right_diagonal,
+                               max_q, max_kv)
+    if layout == "thd_thd_thd":
+        _te_thd_rules(q, k, cu_q, cu_kv, pad_q, pad_kv, max_q, max_kv)
+        _graph("fwd", q, k, v, cu_q.numel() - 1, max_q, max_kv, attn_scale, layout, mask, window_size,
+               bottom_right_diagonal, max_logit=return_max_logit)
+        return _te_thd_forward(q, k, v, attn_scale, causal, cu_q, cu_kv, pad_q, pad_kv, max_q, return_max_logit, window)
+    _sbhd_rules(q, k, cu_q, cu_kv, max_q, max_kv)
+    _graph("fwd", q, k, v, q.shape[1], max_q, max_kv, attn_scale, layout, mask, window_size, bottom_right_diagonal,
+           max_logit=return_max_logit)
+    return _te_forward(q, k, v, attn_scale, causal, window, return_max_logit)
+
+
+def _bwd(max_q, max_kv, cu_q, cu_kv, q, k, v, o, d_o, fake_dtype, aux, backend, pad_q, pad_kv, attn_scale, dropout,
+         layout, mask, window_size, bottom_right_diagonal, deterministic):
+    causal, window = _te_rules(q, k, fake_dtype, layout, mask, window_size, dropout, backend, bottom_right_diagonal,
+                               max_q, max_kv)
+    if layout == "thd_thd_thd":
+        _te_thd_rules(q, k, cu_q, cu_kv, pad_q, pad_kv, max_q, max_kv)
+        _graph("bwd", q, k, v, cu_q.numel() - 1, max_q, max_kv, attn_scale, layout, mask, window_size,
+               bottom_right_diagonal, deterministic)
+        return _te_thd_backward(q, k, v, o, d_o, aux, attn_scale, causal, deterministic, cu_q, cu_kv, pad_q, pad_kv,
+                                max_q, window)
+    _sbhd_rules(q, k, cu_q, cu_kv, max_q, max_kv)
+    _graph("bwd", q, k, v, q.shape[1], max_q, max_kv, attn_scale, layout, mask, window_size, bottom_right_diagonal,
+           deterministic)
+    return _te_backward(q, k, v, o, d_o, aux, attn_scale, causal, deterministic, window)
 
 
 def fused_attn_fwd_2_0(is_training, max_seqlen_q, max_seqlen_kv, cu_seqlens_q, cu_seqlens_kv, q, k, v, fake_dtype,
@@ -270,14 +322,9 @@ def fused_attn_fwd_2_0(is_training, max_seqlen_q, max_seqlen_kv, cu_seqlens_q, c
                        attn_mask_type="padding", softmax_type="vanilla", window_size=(-1, -1), bottom_right_diagonal=None,
                        rng_gen=None, softmax_offset=None, return_max_logit=False, cuda_graph=False):
     """TE 2.0 .. 2.14 (2.14's keyword set; the positional part is the same since 2.0)."""
-    if qkv_layout == "thd_thd_thd":
-        _te_thd_rules(q, k, fake_dtype, attn_mask_type, window_size, dropout, fused_attention_backend, cu_seqlens_q,
-                      cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded, max_seqlen_q, max_seqlen_kv)
-        return _te_thd_forward(q, k, v, attn_scale, attn_mask_type, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded,
-                               cu_seqlens_kv_padded, max_seqlen_q, return_max_logit)
-    window = _te_rules(q, k, fake_dtype, qkv_layout, attn_mask_type, window_size, dropout, fused_attention_backend,
-                       cu_seqlens_q, max_seqlen_q, max_seqlen_kv, bottom_right_diagonal)
-    return _te_forward(q, k, v, attn_scale, attn_mask_type, window, return_max_logit)
+    return _fwd(max_seqlen_q, max_seqlen_kv, cu_seqlens_q, cu_seqlens_kv, q, k, v, fake_dtype, fused_attention_backend,
+                cu_seqlens_q_padded, cu_seqlens_kv_padded, attn_scale, dropout, qkv_layout, attn_mask_type, window_size,
+                bottom_right_diagonal, return_max_logit)
 
 
 def fused_attn_bwd_2_0(max_seqlen_q, max_seqlen_kv, cu_seqlens_q, cu_seqlens_kv, q, k, v, o, d_o, fake_dtype,
@@ -288,14 +335,9 @@ def fused_attn_bwd_2_0(max_seqlen_q, max_seqlen_kv, cu_seqlens_q, cu_seqlens_kv,
                        deterministic=False, cuda_graph=False):
     """TE 2.0 .. 2.14: ``dqkv_dtype`` (a TE dtype) positionally between fake_dtype and aux_ctx_tensors."""
     assert dqkv_dtype == TE_DTYPE[q.dtype], f"dqkv_dtype must be TE_DType[{q.dtype}], got {dqkv_dtype!r}"
-    if qkv_layout == "thd_thd_thd":
-        _te_thd_rules(q, k, fake_dtype, attn_mask_type, window_size, dropout, fused_attention_backend, cu_seqlens_q,
-                      cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded, max_seqlen_q, max_seqlen_kv)
-        return _te_thd_backward(q, k, v, o, d_o, aux_ctx_tensors, attn_scale, attn_mask_type, deterministic,
-                                cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded, max_seqlen_q)
-    window = _te_rules(q, k, fake_dtype, qkv_layout, attn_mask_type, window_size, dropout, fused_attention_backend,
-                       cu_seqlens_q, max_seqlen_q, max_seqlen_kv, bottom_right_diagonal)
-    return _te_backward(q, k, v, o, d_o, aux_ctx_tensors, attn_scale, attn_mask_type, deterministic, window)
+    return _bwd(max_seqlen_q, max_seqlen_kv, cu_seqlens_q, cu_seqlens_kv, q, k, v, o, d_o, fake_dtype, aux_ctx_tensors,
+                fused_attention_backend, cu_seqlens_q_padded, cu_seqlens_kv_padded, attn_scale, dropout, qkv_layout,
+                attn_mask_type, window_size, bottom_right_diagonal, deterministic)
 
 
 def fused_attn_fwd_2_15(is_training, max_seqlen_q, max_seqlen_kv, cu_seqlens_q, cu_seqlens_kv, q, k, v, fake_dtype,
@@ -305,16 +347,11 @@ def fused_attn_fwd_2_15(is_training, max_seqlen_q, max_seqlen_kv, cu_seqlens_q, 
                         attn_bias_type="no_bias", attn_mask_type="padding", softmax_type="vanilla", window_size=(-1, -1),
                         bottom_right_diagonal=None, rng_gen=None, softmax_offset=None, return_max_logit=False,
                         cuda_graph=False):
-    if qkv_layout == "thd_thd_thd":
-        assert o_format == "thd"
-        _te_thd_rules(q, k, fake_dtype, attn_mask_type, window_size, dropout, fused_attention_backend, cu_seqlens_q,
-                      cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded, max_seqlen_q, max_seqlen_kv)
-        return _te_thd_forward(q, k, v, attn_scale, attn_mask_type, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded,
-                               cu_seqlens_kv_padded, max_seqlen_q, return_max_logit)
-    assert o_format == "sbhd"
-    window = _te_rules(q, k, fake_dtype, qkv_layout, attn_mask_type, window_size, dropout, fused_attention_backend,
-                       cu_seqlens_q, max_seqlen_q, max_seqlen_kv, bottom_right_diagonal)
-    return _te_forward(q, k, v, attn_scale, attn_mask_type, window, return_max_logit)
+    """TE 2.15+: ``o_format``."""
+    assert o_format == qkv_layout.split("_")[0], (o_format, qkv_layout)
+    return _fwd(max_seqlen_q, max_seqlen_kv, cu_seqlens_q, cu_seqlens_kv, q, k, v, fake_dtype, fused_attention_backend,
+                cu_seqlens_q_padded, cu_seqlens_kv_padded, attn_scale, dropout, qkv_layout, attn_mask_type, window_size,
+                bottom_right_diagonal, return_max_logit)
 
 
 def fused_attn_bwd_2_15(max_seqlen_q, max_seqlen_kv, cu_seqlens_q, cu_seqlens_kv, q, k, v, o, d_o, fake_dtype,
@@ -325,16 +362,11 @@ def fused_attn_bwd_2_15(max_seqlen_q, max_seqlen_kv, cu_seqlens_q, cu_seqlens_kv
                         attn_bias_type="no_bias", attn_mask_type="padding", softmax_type="vanilla",
                         window_size=(-1, -1), bottom_right_diagonal=None, deterministic=False, cuda_graph=False):
     """TE 2.15+: no dqkv_dtype; o_format / do_format / dqkv_layout."""
-    if qkv_layout == "thd_thd_thd":
-        assert dqkv_layout == "thd_thd_thd" and do_format == o_format == "thd"
-        _te_thd_rules(q, k, fake_dtype, attn_mask_type, window_size, dropout, fused_attention_backend, cu_seqlens_q,
-                      cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded, max_seqlen_q, max_seqlen_kv)
-        return _te_thd_backward(q, k, v, o, d_o, aux_ctx_tensors, attn_scale, attn_mask_type, deterministic,
-                                cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded, max_seqlen_q)
-    assert dqkv_layout == "sbhd_sbhd_sbhd" and do_format == o_format == "sbhd"
-    window = _te_rules(q, k, fake_dtype, qkv_layout, attn_mask_type, window_size, dropout, fused_attention_backend,
-                       cu_seqlens_q, max_seqlen_q, max_seqlen_kv, bottom_right_diagonal)
-    return _te_backward(q, k, v, o, d_o, aux_ctx_tensors, attn_scale, attn_mask_type, deterministic, window)
+    fmt = qkv_layout.split("_")[0]
+    assert dqkv_layout == qkv_layout and do_format == o_format == fmt, (qkv_layout, o_format, do_format, dqkv_layout)
+    return _bwd(max_seqlen_q, max_seqlen_kv, cu_seqlens_q, cu_seqlens_kv, q, k, v, o, d_o, fake_dtype, aux_ctx_tensors,
+                fused_attention_backend, cu_seqlens_q_padded, cu_seqlens_kv_padded, attn_scale, dropout, qkv_layout,
+                attn_mask_type, window_size, bottom_right_diagonal, deterministic)
 
 
 @dataclasses.dataclass
@@ -370,7 +402,9 @@ def get_attention_backend(params: AttentionParams):
     sm120 TE >= 2.14 with cuDNN >= 9.18.1; a deterministic training backward needs sm90+, and cuDNN
     >= 9.18.1 on sm100+, none on sm120, and ``core_attention_bias_requires_grad`` False (TE's
     determinism filter reads it whatever the bias type); on sm100+ training above 128 only q/k 192 with
-    v 128 (MLA, cuDNN >= 9.11). Returns the 2.2+ 6-tuple."""
+    v 128 (MLA, cuDNN >= 9.11); the sliding-window clause per TE and cuDNN version
+    (``fake_te_backend.window_backend``: no padding masks with cuDNN 9.2-9.5, two-sided ``no_mask``
+    windows only from TE 2.16). Returns the 2.2+ 6-tuple."""
     cap, cudnn, d = tuple(torch.cuda.get_device_capability()), CUDNN["version"], params.head_dim_qk
     ok = params.qkv_dtype in (torch.float16, torch.bfloat16) and cap >= (8, 0) and d % 8 == 0
     ok = ok and (d <= 128 or (d <= 256 and (not params.is_training or (cap == (9, 0) and cudnn >= (9, 5, 0))))
@@ -379,9 +413,10 @@ def get_attention_backend(params: AttentionParams):
     if params.qkv_layout == "thd_thd_thd":  # fused_attn.cpp's qkv-format rule; utils.py's sm120 filter
         ok = ok and cap >= (9, 0) and (cudnn >= (9, 6, 0) or (cudnn >= (9, 1, 0) and params.num_heads == params.num_gqa_groups))
         ok = ok and (cap != (12, 0) or (TE["version"] >= (2, 14) and cudnn >= (9, 18, 1)))
-    window = tuple(params.window_size or (-1, -1))
-    if window[0] != -1 or window[1] not in (-1, 0):  # sliding window: s_q <= s_kv, bottom-right from cuDNN 9.6
-        ok = ok and params.max_seqlen_q <= params.max_seqlen_kv and cudnn >= (9, 6, 0)
+    mask = params.attn_mask_type
+    window = tuple(params.window_size or ((-1, 0) if "causal" in mask else (-1, -1)))  # check_set_window_size
+    ok = ok and window_backend(mask, window, params.max_seqlen_q, params.max_seqlen_kv,
+                               "thd" if params.qkv_layout == "thd_thd_thd" else "sbhd", TE["version"], cudnn, cap)
     if params.deterministic and params.is_training:
         ok = ok and cap >= (9, 0) and cap != (12, 0) and (cap < (10, 0) or cudnn >= (9, 18, 1))
         ok = ok and not params.core_attention_bias_requires_grad

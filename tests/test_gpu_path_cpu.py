@@ -49,7 +49,8 @@ def test_gpu_check_script_smoke_on_cpu(tmp_path):
     output directory. The executor sections ((e)-(g)) pass on CPU: the stream stand-in (copies
     deferred to the first wait) is bitwise equal to the same-stream run on slab plans for 2x2, 4x4
     and 8x2; warm a2a+mesh calls are bitwise equal with every pool at peak_live_bytes; the n = 16
-    run reports its host cost per kernel call."""
+    run reports its host cost per kernel call; (h) runs the torch kernel over calls of changing shapes
+    and mesh attention over batches of new documents."""
     import json
 
     env = dict(os.environ, PYTHON=sys.executable, OUT=str(tmp_path))
@@ -58,7 +59,8 @@ def test_gpu_check_script_smoke_on_cpu(tmp_path):
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-2000:]
     text = (tmp_path / "gpu_results.md").read_text()
     for section in ("(a) Block kernels", "(b) Mesh attention on virtual ranks", "(d) Block-time sweep", "(c) One rank's block work",
-                    "(e) NCCL-like streams", "(f) Warm-call hygiene", "(g) n = 16 at 64K tokens"):
+                    "(e) NCCL-like streams", "(f) Warm-call hygiene", "(g) n = 16 at 64K tokens",
+                    "(h) Calls of changing shapes"):
         assert section in text
     assert "FAIL" not in text and "ERROR" not in text
     kernels = text.split("## (b)")[0]
@@ -76,6 +78,9 @@ def test_gpu_check_script_smoke_on_cpu(tmp_path):
     assert warm["host_syncs"] is None and "CPU: no sync debug mode" in warm["notes"]
     (host,) = raw["g"]["data"]
     assert host["n"] == 16 and host["kernel_calls"] > 0 and host["host_us_per_call"] > 0 and host["mono_ms"] > 0
+    shapes, docs = raw["h"]["data"]  # CPU: the torch kernel's shapes, then documents over changing batches
+    assert shapes["backend"] == "torch" and shapes["calls"] == 24 and shapes["memory_growth_mib"] is None
+    assert docs["part"] == "documents" and docs["calls"] == 4 and all(r["result"] == "ok" for r in (shapes, docs))
 
 
 def test_attention_benchmark_on_gloo(tmp_path):
@@ -123,3 +128,42 @@ def test_attention_benchmark_generates_only_this_ranks_share():
     huge = SimpleNamespace(seq=2**34, batch=1, heads=1, kv_heads=1, head_dim=1)
     q, k, v, do = bench._inputs(huge, 2**24, 5, cpu, torch.float32)
     assert q.shape == (1024, 1, 1, 1) and q.requires_grad and not do.requires_grad
+
+
+def test_flash_gradient_buffers_stay_bounded_over_batches_of_changing_documents(monkeypatch):
+    """The flash kernel writes dq/dk/dv into buffers it keeps per block shape. With documents the
+    sub-blocks' shapes change every batch (and differ per rank): 12 batches of new documents give
+    far more than ``GRAD_SHAPES`` distinct backward shapes, and the kernel keeps at most that many
+    (a cache that never evicts grows until a rank runs out of GPU memory); results stay exact."""
+    import fake_kernels
+    from megatron_mesh_cp.reference import relative_errors, variant_reference
+    from megatron_mesh_cp.runtime import kernels as K
+    from megatron_mesh_cp.runtime.kernels import flash
+
+    monkeypatch.setattr(K, "_INSTANCES", {})
+    fake_kernels.pretend_cuda(monkeypatch, te=None, flash="2.8")
+    kern = K.get_kernel("flash", "cuda")
+    monkeypatch.setattr(type(kern), "check", lambda self, q, k, v=None: None)  # CPU tensors stand in for CUDA ones
+    monkeypatch.setattr(type(kern), "check_varlen", lambda self, q, k=None, v=None: None)
+    seen, backward = set(), kern.backward
+
+    def counting(dout, q, k, v, *args, **kw):
+        seen.add((tuple(q.shape), tuple(k.shape)))
+        return backward(dout, q, k, v, *args, **kw)
+
+    monkeypatch.setattr(kern, "backward", counting)
+    g = torch.Generator().manual_seed(0)
+    t = 128
+    for batch in range(12):
+        inner = sorted(torch.randperm(t - 1, generator=g)[:3].add(1).tolist())
+        cu = [0] + inner + [t]
+        q, k, v, do = (torch.randn(t, x, 16, generator=g, dtype=torch.float64) for x in (4, 2, 2, 4))
+        res = virtual_mesh_attention(*(x.half()[None] for x in (q, k, v)), (1, 4), dout=do.half()[None], causal=True,
+                                     cu_seqlens=torch.tensor(cu, dtype=torch.int32), kernel=kern)
+        assert len(kern._grads) <= flash.GRAD_SHAPES, (batch, len(kern._grads))
+        if batch == 0:
+            ref = variant_reference(q, k, v, do, cu, causal=True)
+            got = {name: res[name][0] for name in ("out", "lse", "dq", "dk", "dv")}
+            ref.pop("max_logit")
+            assert all(err < 5e-3 for err in relative_errors(got, ref).values())
+    assert len(seen) > 2 * flash.GRAD_SHAPES, len(seen)  # the bound is what kept the cache small

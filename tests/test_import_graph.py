@@ -163,8 +163,14 @@ def test_public_import_check_flags_an_internal_import(tmp_path):
     assert len(found) == 2 and "runtime.execute" in found[0] and "not_exported" in found[1], found
 
 
+#: diagnostics that count or patch the runtime's internals (graph keys, per-shape caches): they read
+#: what no public name exposes, by design
+INSTRUMENTS = {"bench_graph_keys.py", "gpu_check_documents.py"}
+
+
 def test_megatron_and_scripts_use_the_public_namespaces():
     """megatron/ and scripts/ reach the runtime and planning layers through what they export."""
-    paths = sorted((PKG / "megatron").glob("*.py")) + sorted((PKG.parent / "scripts").rglob("*.py"))
+    scripts = [p for p in sorted((PKG.parent / "scripts").rglob("*.py")) if p.name not in INSTRUMENTS]
+    paths = sorted((PKG / "megatron").glob("*.py")) + scripts
     bad = internal_imports(paths)
     assert not bad, "imports past the public namespaces:\n" + "\n".join(bad)

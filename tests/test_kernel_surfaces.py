@@ -184,8 +184,8 @@ def test_megatron_start_up_checks_the_kernel_for_the_model(monkeypatch):
     # docs/DESIGN.md section 6, defect 7: --mesh-packed-data needs a backend for packed (THD) blocks; on sm80 TE has
     # none and auto falls to the torch kernel, whose CUDA path has no varlen
     packed = dict(kv_channels=128, mesh_packed_data=True, tensor_model_parallel_size=1, calculate_per_token_loss=True)
-    with pytest.raises(MeshArgumentError, match=r"--mesh-kernel auto: .*torch: the torch attention kernel runs packed "
-                                                r"sequences \(THD\) on CPU only"):
+    with pytest.raises(MeshArgumentError, match=r"--mesh-kernel auto: .*torch: the torch attention kernel runs document "
+                                                r"\(varlen\) calls -- packed THD or cu_seqlens -- on CPU only"):
         apply_mesh_args(args(mesh_kernel="auto", **packed), argv=[])
 
 
@@ -227,12 +227,13 @@ def test_flash_varlen_needs_a_build_with_varlen_entry_points(monkeypatch):
 
 
 @pytest.mark.parametrize("te", ["2.0", "2.10", "2.11", "2.15"])
-@pytest.mark.parametrize("cudnn", [(9, 10, 0), (9, 5, 0)], ids=["stats-ragged", "stats-bhs1"])
+@pytest.mark.parametrize("cudnn", [(9, 10, 0), (9, 1, 1)], ids=["stats-ragged", "stats-bhs1"])
 def test_te_thd_through_the_executor(monkeypatch, te, cudnn):
     """TE's thd_thd_thd with padding_causal / padding; softmax stats ragged from cuDNN 9.6 on --
     [max_tokens(t), h, 1] through TE 2.10 (docs/DESIGN.md section 6, defect 1: at least 1024 rows, the ones past t
-    unwritten), [t, h, 1] from 2.11 -- and [b, h, max_seqlen, 1] before; all converted to and from ours.
-    Below cuDNN 9.6 TE's thd needs as many kv heads as heads."""
+    unwritten), [t, h, 1] from 2.11 -- and [b, h, max_seqlen, 1] before (cuDNN 9.1: 9.2-9.5 have no
+    padding-mask backend); all converted to and from ours. Below cuDNN 9.6 TE's thd needs as many kv
+    heads as heads."""
     fake_kernels.pretend_cuda(monkeypatch, te=te, flash=None)
     monkeypatch.setitem(fake_kernels.CUDNN, "version", cudnn)
     _packed_through_executor(monkeypatch, "te", (2, 2), (4, 2) if cudnn >= (9, 6, 0) else (4, 4))
@@ -257,9 +258,15 @@ def test_te_thd_on_sm120_uses_the_dense_stats_layout(monkeypatch, te):
 
 def test_te_thd_below_cudnn_9_6_needs_as_many_kv_heads_as_heads(monkeypatch):
     """Defect 4: ``nvte_get_fused_attn_backend`` takes thd only with cuDNN >= 9.6 or (>= 9.1 and
-    heads == kv heads), on sm90+; the varlen check asks TE with the real kv heads."""
+    heads == kv heads), on sm90+; the varlen check asks TE with the real kv heads. With cuDNN 9.2-9.5
+    TE's sliding-window clause has no padding mask at all (fused_attn.cpp@v2.15 L445-L479): refused."""
     fake_kernels.pretend_cuda(monkeypatch, te="2.15", flash=None)
     monkeypatch.setitem(fake_kernels.CUDNN, "version", (9, 5, 0))
+    q = K.input_spec((64, 1, 4, 16), torch.float16, "cuda")
+    with pytest.raises(ValueError, match=r"packed sequences .*no padding-mask backend with cuDNN 9\.2-9\.5"):
+        K.select_kernel("te", q, q, packed=True)
+    monkeypatch.setattr(K, "_INSTANCES", {})
+    monkeypatch.setitem(fake_kernels.CUDNN, "version", (9, 1, 1))
     q, k = K.input_spec((64, 1, 4, 16), torch.float16, "cuda"), K.input_spec((64, 1, 2, 16), torch.float16, "cuda")
     with pytest.raises(ValueError, match=r"packed sequences .*4 heads \(2 kv\).*as many heads as kv heads below cuDNN 9\.6"):
         K.select_kernel("te", q, k, packed=True)
@@ -312,7 +319,7 @@ def test_auto_kernel_for_packed_inputs_on_gpu(monkeypatch):
     """auto skips backends that cannot run varlen: the torch kernel's CUDA path has none."""
     fake_kernels.pretend_cuda(monkeypatch, te=None, flash=None)
     q = K.input_spec((8, 1, 2, 16), torch.float16, "cuda")
-    with pytest.raises(ValueError, match="torch: the torch attention kernel runs packed sequences \\(THD\\) on CPU only"):
+    with pytest.raises(ValueError, match="torch: the torch attention kernel runs document \\(varlen\\) calls -- packed THD or cu_seqlens -- on CPU only"):
         K.select_kernel("auto", q, q, packed=True)
     monkeypatch.setattr(K, "_AUTO", {})
     fake_kernels.pretend_cuda(monkeypatch, te="2.15", flash=None)
@@ -321,21 +328,27 @@ def test_auto_kernel_for_packed_inputs_on_gpu(monkeypatch):
 
 # --- sliding windows through the TE adapter ------------------------------------------------------
 
-def _te_window_kernel(monkeypatch):
-    fake_kernels.pretend_cuda(monkeypatch, te="2.15", flash=None)
+def _te_window_kernel(monkeypatch, te="2.15", capability=(9, 0)):
+    fake_kernels.pretend_cuda(monkeypatch, capability=capability, te=te, flash=None)
     kern = K.get_kernel("te", "cuda")
     monkeypatch.setattr(type(kern), "check", lambda self, q, k, v=None: None)  # CPU tensors stand in for CUDA ones
     monkeypatch.setattr(type(kern), "check_varlen", lambda self, q, k=None, v=None: None)
     return kern
 
 
+@pytest.mark.parametrize("te,capability", [("2.15", (8, 0)), ("2.16", (8, 0)), ("2.15", (9, 0))],
+                         ids=["sbhd-padding", "sbhd-no-mask", "thd"])
 @pytest.mark.parametrize("causal,window", [(True, (7, 0)), (False, (4, 4)), (False, (2, 9))])
-def test_te_windows_without_documents_through_the_executor(monkeypatch, causal, window):
+def test_te_windows_without_documents_through_the_executor(monkeypatch, causal, window, te, capability):
     """Review finding 1: TE's window path (bottom-right aligned band, ``bottom_right_diagonal``) runs
-    exactly on CPU through the TE stand-in; without documents every windowed call is square."""
+    exactly on CPU through the TE stand-in; without documents every windowed call is square. The
+    stand-in has TE's sliding-window clause per version: TE 2.12-2.15 run a two-sided window only with
+    a padding (or bottom-right) mask, so there the sbhd rectangles run as ``padding`` with full
+    lengths (on sm80: no THD), from 2.16 as ``no_mask``; on sm90 batch-1 calls run as THD of one
+    sequence (padding masks)."""
     from megatron_mesh_cp.reference import relative_errors, variant_reference
 
-    kern = _te_window_kernel(monkeypatch)
+    kern = _te_window_kernel(monkeypatch, te, capability)
     g = torch.Generator().manual_seed(3)
     q, k, v, do = (torch.randn(64, x, 16, generator=g, dtype=torch.float64) for x in (4, 2, 2, 4))
     ref = variant_reference(q, k, v, do, causal=causal, window=window)
@@ -348,12 +361,41 @@ def test_te_windows_without_documents_through_the_executor(monkeypatch, causal, 
             assert err < 5e-3, (shape, name, err)
 
 
+@pytest.mark.parametrize("te", ["2.12", "2.15", "2.16", "2.18"])
+def test_te_two_sided_windows_need_a_padding_mask_before_2_16(monkeypatch, te):
+    """TE 2.12-2.15 (fused_attn.cpp@v2.15 L463-L479) find no backend for a two-sided window with
+    ``no_mask``; 2.16 adds it (@v2.16 L439). The stand-in refuses what the real TE refuses, the
+    selection says the same, and the te kernel accepts windows on both (padding before 2.16):
+    earlier it refused every window on 2.12-2.15 as needing a newer cuDNN."""
+    fake_kernels.pretend_cuda(monkeypatch, capability=(8, 0), te=te, flash=None)
+    x = torch.randn(16, 2, 2, 16, dtype=torch.float16)
+    cu = torch.arange(0, 3 * 16, 16, dtype=torch.int32)
+    fwd = sys.modules["transformer_engine.pytorch.cpp_extensions.fused_attn"].fused_attn_fwd
+    call = dict(attn_scale=0.25, qkv_layout="sbhd_sbhd_sbhd", window_size=(4, 4), bottom_right_diagonal=True)
+    version = tuple(int(x) for x in te.split("."))
+    call.update({"o_format": "sbhd"} if version >= (2, 15) else {})
+    backend = fake_kernels.FusedAttnBackend.F16_arbitrary_seqlen
+    fwd(True, 16, 16, cu, cu, x, x, x, x.dtype, backend, attn_mask_type="padding", **call)
+    params = dict(qkv_layout="sbhd_sbhd_sbhd", window_size=(4, 4), core_attention_bias_requires_grad=False)
+    if version < (2, 16):
+        with pytest.raises(RuntimeError, match=r"no backend for no_mask with window \(4, 4\)"):
+            fwd(True, 16, 16, cu, cu, x, x, x, x.dtype, backend, attn_mask_type="no_mask", **call)
+        selected = fake_kernels.get_attention_backend(fake_kernels.AttentionParams(attn_mask_type="no_mask", **params))
+        assert not selected[2]
+    else:
+        fwd(True, 16, 16, cu, cu, x, x, x, x.dtype, backend, attn_mask_type="no_mask", **call)
+    assert fake_kernels.get_attention_backend(fake_kernels.AttentionParams(attn_mask_type="padding", **params))[2]
+    K.get_kernel("te", "cuda").check_window(K.input_spec((64, 1, 4, 16), torch.float16, "cuda"))
+    assert K.get_kernel("te", "cuda")._window_mask() == ("padding" if version < (2, 16) else "no_mask")
+
+
 def test_te_stand_in_refuses_tall_windowed_calls(monkeypatch):
     """The stand-in is as strict as TE: a windowed call with more query rows than keys has no fused
     backend (``max_seqlen_q <= max_seqlen_kv``); square and wide ones run."""
     kern = _te_window_kernel(monkeypatch)
     x = torch.randn(30, 1, 2, 16, dtype=torch.float16)
-    with pytest.raises(RuntimeError, match="sliding window"):
+    with pytest.raises(RuntimeError, match=r"no backend for padding with window \(0, -1\), max_seqlen_q 30, "
+                                           "max_seqlen_kv 4"):
         kern.forward(x, x[:4], x[:4], causal=False, scale=0.25, window=(0, -1))
     kern.forward(x[:4], x, x, causal=False, scale=0.25, window=(3, -1))
     kern.forward(x, x, x, causal=True, scale=0.25, window=(3, 0))
@@ -385,8 +427,9 @@ def test_megatron_start_up_refuses_te_for_a_window_over_documents(monkeypatch):
     common = dict(kv_channels=128, window_size=(128, 0), create_attention_mask_in_dataloader=False)
     apply_mesh_args(_megatron_args(**common), argv=[])  # a window without documents: TE >= 2.12 runs it
     for kernel in ("te", "auto"):
-        with pytest.raises(MeshArgumentError, match=f"--mesh-kernel {kernel}: the te kernel cannot run a sliding window "
-                                                    "over documents.*drop the window or the document mask"):
+        lead = "no attention kernel can run these inputs: te: " if kernel == "auto" else ""
+        with pytest.raises(MeshArgumentError, match=f"--mesh-kernel {kernel}: {lead}the te kernel cannot run a sliding "
+                                                    "window over documents.*drop the window or the document mask"):
             apply_mesh_args(_megatron_args(mesh_kernel=kernel, reset_attention_mask=True, **common), argv=[])
 
 
@@ -399,7 +442,7 @@ def test_megatron_start_up_refuses_te_for_a_window_over_documents(monkeypatch):
     ("2.15", (9, 21, 0), False, None),
     ("2.10", (9, 10, 0), True, r"2\.10 reduces the max logit of packed .*never wrote; upgrade TE to 2\.11\+"),
     ("2.11", (9, 10, 0), True, None),
-    ("2.13", (9, 5, 0), True, r"2\.13 reduces the max logit of packed .*padding rows; upgrade TE to 2\.14\+"),
+    ("2.13", (9, 1, 1), True, r"2\.13 reduces the max logit of packed .*padding rows; upgrade TE to 2\.14\+"),
     ("2.13", (9, 5, 0), False, None),
     ("2.18", (9, 21, 0), True, None),
 ])

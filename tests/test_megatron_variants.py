@@ -185,28 +185,38 @@ def test_start_up_kernel_check_covers_mla_windows_and_the_max_logit(monkeypatch)
 
     from test_megatron_integration import _flat
 
-    from megatron_mesh_cp.runtime import kernels
+    import megatron_mesh_cp.runtime as runtime
 
     seen = {}
 
-    class NoWindow:
-        def check_window(self, q, k=None, v=None, documents=False):
+    def select(kernel, needs):
+        seen["dims"] = (needs.q.shape[-1], needs.k.shape[-1], needs.v.shape[-1])
+        seen["max_logit"] = needs.max_logit
+        if needs.window:
             raise ValueError("no sliding window here; use --mesh-kernel torch")
-
-        def check_max_logit(self, q, packed=False):
-            seen["max_logit"] = True
-
-    def select(kernel, q, k, deterministic=False, packed=False, v=None):
-        seen["dims"] = (q.shape[-1], k.shape[-1], v.shape[-1])
-        return NoWindow()
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "device", lambda dev: contextlib.nullcontext())
-    monkeypatch.setattr(kernels, "select_kernel", select)
+    monkeypatch.setattr(runtime, "select_kernel", select)
     mla = dict(context_parallel_size=4, context_parallel_algo="mesh", mesh_shape="2x2", multi_latent_attention=True,
                qk_head_dim=128, qk_pos_emb_head_dim=64, v_head_dim=128, qk_clip=True)
     apply_mesh_args(_flat(**mla), argv=[])
     assert seen == {"dims": (192, 192, 128), "max_logit": True}
     with pytest.raises(MeshArgumentError, match="--mesh-kernel auto: no sliding window here"):
         apply_mesh_args(_flat(**mla, window_size=(128, 0)), argv=[])
+
+
+def test_max_logit_with_padded_packed_data_is_refused_at_start_up():
+    """--qk-clip / --log-max-attention-logit with --mesh-packed-data under mesh CP: the launcher pads
+    every document, and padding rows would enter the max logit; refused before any process group,
+    naming --reset-attention-mask (unpadded documents: exact)."""
+    from test_megatron_integration import _flat
+
+    packed = dict(context_parallel_size=4, context_parallel_algo="mesh", mesh_shape="2x2", mesh_packed_data=True,
+                  calculate_per_token_loss=True, seq_length=1024)
+    apply_mesh_args(_flat(**packed), argv=[])
+    for flag in ("qk_clip", "log_max_attention_logit"):
+        with pytest.raises(MeshArgumentError, match=r"--qk-clip / --log-max-attention-logit with --mesh-packed-data.*"
+                                                    r"--reset-attention-mask --no-create-attention-mask-in-dataloader"):
+            apply_mesh_args(_flat(**packed, **{flag: True}), argv=[])

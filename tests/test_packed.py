@@ -111,3 +111,29 @@ def test_packed_exact_against_float64_every_factorisation(shape):
                 assert err <= 1e-5, (shape, heads, kv_heads, cu, real, name, err)
             pad = ~finite.any(0)
             assert pad.any() and not res["out"][pad].any() and not res["dq"][pad].any()
+
+
+def test_max_logit_of_padded_documents_is_refused_and_exact_without_padding():
+    """Every kernel computes padding rows like real ones and reduces the max logit per call before
+    mesh attention zeroes them: with padding rows whose logits exceed the real ones the max logit
+    came back from the padding (9256 against 3.7 on a 2x2 mesh). Padded documents are refused,
+    naming the unpadded path; packed documents without padding give the exact max."""
+    from megatron_mesh_cp.reference import variant_reference
+
+    m = 8
+    cu, real = [0, m, 4 * m, 6 * m, 7 * m], [0, m, 4 * m - 3, 6 * m - 5, 6 * m - 5]
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(cu[-1], x, 16, generator=g, dtype=torch.float64) for x in (4, 2, 2))
+    pad = torch.zeros(cu[-1], dtype=torch.bool)
+    for i in range(4):
+        pad[cu[i] + real[i + 1] - real[i]:cu[i + 1]] = True
+    q[pad] *= 50
+    k[pad] *= 50
+    kw = dict(layout="thd", kernel="torch", return_max_logit=True,
+              cu_seqlens_padded=torch.tensor(cu, dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"return_max_logit with padded packed documents .*padding rows.*"
+                                         r"--reset-attention-mask instead of --mesh-packed-data"):
+        virtual_mesh_attention(q, k, v, (2, 2), cu_seqlens=torch.tensor(real, dtype=torch.int32), **kw)
+    res = virtual_mesh_attention(q, k, v, (2, 2), cu_seqlens=torch.tensor(cu, dtype=torch.int32), **kw)
+    ref = variant_reference(q, k, v, None, cu, causal=True)["max_logit"]
+    assert torch.allclose(res["max_logit"].double(), ref, rtol=1e-6), (res["max_logit"], ref)

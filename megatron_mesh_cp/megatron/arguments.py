@@ -353,6 +353,12 @@ def _apply_cp_algo(args, argv: Optional[Sequence[str]] = None, opts: Optional[di
 
 def _refuse_incompatible_features(args) -> None:
     """Megatron features that cannot run with mesh CP, refused at start-up with the reason."""
+    from .precision import check_fp8_attention
+
+    try:  # TE's FP8 attention (--fp8-format alone is fine: FP8 GEMMs, attention in bf16; precision.py)
+        check_fp8_attention(lambda name, default=None: _get(args, name, default))
+    except ValueError as exc:
+        raise MeshArgumentError(str(exc)) from None
     if _get(args, "hybrid_context_parallel", False):
         raise MeshArgumentError(
             "--hybrid-context-parallel regroups CP ranks per packed sample; mesh CP needs one fixed CP group "

@@ -21,11 +21,14 @@ window-pruned and full plans on one mesh), ``softmax_type`` off-by-one / learnab
 it under CP = 1), the max logit for ``qk_clip`` / ``log_max_attention_logit``
 (``current_max_attn_logits``, as TE's wrapper keeps it) and MLA's unequal key and value head dims.
 Combinations mesh CP does not support fail at construction (or, for per-call inputs such as an
-attention bias, before any communication) with a message naming the fix.
+attention bias, before any communication) with a message naming the fix; among them TE's FP8
+attention (``fp8_dot_product_attention`` / ``fp8_multi_head_attention``): under ``--fp8-format``
+the GEMMs run in FP8 and mesh attention in bf16, which it logs once (:mod:`.precision`).
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Dict, Optional
 
@@ -43,11 +46,14 @@ from ..runtime import MeshGroups
 from ..runtime import check_window, packed_documents
 from ..runtime import PlanOptions
 from ..runtime import check_ulysses_heads
+from .precision import check_fp8_attention, precision_line
 from .settings import COUNTERS, options
 
 __all__ = ["MeshCoreAttention", "SoftmaxOffset", "mesh_groups_for", "attention_traffic", "agree_batch_documents"]
 
 _MESHES: Dict[tuple, MeshGroups] = {}
+_LOGGED = set()
+log = logging.getLogger("megatron_mesh_cp")
 _SUPPORTED_MASKS = (AttnMaskType.causal, AttnMaskType.no_mask)
 
 
@@ -177,6 +183,11 @@ class MeshCoreAttention(MegatronModule):
                 k_channels, v_channels, cp_comm_type, pg_collection,
             )
             return
+        check_fp8_attention(lambda name, default=None: getattr(config, name, default))
+        line = precision_line(lambda name, default=None: getattr(config, name, default))
+        if line and line not in _LOGGED:  # --fp8-format / --fp4-format: what runs in low precision, once
+            _LOGGED.add(line)
+            log.info(line)
         dropout = config.attention_dropout if attention_dropout is None else attention_dropout
         if dropout and dropout > 0:
             raise ValueError(

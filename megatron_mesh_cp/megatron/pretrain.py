@@ -437,6 +437,12 @@ def _print_resolved(args, gpu_gib: Optional[float]) -> None:
              + f"; seq {args.seq_length}, {args.num_layers} layers, heads {args.num_attention_heads}"
              f"/{args.num_query_groups if args.group_query_attention else args.num_attention_heads} kv")
     log.info(f"document masking: {_masking(args)}")
+    if algo in ("mesh", "a2a+mesh"):
+        from .precision import precision_line
+
+        line = precision_line(lambda name, default=None: getattr(args, name, default))
+        if line:
+            log.info(line)
     if gpu_gib is None:
         gpu_gib = torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available() else 80.0
     vocab, hint = tokenizer_vocab(args)

@@ -6,9 +6,10 @@ mesh), ``--softmax-type off-by-one|learnable``, ``--qk-clip`` / ``--log-max-atte
 max logit), ``--multi-latent-attention`` (key and value head dims may differ), and a per-layer
 ``--cp-comm-type`` list whose entries are all ``mesh`` (or all ``a2a+mesh``). Refused before any
 process group, naming the fix: a list mixing mesh with TE's algorithms (or with the other mesh
-algorithm), a window seeing keys to the right of a causal query, a window with padded THD
-documents (``--mesh-packed-data``), and at CP = 1 a window with ``--reset-attention-mask`` (Megatron's
-local attention replaces the document mask by its window mask).
+algorithm), a window seeing keys to the right of a causal query, a window or the max logit with
+padded THD documents (``--mesh-packed-data``: padding rows would enter the max logit), and at CP = 1
+a window with ``--reset-attention-mask`` (Megatron's local attention replaces the document mask by
+its window mask).
 :mod:`.arguments` calls these with its settings and raises their ``ValueError`` as its own error.
 """
 
@@ -58,15 +59,22 @@ def check_attention_variants(get: Callable, launcher: bool) -> None:
     """Refuse the attention variants a path would not honour (see the module docstring); ``get(name,
     default)`` reads a setting, ``launcher``: megatron_mesh_cp's launcher runs (its CP = 1 path is
     Megatron's local attention)."""
+    cp = int(get("context_parallel_size", 1) or 1)
+    algo = get("context_parallel_algo", None)
+    mesh = cp > 1 and algo in MESH_ALGORITHMS
+    if mesh and get("mesh_packed_data", False) and (get("qk_clip", False) or get("log_max_attention_logit", False)):
+        raise ValueError(
+            "--qk-clip / --log-max-attention-logit with --mesh-packed-data: the packed documents are padded (to "
+            "--mesh-pack-multiple), every attention kernel computes padding rows like real ones, and the max logit "
+            "would count their logits; mask the documents with --reset-attention-mask "
+            "--no-create-attention-mask-in-dataloader instead (unpadded: the max logit is exact)")
     window = get("window_size", None)
     if window is None:
         return
     from ..runtime import check_window
 
-    cp = int(get("context_parallel_size", 1) or 1)
-    algo = get("context_parallel_algo", None)
     text = ",".join(map(str, window)) if isinstance(window, (tuple, list)) else str(window)
-    if cp > 1 and algo in MESH_ALGORITHMS:
+    if mesh:
         try:
             check_window(tuple(window) if isinstance(window, (tuple, list)) else window, causal=True)
         except ValueError as exc:  # the launcher and pretrain_gpt.py train causal GPTs

@@ -37,13 +37,18 @@ from __future__ import annotations
 
 import inspect
 import re
+from collections import OrderedDict
 from typing import Dict, Optional, Tuple
 
 import torch
 
 from .base import BlockKernel, Varlen, check_cuda_half, check_square
 
-__all__ = ["FlashKernel", "flash_version"]
+__all__ = ["FlashKernel", "flash_version", "GRAD_SHAPES"]
+
+#: block shapes whose dq/dk/dv buffers the flash kernel keeps (least recently used dropped first): a
+#: layer's plan has a handful of block shapes; document sub-blocks get new ones every batch and rank
+GRAD_SHAPES = 8
 
 
 def _fa3():
@@ -228,7 +233,7 @@ class FlashKernel(BlockKernel):
             raise ValueError("; ".join(errors) or "flash-attn is not importable")
         self.version = 3 if self._surfaces[0].label == "flash-attn 3" else 2
         self._by_device: Dict[Tuple, _Surface] = {}
-        self._grads: Dict[Tuple, torch.Tensor] = {}
+        self._grads: "OrderedDict[Tuple, Tuple[torch.Tensor, ...]]" = OrderedDict()  # (q, k, v) shapes -> dq, dk, dv
 
     @classmethod
     def available(cls) -> bool:
@@ -310,17 +315,27 @@ class FlashKernel(BlockKernel):
             return lse_sbh[:, 0].T.contiguous()  # [h, t]
         return lse_sbh.permute(1, 2, 0).contiguous()  # [b, h, s]
 
-    def _buffer(self, role: str, like: torch.Tensor) -> torch.Tensor:
-        """dq/dk/dv output buffers, sequence-major like ``like``, reused for blocks of the same shape."""
-        key = (role, tuple(like.shape), like.dtype, str(like.device))
-        if key not in self._grads:
-            self._grads[key] = torch.empty(like.shape, dtype=like.dtype, device=like.device)
-        return self._grads[key]
+    def _buffers(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+        """dq/dk/dv output buffers, sequence-major like q/k/v, reused for blocks of the same shapes.
+        Only the :data:`GRAD_SHAPES` most recently used shapes are kept: with documents the
+        sub-blocks' shapes change every batch (and differ per rank), and a buffer per shape ever seen
+        would grow until one rank runs out of memory mid-plan while its peers wait in P2P. An evicted
+        buffer goes back to the caching allocator; the results are consumed (added into the
+        partials) before the next call, so reuse never aliases a live result."""
+        key = (tuple(q.shape), tuple(k.shape), tuple(v.shape), q.dtype, str(q.device))
+        bufs = self._grads.get(key)
+        if bufs is None:
+            bufs = self._grads[key] = tuple(torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
+            while len(self._grads) > GRAD_SHAPES:
+                self._grads.popitem(last=False)
+        else:
+            self._grads.move_to_end(key)
+        return bufs
 
     def backward(self, dout, q, k, v, out, lse, *, causal: bool, scale: float, varlen: Optional[Varlen] = None,
                  window=None):
         check_square(q, k, causal)
-        dq, dk, dv = self._buffer("dq", q), self._buffer("dk", k), self._buffer("dv", v)
+        dq, dk, dv = self._buffers(q, k, v)
         if varlen is not None:
             self._varlen_surface(q.device, _hd(q, v)).backward_varlen(
                 dout[:, 0], q[:, 0], k[:, 0], v[:, 0], out[:, 0], lse, dq[:, 0], dk[:, 0], dv[:, 0], varlen, causal,

@@ -81,6 +81,38 @@ def _te_version() -> Tuple[int, ...]:
     return tuple(int(x) for x in re.findall(r"\d+", str(getattr(transformer_engine, "__version__", "0")))[:2])
 
 
+def _te_bucket(tokens: int) -> int:
+    """The token count TE's cuDNN graph key holds for a ragged (THD) tensor of ``tokens`` rows
+    (``get_max_tokens``, common/fused_attn/utils.cu@v2.18): 1024 up to 1024, the next power of two
+    up to 32K, then the next multiple of 32K."""
+    if tokens <= 1024:
+        return 1024
+    if tokens <= 32768:
+        return 1 << (tokens - 1).bit_length()
+    return -(-tokens // 32768) * 32768
+
+
+class _Stats:
+    """A row range's final lse (``[s, 1, h]``) as TE's backward reads it, each form made on first use
+    (once per chunk and row range, as :meth:`TEKernel.lse_for_backward` promises): ``[1, h, s, 1]``
+    for an sbhd call, ``[s, h, 1]`` (ragged softmax stats) for a THD call of one sequence."""
+
+    __slots__ = ("_lse", "_dense", "_ragged")
+
+    def __init__(self, lse_sbh: torch.Tensor) -> None:
+        self._lse, self._dense, self._ragged = lse_sbh, None, None
+
+    def dense(self) -> torch.Tensor:
+        if self._dense is None:
+            self._dense = self._lse.permute(1, 2, 0).unsqueeze(-1).contiguous()
+        return self._dense
+
+    def ragged(self) -> torch.Tensor:
+        if self._ragged is None:
+            self._ragged = self._lse[:, 0].unsqueeze(-1).contiguous()
+        return self._ragged
+
+
 def _ragged_stats(device) -> bool:
     """TE's ``use_ragged_stats`` (2.14+; before, sm120 never runs THD): cuDNN >= 9.6 and not sm120."""
     return _cudnn_version() >= (9, 6, 0) and tuple(torch.cuda.get_device_capability(device)) != (12, 0)
@@ -108,6 +140,9 @@ class TEKernel(BlockKernel):
         self._rng: Dict[str, torch.Tensor] = {}
         self._ragged_stats: Dict[str, bool] = {}  # per device: TE's use_ragged_stats
         self._rows: Dict[int, tuple] = {}  # per packed batch: each row's (document, offset), for [b, h, s, 1] stats
+        self._te = _te_version()
+        self._buckets: Dict[str, bool] = {}  # per device: whether TE buckets THD sizes in its graph keys
+        self._routes: Dict[Tuple, bool] = {}  # per configuration: whether TE runs it as a THD call of one sequence
 
     @classmethod
     def available(cls) -> bool:
@@ -118,12 +153,12 @@ class TEKernel(BlockKernel):
         return torch.cuda.is_available()
 
     def _supported(self, q, k, causal: bool, deterministic: bool, thd: bool = False, dv: Optional[int] = None,
-                   window=None) -> bool:
+                   window=None, mask: Optional[str] = None) -> bool:
         """Whether TE's own selection offers the F16 arbitrary-seqlen fused backend for training
         on these inputs (batch, heads, head dim, dtype, mask, determinism, layout; this GPU and cuDNN)."""
         sq, b, h, d = q.shape
         fields = {f.name for f in dataclasses.fields(self._params)}
-        mask = ("padding_causal" if causal else "padding") if thd else ("causal" if causal else "no_mask")
+        mask = mask or (("padding_causal" if causal else "padding") if thd else ("causal" if causal else "no_mask"))
         # no bias: TE's determinism filter drops FusedAttention while core_attention_bias_requires_grad
         # (default True) is set, so pass what TE's DotProductAttention passes without a bias
         values = dict(qkv_type=torch.Tensor, qkv_dtype=q.dtype, qkv_layout="thd_thd_thd" if thd else "sbhd_sbhd_sbhd",
@@ -163,9 +198,10 @@ class TEKernel(BlockKernel):
                      documents: bool = False) -> None:
         """Windows need TE's ``bottom_right_diagonal`` (2.12+): our window calls are rectangles whose
         window is aligned to the bottom-right corner, which older TE does not let us ask for; and TE's
-        selection must offer the fused backend for a causal and a two-sided window. Not over
-        ``documents``: their windowed calls can have more query rows than keys, which TE's fused
-        attention refuses for any window (``max_seqlen_q <= max_seqlen_kv``, fused_attn.cpp)."""
+        selection must offer the fused backend for a causal window and for a two-sided one with the
+        mask it will run with (:meth:`_window_mask`). Not over ``documents``: their windowed calls
+        can have more query rows than keys, which TE's fused attention refuses for any window
+        (``max_seqlen_q <= max_seqlen_kv``, fused_attn.cpp)."""
         if documents:
             raise ValueError("the te kernel cannot run a sliding window over documents: their windowed blocks can have "
                              "more query rows than keys, which Transformer Engine's fused attention refuses for a "
@@ -182,13 +218,21 @@ class TEKernel(BlockKernel):
         key = ("window", q.dtype, tuple(q.shape[1:]), k.shape[2], dv, major, minor)
         if key not in self._checked:
             ok = self._supported(q, k, True, self.deterministic, dv=dv, window=(64, 0)) and \
-                self._supported(q, k, False, self.deterministic, dv=dv, window=(64, 64))
+                self._supported(q, k, False, self.deterministic, dv=dv, window=(64, 64), mask=self._window_mask())
             self._checked[key] = "" if ok else (
                 f"Transformer Engine has no fused-attention backend for sliding windows with {str(q.dtype)[6:]}, head "
                 f"dim {q.shape[-1]} on sm{major}{minor} with this cuDNN (windows need cuDNN >= 9.6); upgrade cuDNN or drop "
                 "the window (no other GPU kernel runs sliding windows; on CPU --mesh-kernel torch does)")
         if self._checked[key]:
             raise ValueError(self._checked[key])
+
+    def _window_mask(self) -> str:
+        """The mask of a non-causal windowed sbhd call. TE 2.12-2.15 have two-sided windows only with
+        the bottom-right and padding masks (the 9.6 sliding-window list of ``nvte_get_fused_attn_backend``,
+        fused_attn.cpp@v2.15 L463-L479); ``no_mask`` joins it in 2.16 (@v2.16 L439). Before 2.16 such a
+        call runs as ``padding`` with every sequence full length (``cu_seqlens`` = 0, s, 2s, ...): the
+        same attention, the band aligned to the same corner."""
+        return "no_mask" if self._te >= (2, 16) else "padding"
 
     def check_max_logit(self, q: torch.Tensor, *, packed: bool = False) -> None:
         """``return_max_logit`` exists from TE 2.9. From 2.14 TE's cuDNN graph returns Stats and Max
@@ -222,8 +266,9 @@ class TEKernel(BlockKernel):
             if not self._supported(q, k, True, self.deterministic, thd=True, dv=dv):
                 why = (f"Transformer Engine has no fused-attention backend for packed sequences (thd, padding_causal) "
                        f"with {str(q.dtype)[6:]}, {q.shape[2]} heads ({k.shape[2]} kv), head dim {q.shape[-1]} on "
-                       f"sm{major}{minor} with this cuDNN (thd needs sm90+, and as many heads as kv heads below "
-                       "cuDNN 9.6); use --mesh-kernel flash")
+                       f"sm{major}{minor} with this cuDNN (thd needs sm90+ and cuDNN 9.1 or >= 9.6 -- TE has no "
+                       "padding-mask backend with cuDNN 9.2-9.5 -- and as many heads as kv heads below cuDNN 9.6); "
+                       "use --mesh-kernel flash, or upgrade cuDNN")
             elif (major, minor) == (12, 0) and _te_version() < (2, 18):
                 why = ("Transformer Engine 2.14-2.17 allocate sm120's dense thd softmax stats as [t, h, 1], smaller "
                        "than the [b, h, max_seqlen, 1] cuDNN writes; upgrade TE to 2.18+ or use --mesh-kernel flash")
@@ -286,14 +331,11 @@ class TEKernel(BlockKernel):
         return buf
 
     def _backward_thd(self, dout, q, k, v, out, stats, causal: bool, scale: float, varlen: Varlen, window=None):
-        dev = str(q.device)
-        if dev not in self._rng:
-            self._rng[dev] = torch.zeros(2, dtype=torch.int64, device=q.device)
         cu, m = varlen.cu, varlen.max_len
         args = [m, m, cu, cu, q[:, 0], k[:, 0], v[:, 0], out[:, 0], dout[:, 0], q.dtype]
         if self._dqkv_dtype:
             args.append(self._dtype[q.dtype])
-        args += [[stats, self._rng[dev]], self._backend]
+        args += [[stats, self._rng_state(q.device)], self._backend]
         grads = self._bwd(*args, cu_seqlens_q_padded=cu, cu_seqlens_kv_padded=cu,
                           **self._thd_common(causal, scale, self._bwd_params, window))
         return grads[0].unsqueeze(1), grads[1].unsqueeze(1), grads[2].unsqueeze(1)
@@ -305,12 +347,71 @@ class TEKernel(BlockKernel):
         return self._cu[key]
 
     def _common(self, causal: bool, scale: float, params, window=None) -> Dict:
+        mask = "causal" if causal else self._window_mask() if window is not None else "no_mask"
         kw = dict(attn_scale=scale, dropout=0.0, fast_zero_fill=True, qkv_layout="sbhd_sbhd_sbhd",
-                  attn_bias_type="no_bias", attn_mask_type="causal" if causal else "no_mask",
+                  attn_bias_type="no_bias", attn_mask_type=mask,
                   window_size=window or _window(causal), deterministic=self.deterministic,
                   bottom_right_diagonal=True if window is not None else None,
                   o_format="sbhd", do_format="sbhd", dqkv_layout="sbhd_sbhd_sbhd")  # the last three: TE 2.15+
         return {key: val for key, val in kw.items() if key in params}
+
+    def _bucketed(self, device) -> bool:
+        """Whether TE's graph keys bucket THD sizes here: cuDNN >= 9.6 and not sm120 (from TE 2.14,
+        which runs THD there with exact sizes: fused_attn_f16_arbitrary_seqlen.cu@v2.18 L113-L129);
+        THD itself needs sm90+."""
+        key = str(device)
+        if key not in self._buckets:
+            cap = tuple(torch.cuda.get_device_capability(device))
+            self._buckets[key] = _cudnn_version() >= (9, 6, 0) and (9, 0) <= cap != (12, 0)
+        return self._buckets[key]
+
+    def _one_sequence(self, q, k, v, causal: bool, window, max_logit: bool = False) -> bool:
+        """Whether a dense call (batch 1) runs as a THD call of one sequence. TE keys its cuDNN graph
+        caches (one ``static thread_local std::map`` per direction, never emptied) by the exact b,
+        s_q, s_kv of an sbhd call, but by TE's token buckets (:func:`_te_bucket`) for THD: document
+        sub-blocks, new sizes every batch and rank, would otherwise build (and keep) a graph per
+        size in both directions. The same attention: one sequence, full length, ``padding`` /
+        ``padding_causal``, the window aligned to the same corner. Calls already of bucket sizes
+        stay sbhd (their key is as shared; no offset kernels); so do max-logit calls on TE < 2.11,
+        whose ragged Max has rows it never wrote, and configurations TE's selection has no THD for."""
+        if q.shape[1] != 1 or not self._bucketed(q.device):
+            return False
+        sq, sk = q.shape[0], k.shape[0]
+        if (_te_bucket(sq), _te_bucket(sk)) == (sq, sk) or (max_logit and self._te < (2, 11)):
+            return False
+        dv = v.shape[-1] if v.shape[-1] != q.shape[-1] else None
+        key = (str(q.device), q.dtype, tuple(q.shape[2:]), k.shape[2], dv, causal, window is not None, sq <= sk)
+        if key not in self._routes:
+            self._routes[key] = self._supported(q, k, causal, self.deterministic, thd=True, dv=dv, window=window)
+        return self._routes[key]
+
+    def _rng_state(self, device) -> torch.Tensor:
+        dev = str(device)
+        if dev not in self._rng:
+            self._rng[dev] = torch.zeros(2, dtype=torch.int64, device=device)  # unused: no dropout
+        return self._rng[dev]
+
+    def _forward_one(self, q, k, v, causal: bool, scale: float, window=None, **top):
+        sq, sk = q.shape[0], k.shape[0]
+        cq, ck = self._cu_seqlens(1, sq, q.device), self._cu_seqlens(1, sk, q.device)
+        res = self._fwd(True, sq, sk, cq, ck, q[:, 0], k[:, 0], v[:, 0], q.dtype, self._backend,
+                        cu_seqlens_q_padded=cq, cu_seqlens_kv_padded=ck,
+                        **self._thd_common(causal, scale, self._fwd_params, window), **top)
+        lse = res[1][0][:sq, :, 0].T.unsqueeze(0)  # ragged stats [>= sq, h, 1] -> [1, h, sq]
+        if top:
+            return res[0].unsqueeze(1), lse, res[2].float()
+        return res[0].unsqueeze(1), lse
+
+    def _backward_one(self, dout, q, k, v, out, stats, causal: bool, scale: float, window=None):
+        sq, sk = q.shape[0], k.shape[0]
+        cq, ck = self._cu_seqlens(1, sq, q.device), self._cu_seqlens(1, sk, q.device)
+        args = [sq, sk, cq, ck, q[:, 0], k[:, 0], v[:, 0], out[:, 0], dout[:, 0], q.dtype]
+        if self._dqkv_dtype:
+            args.append(self._dtype[q.dtype])
+        args += [[stats, self._rng_state(q.device)], self._backend]
+        grads = self._bwd(*args, cu_seqlens_q_padded=cq, cu_seqlens_kv_padded=ck,
+                          **self._thd_common(causal, scale, self._bwd_params, window))
+        return grads[0].unsqueeze(1), grads[1].unsqueeze(1), grads[2].unsqueeze(1)
 
     def forward(self, q, k, v, *, causal: bool, scale: float, varlen: Optional[Varlen] = None, window=None,
                 return_max_logit: bool = False):
@@ -318,6 +419,8 @@ class TEKernel(BlockKernel):
         top = {"return_max_logit": True} if return_max_logit else {}
         if varlen is not None:
             return self._forward_thd(q, k, v, causal, scale, varlen, window, **top)
+        if self._one_sequence(q, k, v, causal, window, return_max_logit):
+            return self._forward_one(q, k, v, causal, scale, window, **top)
         sq, b = q.shape[0], q.shape[1]
         sk = k.shape[0]
         res = self._fwd(
@@ -332,6 +435,8 @@ class TEKernel(BlockKernel):
     def lse_for_backward(self, lse_sbh: torch.Tensor, varlen: Optional[Varlen] = None):
         if varlen is not None:
             return self._stats_thd(lse_sbh, varlen)
+        if lse_sbh.shape[1] == 1 and self._bucketed(lse_sbh.device):  # a call may run sbhd or THD (_one_sequence)
+            return _Stats(lse_sbh)
         return lse_sbh.permute(1, 2, 0).unsqueeze(-1).contiguous()  # [b, h, sq, 1]
 
     def backward(self, dout, q, k, v, out, lse, *, causal: bool, scale: float, varlen: Optional[Varlen] = None,
@@ -339,15 +444,16 @@ class TEKernel(BlockKernel):
         check_square(q, k, causal)
         if varlen is not None:
             return self._backward_thd(dout, q, k, v, out, lse, causal, scale, varlen, window)
+        if isinstance(lse, _Stats):
+            if self._one_sequence(q, k, v, causal, window):
+                return self._backward_one(dout, q, k, v, out, lse.ragged(), causal, scale, window)
+            lse = lse.dense()
         sq, b = q.shape[0], q.shape[1]
         sk = k.shape[0]
-        dev = str(q.device)
-        if dev not in self._rng:
-            self._rng[dev] = torch.zeros(2, dtype=torch.int64, device=q.device)  # unused: no dropout
         args = [sq, sk, self._cu_seqlens(b, sq, q.device), self._cu_seqlens(b, sk, q.device),
                 q, k, v, out, dout, q.dtype]
         if self._dqkv_dtype:
             args.append(self._dtype[q.dtype])
-        args += [[lse, self._rng[dev]], self._backend]
+        args += [[lse, self._rng_state(q.device)], self._backend]
         grads = self._bwd(*args, **self._common(causal, scale, self._bwd_params, window))
         return grads[0], grads[1], grads[2]

@@ -88,7 +88,7 @@ class TorchKernel(BlockKernel):
 
     def check_varlen(self, q: torch.Tensor, k: Optional[torch.Tensor] = None, v: Optional[torch.Tensor] = None) -> None:
         if q.device.type != "cpu":
-            raise ValueError("the torch attention kernel runs packed sequences (THD) on CPU only; "
+            raise ValueError("the torch attention kernel runs document (varlen) calls -- packed THD or cu_seqlens -- on CPU only; "
                              "use --mesh-kernel te or flash on GPU")
 
     def check_window(self, q: torch.Tensor, k: Optional[torch.Tensor] = None, v: Optional[torch.Tensor] = None, *,

@@ -91,6 +91,11 @@ class Mask:
     def check_batch(self, batch: int) -> None:
         """``ValueError`` naming the fix unless the mask can run ``batch`` sequences per call."""
 
+    @property
+    def max_logit_error(self) -> Optional[str]:
+        """Why a call under this mask cannot return the per-head max logit (None: it can)."""
+        return None
+
     def kernel_needs(self) -> dict:
         """What the block kernels must support for this mask: ``varlen`` (calls over several documents),
         ``window`` (a sliding window), ``window_documents`` (windowed calls over documents, which can

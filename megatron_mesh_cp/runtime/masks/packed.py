@@ -57,6 +57,19 @@ class PackedDocuments(Mask):
                 raise ValueError(f"document {i} has real length {length} but padded length {padded}; "
                                  "cu_seqlens must not exceed cu_seqlens_padded per document")
 
+    @property
+    def max_logit_error(self) -> Optional[str]:
+        """Padding rows are computed like real rows (zeroed only afterwards) and the per-call max
+        logit is reduced inside the kernel call, before that; which rows are padding differs per chunk
+        of origin, which one ``cu_seqlens`` per sub-block call does not carry: refused when padded."""
+        if self.cu_real is None:
+            return None
+        return ("return_max_logit with padded packed documents (cu_seqlens != cu_seqlens_padded) would count the "
+                "logits of padding rows (computed like real rows, zeroed only afterwards); pass the documents "
+                "unpadded on the ordinary layout (cu_seqlens with layout 'bshd' or 'sbhd'; Megatron: "
+                "--reset-attention-mask instead of --mesh-packed-data), or documents that need no padding "
+                "(cu_seqlens_padded equal to cu_seqlens)")
+
     def agreement(self) -> dict:
         return {"cu_seqlens_padded": self.cu_padded, "cu_seqlens": self.cu_real}
 
