@@ -350,13 +350,15 @@ def plan(spec: CallSpec):
                      partial_bytes=(spec.partial_dtype or lse_dtype(spec.dtype)).itemsize, head_dim_v=spec.v_head_dim)
         plans = call_plans(spec.shape.a, spec.shape.b, spec.planner, workload=w, cluster=opts.cluster,
                            stride=opts.stride * spec.ulysses, max_live=opts.max_live, keep=blocks.needed(spec.shape),
-                           masked=blocks.pruned)
+                           masked=blocks.pruned, slabs=blocks.zigzag_keys)
     else:
+        from .runtime.prune import prune, without_slabs
+
         keep = blocks.needed(spec.shape)
         if keep is not None:
-            from .runtime.prune import prune
-
             plans = (prune(plans[0], keep), prune(plans[1], keep))
+        if not blocks.zigzag_keys:
+            plans = (without_slabs(plans[0]), without_slabs(plans[1]))
     return plans, blocks
 
 

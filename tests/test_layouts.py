@@ -163,3 +163,38 @@ def test_split_layout_bf16_close_to_single_device_bf16():
         got = relative_errors(got, ref)
         for name in base:
             assert got[name] <= 1.3 * base[name], (shape, name, got[name], base[name])
+
+
+def test_re_laid_documents_keep_no_kv_slab():
+    """A lower block (Q chunk after KV chunk) of re-laid documents can need keys from its KV chunk's
+    second piece, which a grouped plan's KV slab keeps apart from the first: the kernel got 0 keys
+    (a floating-point exception in PyTorch's CPU op). Their plans keep every KV chunk whole; zigzag
+    documents keep the slabs (their lower blocks need first pieces only), and the call is exact."""
+    from megatron_mesh_cp.call import plan, resolve
+    from megatron_mesh_cp.runtime.masks import arranged_of
+    from megatron_mesh_cp.virtual import VirtualMesh
+
+    # a split layout of documents [19, 1, 5, 7] on 4 chunks whose whole documents cross pieces
+    cuts = (0, 1, 4, 5, 8, 9, 12, 14, 18, 20, 22, 23, 24, 26, 27, 28, 30, 31, 32)
+    docs = (2, 0, 2, 0, 2, 0, 3, 0, 2, 0, 3, 1, 0, 3, 3, 0, 3, 3)
+    starts = (0, 0, 1, 3, 2, 6, 2, 9, 3, 13, 4, 0, 15, 1, 5, 17, 0, 6)
+    mask = arranged_of(cuts, docs, starts)
+    lengths = [19, 1, 5, 7]
+    origin = np.concatenate(([0], np.cumsum(lengths)))[np.asarray(docs)] + np.asarray(starts)
+    order = np.concatenate([np.arange(o, o + n) for o, n in zip(origin, np.diff(cuts))])
+    g = torch.Generator().manual_seed(0)
+    q, k, v, do = (torch.randn(32, 2, 8, generator=g, dtype=torch.float64) for _ in range(4))
+    cu = np.concatenate(([0], np.cumsum(lengths))).tolist()
+    ref = packed_reference(q, k, v, do, cu)
+    lay = lambda x: x.index_select(0, torch.from_numpy(order)).float()[None]  # noqa: E731
+    mesh = VirtualMesh((1, 4))
+    local = lay(q)[:, :8]  # one rank's share: what a call's planning sees
+    grouped = plan(resolve(local, local, local, mesh, mask=Documents(tuple(cu))))[0]
+    relaid = plan(resolve(local, local, local, mesh, mask=mask))[0]
+    assert any(p.slabs for p in grouped), "the zigzag documents' plans are expected to group here"
+    assert not any(p.slabs for p in relaid)
+    res = virtual_mesh_attention(lay(q), lay(k), lay(v), (1, 4), dout=lay(do), kernel="torch", mask=mask)
+    idx = torch.from_numpy(order)
+    want = {name: ref[name].index_select(0, idx) for name in ("out", "dq", "dk", "dv")}
+    for name, err in relative_errors({name: res[name][0] for name in want}, want).items():
+        assert err <= 1e-5, (name, err)

@@ -23,7 +23,7 @@ from functools import lru_cache
 from typing import List, Optional, Tuple
 
 from ..runtime.plan import BACKWARD, FORWARD, Compute, Op, Plan, PlanError, Transfer, validate
-from ..runtime.prune import prune
+from ..runtime.prune import prune, without_slabs
 from .cluster import Cluster, Workload, load_cluster
 from .greedy import CONFIGS, PlanCost, greedy_plan, grouping_pays
 from .replay import replay
@@ -120,17 +120,22 @@ def build_plans(
 
 
 def call_plans(a: int, b: int, planner: str = "greedy", *, workload: Workload, cluster: Optional[Cluster] = None,
-               stride: int = 1, max_live: Optional[int] = None, keep=None, masked: bool = False) -> Tuple[Plan, Plan]:
+               stride: int = 1, max_live: Optional[int] = None, keep=None, masked: bool = False,
+               slabs: bool = True) -> Tuple[Plan, Plan]:
     """(forward, backward) plans of one call on an a x b mesh for the unmasked layer ``workload``.
 
     ``masked``: the call's mask may leave blocks empty (documents, chunks, a window), so the full plans
     split their chains both ways (a document or a window reaches its neighbours on both sides) and are
-    pruned to ``keep``, the tile blocks some rank needs (None: every block)."""
+    pruned to ``keep``, the tile blocks some rank needs (None: every block). ``slabs=False``: the
+    mask's lower blocks can need a KV chunk's second piece (its engine's ``zigzag_keys``), so no KV
+    chunk is kept in a slab."""
     full = build_plans(a, b, planner, cluster=cluster, workload=workload, stride=stride, max_live=max_live,
                        chains="both-ways" if masked else "auto")
-    if keep is None:
-        return full
-    return prune(full[0], keep), prune(full[1], keep)
+    if keep is not None:
+        full = prune(full[0], keep), prune(full[1], keep)
+    if not slabs:
+        full = without_slabs(full[0]), without_slabs(full[1])
+    return full
 
 
 @lru_cache(maxsize=256)
@@ -139,7 +144,7 @@ def document_plans(a: int, b: int, planner: str = "greedy", *, cluster: Optional
     """(forward, backward) plans for a masked ``workload`` (documents, chunks, a window), as
     ``mesh_attention`` runs them (:func:`call_plans`)."""
     return call_plans(a, b, planner, workload=workload.unmasked, cluster=cluster, stride=stride, max_live=max_live,
-                      keep=workload.needed(a, b), masked=True)
+                      keep=workload.needed(a, b), masked=True, slabs=workload.blocks(a * b).zigzag_keys)
 
 
 def clear_plan_cache() -> None:

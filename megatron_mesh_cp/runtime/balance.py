@@ -53,14 +53,16 @@ def _check(lengths: Sequence[int], chunks: int = 0) -> np.ndarray:
     return x
 
 
-def balance_order(lengths: Sequence[int], chunks: int, *, causal: bool = True, iters: int = 2000,
-                  patience: int = 400, seed: int = 0, regions: Optional[Sequence[int]] = None,
-                  fixed: Optional[Sequence[float]] = None) -> Tuple[int, ...]:
+def balance_order(lengths: Sequence[int], chunks: int, *, causal: bool = True, iters: int = 4096,
+                  patience: int = 1024, seed: int = 0, regions: Optional[Sequence[int]] = None,
+                  fixed: Optional[Sequence[float]] = None, batch: int = 32) -> Tuple[int, ...]:
     """An order of the documents (indices into ``lengths``) whose zigzag chunks carry near-equal work:
     a local search (swap two documents or move one, half the time one touching the busiest chunk)
-    that keeps a move when it lowers the busiest chunk's work (ties: the sum of squares). Seeded and
-    deterministic: every rank computes the same order from the same lengths. Never worse than the
-    given order, which it starts from.
+    that keeps a move when it lowers the busiest chunk's work (ties: the sum of squares). Each round
+    scores ``batch`` random moves at once (one vectorised evaluation: host time per micro-batch is
+    the budget) and keeps the best of them if it improves; at most ``iters`` moves, stopping after
+    ``patience`` that did not lower the busiest chunk's work. Seeded and deterministic: every rank computes the same order
+    from the same lengths. Never worse than the given order, which it starts from.
 
     ``regions`` (a layout's, runtime/layouts.py): the documents are laid back to back over 2 *
     ``chunks`` regions of these sizes (region p belongs to chunk min(p, 2*chunks-1-p), as zigzag
@@ -81,46 +83,61 @@ def balance_order(lengths: Sequence[int], chunks: int, *, causal: bool = True, i
         bounds = np.concatenate(([0.0], np.cumsum(np.asarray(regions, dtype=np.float64))))
     extra = None if fixed is None else np.asarray(fixed, dtype=np.float64)
     whole = x * (x + 1) / 2 if causal else x * x
+    nb = len(bounds)
 
-    def score(o: np.ndarray):
-        lens = x[o]
-        cu = np.concatenate(([0.0], np.cumsum(lens)))
-        acc = np.concatenate(([0.0], np.cumsum(whole[o])))
-        d = np.minimum(np.searchsorted(cu, bounds, side="right") - 1, m - 1)
-        k = bounds - cu[d]
-        pw = np.diff(acc[d] + (k * (k + 1) / 2 if causal else k * lens[d]))
-        w = pw[:chunks] + pw[::-1][:chunks]
+    def score(orders: np.ndarray):
+        """Busiest chunk work, sum of squares, busiest chunk and prefix lengths of each order [B, m]."""
+        rows = len(orders)
+        lens = x[orders]
+        cu = np.zeros((rows, m + 1))
+        np.cumsum(lens, axis=1, out=cu[:, 1:])
+        acc = np.zeros((rows, m + 1))
+        np.cumsum(whole[orders], axis=1, out=acc[:, 1:])
+        # d[r, p]: the document holding bound p (the last prefix <= it), counted from the prefixes' side
+        first = np.searchsorted(bounds, cu, side="left") + (np.arange(rows) * nb)[:, None]
+        d = np.cumsum(np.bincount(first.ravel(), minlength=rows * nb)[:rows * nb].reshape(rows, nb), axis=1)
+        d = np.minimum(d - 1, m - 1)
+        k = bounds[None, :] - np.take_along_axis(cu, d, axis=1)
+        at = np.take_along_axis(acc, d, axis=1) + (k * (k + 1) / 2 if causal else k * np.take_along_axis(lens, d, 1))
+        pw = np.diff(at, axis=1)
+        w = pw[:, :chunks] + pw[:, ::-1][:, :chunks]
         if extra is not None:
             w = w + extra
-        return float(w.max()), float(w @ w), int(np.argmax(w)), cu
+        return w.max(axis=1), np.einsum("ij,ij->i", w, w), np.argmax(w, axis=1), cu
 
-    best, best_sq, busiest, cu = score(order)
+    mx, sq, top, cus = score(order[None, :])
+    best, best_sq, busiest, cu = float(mx[0]), float(sq[0]), int(top[0]), cus[0]
     rng = np.random.default_rng(seed)
-    stale = 0
-    for _ in range(iters):
-        if rng.random() < 0.5:  # a document touching the busiest chunk's pieces
-            c = busiest
-            lo, hi = bounds[c], bounds[c + 1]
-            lo2, hi2 = bounds[2 * chunks - 1 - c], bounds[2 * chunks - c]
-            touch = np.flatnonzero(((cu[:-1] < hi) & (cu[1:] > lo)) | ((cu[:-1] < hi2) & (cu[1:] > lo2)))
-            i = int(touch[rng.integers(len(touch))])
-        else:
-            i = int(rng.integers(m))
-        j = int(rng.integers(m))
-        if i == j:
+    lanes = np.arange(batch)[:, None]
+    cols = np.arange(m)[None, :]
+    stale = tried = 0
+    while tried < iters and stale < patience:
+        lo, hi = bounds[busiest], bounds[busiest + 1]
+        lo2, hi2 = bounds[2 * chunks - 1 - busiest], bounds[2 * chunks - busiest]
+        touch = np.flatnonzero(((cu[:-1] < hi) & (cu[1:] > lo)) | ((cu[:-1] < hi2) & (cu[1:] > lo2)))
+        i = np.where(rng.random(batch) < 0.5, touch[rng.integers(len(touch), size=batch)], rng.integers(m, size=batch))
+        j = rng.integers(m, size=batch)
+        swap = rng.random(batch) < 0.5
+        # a move of i to j: positions between them shift by one towards i, position j takes i
+        ahead = ((cols >= i[:, None]) & (cols < j[:, None])).astype(np.int64)
+        behind = ((cols > j[:, None]) & (cols <= i[:, None])).astype(np.int64)
+        src = cols + np.where(i[:, None] < j[:, None], ahead, -behind)
+        src[lanes[:, 0], j] = i
+        swapped = np.broadcast_to(cols, (batch, m)).copy()
+        swapped[lanes[:, 0], i], swapped[lanes[:, 0], j] = j, i
+        src = np.where(swap[:, None], swapped, src)
+        keep = i != j
+        cand = order[src[keep]]
+        tried += batch
+        if not len(cand):
             continue
-        cand = order.copy()
-        if rng.random() < 0.5:
-            cand[i], cand[j] = cand[j], cand[i]
+        mx, sq, top, cus = score(cand)
+        pick = int(np.lexsort((sq, mx))[0])
+        if (float(mx[pick]), float(sq[pick])) < (best, best_sq):
+            stale = 0 if float(mx[pick]) < best else stale + batch  # only a lower busiest chunk resets patience
+            order, best, best_sq, busiest, cu = cand[pick], float(mx[pick]), float(sq[pick]), int(top[pick]), cus[pick]
         else:
-            cand = np.insert(np.delete(cand, i), j, order[i])
-        mx, sq, top, ccu = score(cand)
-        if (mx, sq) < (best, best_sq):
-            order, best, best_sq, busiest, cu, stale = cand, mx, sq, top, ccu, 0
-        else:
-            stale += 1
-            if stale >= patience:
-                break
+            stale += batch
     return tuple(int(i) for i in order)
 
 

@@ -24,7 +24,8 @@ to tokens, labels, loss mask, position ids and the rotary positions before the C
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import cached_property
 from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -39,14 +40,27 @@ TOKEN_LAYOUTS = ("zigzag", "balanced", "split")
 
 @dataclass(frozen=True, eq=False)
 class Arrangement:
-    """One micro-batch's layout: ``order`` (x' = x[order]; None: as given), the ``mask`` of x',
-    each chunk's attention pairs (``work``) and what it is called (``name``, ``split``: documents cut)."""
+    """One micro-batch's layout: the ``mask`` of x', each chunk's attention pairs (``work``), what it
+    is called (``name``, ``split``: documents cut) and its runs (``runs``: per run of x' tokens, its
+    document, first position and length, in x' order); :attr:`order` (x' = x[order]) is made from
+    the runs on first use (only the layout that runs needs it)."""
 
     name: str
-    order: Optional[np.ndarray]
     mask: Mask
     work: np.ndarray
+    runs: Tuple[np.ndarray, np.ndarray, np.ndarray] = field(repr=False)
+    starts: np.ndarray = field(repr=False)  # each document's first token in x
     split: int = 0
+    given: bool = False  # x' is x (the documents as given)
+
+    @cached_property
+    def order(self) -> Optional[np.ndarray]:
+        """The token permutation (x' = x[order], int64 [total]); None when x' is x."""
+        if self.given:
+            return None
+        doc, pos, length = self.runs
+        first = np.repeat(self.starts[doc] + pos - (np.cumsum(length) - length), length)
+        return first + np.arange(int(length.sum()))
 
     @property
     def balance(self) -> float:
@@ -79,27 +93,46 @@ def _check(lengths: Sequence[int], chunks: int) -> np.ndarray:
     return x
 
 
-def _chunk_work(order: np.ndarray, docs: np.ndarray, pos: np.ndarray, lengths: np.ndarray, chunks: int,
-                causal: bool) -> np.ndarray:
-    """Pairs per chunk of x' given, per x' token, its document and position."""
-    m = len(order) // (2 * chunks)
-    chunk = chunk_of_piece(np.arange(len(order)) // m, chunks)
-    w = token_work(pos.astype(np.float64), lengths[docs].astype(np.float64), causal)
-    return np.bincount(chunk, weights=w, minlength=chunks)
+def _runs_work(doc: np.ndarray, pos: np.ndarray, length: np.ndarray, lengths: np.ndarray, chunks: int,
+               causal: bool) -> Tuple[Tuple[np.ndarray, np.ndarray, np.ndarray], np.ndarray]:
+    """The runs cut at the piece boundaries, and the pairs per chunk: a run of ``l`` tokens from
+    position ``s`` sees ``l*s + l(l+1)/2`` keys (causal) or ``l * len(doc)``."""
+    total = int(length.sum())
+    m = total // (2 * chunks)
+    ends = np.cumsum(length)
+    cuts = np.union1d(np.concatenate(([0], ends)), np.arange(0, total + 1, m))
+    lo = cuts[:-1]
+    k = np.searchsorted(ends, lo, side="right")  # the run holding each cut segment
+    seg_len = np.diff(cuts)
+    seg_pos = pos[k] + lo - (ends[k] - length[k])
+    seg_doc = doc[k]
+    sp, sl = seg_pos.astype(np.float64), seg_len.astype(np.float64)
+    w = sl * sp + sl * (sl + 1) / 2 if causal else sl * lengths[seg_doc].astype(np.float64)
+    work = np.bincount(chunk_of_piece(lo // m, chunks), weights=w, minlength=chunks)
+    return (doc, pos, length), work
+
+
+def _mask_of(doc: np.ndarray, pos: np.ndarray, length: np.ndarray, layout: str) -> Mask:
+    """The Arranged mask of runs (consecutive runs that continue one document merged)."""
+    ends = np.cumsum(length)
+    starts = ends - length
+    keep = np.r_[True, (doc[1:] != doc[:-1]) | (pos[1:] != pos[:-1] + length[:-1])]
+    cuts = np.concatenate((starts[keep], [ends[-1]]))
+    return arranged_of(cuts, doc[keep], pos[keep], layout=layout)
 
 
 def _whole(lengths: np.ndarray, order_of_docs: Sequence[int], chunks: int, causal: bool, name: str) -> Arrangement:
     """Whole documents in ``order_of_docs``: x' is their concatenation."""
     idx = np.asarray(order_of_docs, dtype=np.int64)
     lens = lengths[idx]
-    starts = np.concatenate(([0], np.cumsum(lengths)))[:-1]
-    order = np.repeat(starts[idx], lens) + (np.arange(int(lens.sum())) - np.repeat(np.cumsum(lens) - lens, lens))
-    docs = np.repeat(idx, lens)
-    pos = order - starts[docs]
     cu = np.concatenate(([0], np.cumsum(lens)))
+    runs, work = _runs_work(idx, np.zeros(len(idx), dtype=np.int64), lens, lengths, chunks, causal)
     same = np.array_equal(idx, np.arange(len(lengths)))
-    return Arrangement(name, None if same else order, Documents(tuple(int(c) for c in cu)),
-                       _chunk_work(order, docs, pos, lengths, chunks, causal))
+    return Arrangement(name, Documents(tuple(int(c) for c in cu)), work, runs, _starts(lengths), given=same)
+
+
+def _starts(lengths: np.ndarray) -> np.ndarray:
+    return np.concatenate(([0], np.cumsum(lengths)))[:-1]
 
 
 def _split_sizes(length: int, cap: np.ndarray) -> np.ndarray:
@@ -161,33 +194,40 @@ def _split(lengths: np.ndarray, chunks: int, count: int, causal: bool, seed: int
     if len(rest) > 1:
         rest = [rest[i] for i in balance_order(lengths[rest].tolist(), chunks, causal=causal, regions=room.tolist(),
                                                 fixed=fixed, seed=seed)]
-    rl = lengths[rest] if rest else np.zeros(0, dtype=np.int64)
-    stream_docs = np.repeat(np.asarray(rest, dtype=np.int64), rl)
-    stream_pos = np.arange(int(rl.sum())) - np.repeat(np.cumsum(rl) - rl, rl)
+    # the whole documents as one stream of runs, cut into each piece's region
+    rest_arr = np.asarray(rest, dtype=np.int64)
+    rest_end = np.cumsum(lengths[rest_arr]) if rest else np.zeros(0, dtype=np.int64)
+
+    def region(at: int, size: int):
+        """Runs of the whole documents' stream covering stream tokens [at, at + size)."""
+        if size <= 0:
+            return []
+        first = int(np.searchsorted(rest_end, at, side="right"))
+        last = int(np.searchsorted(rest_end, at + size - 1, side="right"))
+        out = []
+        for q in range(first, last + 1):
+            d_lo = int(rest_end[q] - lengths[rest_arr[q]])
+            lo, hi = max(at, d_lo), min(at + size, int(rest_end[q]))
+            out.append((int(rest_arr[q]), lo - d_lo, hi - lo))
+        return out
 
     def piece(d, g):
-        return np.full(int(sizes[d][g]), d, dtype=np.int64), piece_first[d][g] + np.arange(int(sizes[d][g]))
+        return [(d, int(piece_first[d][g]), int(sizes[d][g]))] if sizes[d][g] else []
 
     # x' piece p: (p < N) the whole documents' region, the pairs kept in this half, the centre document's
     # piece c; (p >= N) the centre document's piece 2N-1-c, the pairs kept here, the region
-    docs_out, pos_out, at = [], [], 0
+    runs, at = [], 0
     for p in range(n2):
         c = min(p, n2 - 1 - p)
-        region = (stream_docs[at:at + room[p]], stream_pos[at:at + room[p]])
+        reg = region(at, int(room[p]))
         at += int(room[p])
-        pairs = [part for d in longest[1:] if side[(d, c)] == p for part in (piece(d, c), piece(d, n2 - 1 - c))]
-        centre = [piece(longest[0], p)] if longest else []
-        parts = [region] + pairs + centre if p < chunks else centre + pairs + [region]
-        docs_out.extend(x for x, _ in parts)
-        pos_out.extend(y for _, y in parts)
-    docs = np.concatenate(docs_out)
-    pos = np.concatenate(pos_out)
-    starts = np.concatenate(([0], np.cumsum(lengths)))[:-1]
-    order = starts[docs] + pos
-    change = np.flatnonzero((docs[1:] != docs[:-1]) | (pos[1:] != pos[:-1] + 1)) + 1
-    cuts = np.concatenate(([0], change, [total]))
-    mask = arranged_of(cuts, docs[cuts[:-1]], pos[cuts[:-1]], layout=f"split {count}")
-    return Arrangement("split", order, mask, _chunk_work(order, docs, pos, lengths, chunks, causal), split=count)
+        pairs = [r for d in longest[1:] if side[(d, c)] == p for r in piece(d, c) + piece(d, n2 - 1 - c)]
+        centre = piece(longest[0], p) if longest else []
+        runs.extend(reg + pairs + centre if p < chunks else centre + pairs + reg)
+    doc, pos, length = (np.array(col, dtype=np.int64) for col in zip(*runs))
+    runs_, work = _runs_work(doc, pos, length, lengths, chunks, causal)
+    return Arrangement("split", _mask_of(doc, pos, length, f"split {count}"), work, runs_, _starts(lengths),
+                       split=count)
 
 
 def arrange(lengths: Sequence[int], chunks: int, layout: str = "balanced", *, causal: bool = True,

@@ -62,6 +62,14 @@ def prune(plan: Plan, keep: AbstractSet[Tuple[int, int]]) -> Plan:
                 meta=plan.meta, slabs=slabs, tile=tile)
 
 
+def without_slabs(plan: Plan) -> Plan:
+    """The same plan with every foreign KV chunk in its own buffer (no slab): for masks whose lower
+    blocks can need a KV chunk's second piece, which a slab keeps apart from its first (plan.py)."""
+    if not plan.slabs:
+        return plan
+    return Plan(plan.phase, plan.a, plan.b, plan.ops, name=plan.name, meta=plan.meta, slabs=(), tile=plan.tile)
+
+
 def _runs(slab: Tuple[int, int], received: Set[int]) -> List[Tuple[int, int]]:
     """The maximal runs of consecutive offsets of ``slab`` that are still received."""
     runs: List[Tuple[int, int]] = []

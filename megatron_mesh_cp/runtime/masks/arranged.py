@@ -99,6 +99,8 @@ class SegmentBlocks:
 
     pruned = True
     window = None
+    #: documents re-laid in pieces: a lower block's query can see keys in the KV chunk's second piece
+    zigzag_keys = False
 
     def __init__(self, mask: Arranged, chunks: int, causal: bool) -> None:
         total = mask.cuts[-1]

@@ -5,8 +5,9 @@ a sliding window, chunks, packed (padded) documents, or their intersection (``a 
 nothing about ranks or tensors. Bound to a mesh's chunks (:meth:`Mask.bind`) it becomes a block
 engine that answers what every consumer asks of a mask, and nothing else:
 
-* the planner and the pruner: whether blocks may be empty (``pruned``) and which tile blocks some rank
-  must compute (``needed``);
+* the planner and the pruner: whether blocks may be empty (``pruned``), which tile blocks some rank
+  must compute (``needed``), and whether a lower block's keys lie in its KV chunk's first piece as
+  under the zigzag (``zigzag_keys``: plans may then keep KV chunks in slabs, plan.py);
 * the executor: one rank's kernel calls per tile block (``rank_parts``), or None when every block runs
   its whole zigzag case (the unmasked fast path);
 * the cost model: every block's calls with their rows, keys and pairs (the planning layer prices the

@@ -92,6 +92,7 @@ class PackedBlocks:
     on every rank), each block as its case's per-document sub-blocks in half-major order."""
 
     pruned = False
+    zigzag_keys = True  # half-major: a lower block's keys are the documents' first pieces
 
     def __init__(self, docs: PackedDocuments, chunks: int, total: int, causal: bool) -> None:
         self.docs, self.n, self.total, self.causal = docs, chunks, total, causal

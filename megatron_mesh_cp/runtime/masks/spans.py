@@ -108,6 +108,7 @@ class SpanBlocks:
     """The blocks a span mask leaves on a mesh of ``chunks`` chunks (see the module docstring)."""
 
     pruned = True
+    zigzag_keys = True
 
     def __init__(self, span: Span, chunks: int, causal: bool) -> None:
         total = span.total
@@ -287,6 +288,7 @@ class FullBlocks:
     """The engine of an unmasked layer: every block runs its whole zigzag case (DESIGN.md section 3)."""
 
     pruned = False
+    zigzag_keys = True
 
     def __init__(self, chunks: int, total: int, causal: bool) -> None:
         self.n, self.total, self.causal = chunks, total, causal
