@@ -9,6 +9,7 @@ failure with every rank's error. ``ctx`` carries ``rank``, ``world_size`` and a 
 
 from __future__ import annotations
 
+import gc
 import importlib
 import os
 import queue
@@ -80,6 +81,7 @@ def _worker(rank: int, world: int, port: int, tasks, results, timeout_s: float, 
         except BaseException as exc:  # report everything, the parent decides
             results.put((rank, False, (type(exc).__name__, str(exc), traceback.format_exc())))
     dist.destroy_process_group()
+    gc.freeze()  # exiting: the interpreter need not collect torch's objects (seconds per rank)
 
 
 class RankPool:
