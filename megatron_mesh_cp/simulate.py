@@ -16,6 +16,7 @@ from .planning.cluster import Workload, load_cluster
 from .planning.doc_baselines import compare_documents, document_sets, format_documents_table
 from .planning.packing import DISTRIBUTIONS, parse_doc_range, parse_tokens
 from .planning.window_baselines import compare_windows, format_window_table
+from .runtime.masks import Window
 
 __all__ = ["main"]
 
@@ -105,7 +106,7 @@ def main(argv=None) -> int:
             raise ValueError("--window with --docs/--doc-lengths is not priced by this command (TE's algorithms "
                              "run neither unpadded documents nor windows on p2p); price one windowed sequence, or "
                              "documents without --window")
-        windowed = replace(w, window=args.window) if args.window is not None else None
+        windowed = replace(w, mask=Window(*args.window)) if args.window is not None else None
         for flag, value in (("--kernel-tile", args.kernel_tile), ("--doc-layout", args.doc_layout)):
             if value and not (args.docs or args.doc_lengths):
                 raise ValueError(f"{flag} prices documents; give --docs LO-HI or --doc-lengths FILE with it")
@@ -137,7 +138,7 @@ def main(argv=None) -> int:
             results = compare_documents(algos, args.cp, cluster, w, packing, documents, tp=args.tp,
                                         max_live=args.max_live)
         elif packing is not None:
-            results = compare(algos, args.cp, cluster, replace(w, packing=packing), tp=args.tp, max_live=args.max_live)
+            results = compare(algos, args.cp, cluster, replace(w, mask=packing), tp=args.tp, max_live=args.max_live)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from megatron_mesh_cp import MeshGroups, mesh_attention  # noqa: E402
 from megatron_mesh_cp.planning.cluster import Workload, load_cluster  # noqa: E402
 from megatron_mesh_cp.logs import configure as configure_logging  # noqa: E402
+from megatron_mesh_cp.runtime.mesh import PlanOptions  # noqa: E402
 from megatron_mesh_cp.runtime.topology import MeshShape  # noqa: E402
 
 TE_ALGOS = ("p2p", "all_gather", "a2a", "a2a+p2p")
@@ -82,8 +83,7 @@ def _inputs(args, n, rank, device, dtype, seed=1234):
 
 def bench_mesh(args, shape, device, dtype, cluster, ulysses=1):
     n, rank = dist.get_world_size(), dist.get_rank()
-    mesh = MeshGroups.create(shape, ulysses=ulysses)
-    mesh.cluster = cluster
+    mesh = MeshGroups.create(shape, ulysses=ulysses, plan_options=PlanOptions(cluster=cluster))
     q, k, v, do = _inputs(args, n, rank, device, dtype)
 
     def step():

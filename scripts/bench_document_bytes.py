@@ -25,7 +25,7 @@ import torch
 from megatron_mesh_cp import valid_shapes
 from megatron_mesh_cp.planning.schedule import build_plans
 from megatron_mesh_cp.runtime.balance import balance_order
-from megatron_mesh_cp.runtime.documents import DocumentMask, Documents
+from megatron_mesh_cp.runtime.masks import Documents
 from megatron_mesh_cp.runtime.memory import layout
 from megatron_mesh_cp.runtime.plan import ChunkDims, plan_traffic
 from megatron_mesh_cp.runtime.prune import prune
@@ -78,7 +78,7 @@ def shares(lengths, seq, count, n, shape, u=1, balanced=False):
     for docs in batches(lengths, seq, count):
         if balanced:
             docs = reordered(docs, inner.n)
-        keep = DocumentMask(docs, inner.n, True).needed(inner)
+        keep = docs.bind(inner.n, docs.cu[-1], True).needed(inner)
         got.append(bytes_of([prune(p, keep) for p in full], dims) / total if total else 1.0)
         kept.append(len(keep))
     return float(np.mean(got)), float(np.mean(kept)), inner.n * 0 + inner.a * inner.b
@@ -94,7 +94,7 @@ def prepare_time(lengths, shape, seq=1 << 20, repeats=3) -> float:
     best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()
-        mask = DocumentMask(docs, inner.n, True)
+        mask = docs.bind(inner.n, docs.cu[-1], True)
         keep = mask.needed(inner)
         pruned = [prune(p, keep) for p in full]
         for p in pruned:

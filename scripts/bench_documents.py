@@ -36,7 +36,7 @@ N, SEQ, CLUSTER = 256, 1 << 20, "h100-ib400"
 ROWS = (("ring", "Ring (TE p2p), padded THD"), ("usp", "USP (TE a2a+p2p), padded THD"),
         ("ring-pruned", "our Ring 1xn, unpadded, pruned"), ("mesh", "mesh (auto), unpadded, pruned"),
         ("a2a+mesh", "a2a+mesh (auto), unpadded, pruned"), ("a2a+mesh-given", "a2a+mesh (auto), dataset's order"))
-TARGET = {32: 4.0, 8: 2.0}  # issue 18: a2a+mesh vs USP on the log-uniform set
+TARGET = {32: 4.0, 8: 2.0}  # the design goal: a2a+mesh vs USP on the log-uniform set
 
 
 def heavy_seed(lo, hi, tries=100):
@@ -49,10 +49,10 @@ def heavy_seed(lo, hi, tries=100):
 
 
 def _target(v, t):
-    """The issue's verdict for one ratio (its targets are for the log-uniform set; the heavy-tailed mix is reported)."""
+    """One ratio against the design goal (goals are for the log-uniform set; the heavy-tailed mix is reported)."""
     if t is None:
-        return "no target for this mix: reported"
-    return f"issue target >= {t:g}x: {'met' if v >= t else 'not met'}"
+        return "no goal for this mix: reported"
+    return f"goal >= {t:g}x: {'met' if v >= t else 'not met'}"
 
 
 def _ms(r):
@@ -80,18 +80,18 @@ def diagnose(algo, res, w, cluster):
     u, a, b, live = _mesh_of(algo, res, w, cluster)
     inner = ulysses_inner(u, w)
     pruned = document_plans(a, b, cluster=cluster, workload=inner, stride=u, max_live=live)
-    full = build_plans(a, b, cluster=cluster, workload=replace(inner, documents=None), stride=u, max_live=live,
+    full = build_plans(a, b, cluster=cluster, workload=inner.unmasked, stride=u, max_live=live,
                        chains="both-ways")
     dims = workload_dims(inner)
     share = sum(sum(plan_traffic(p, dims).values()) for p in pruned) / sum(sum(plan_traffic(p, dims).values())
                                                                            for p in full)
-    docs, n = inner.mask_documents(a * b), a * b  # in the order they run on this mesh (balanced)
-    keep = docs.needed(a, b, True)
+    n = a * b
+    keep = inner.needed(a, b)  # the documents in the order they run on this mesh (balanced)
     g = np.arange(n)
     r, c = g // a, g % a
     qi = r[:, None] * a + (c[:, None] - np.arange(a)[None, :]) % a
     kj = ((r[:, None] - np.arange(b)[None, :]) % b) * a + c[:, None]
-    runs = docs.nonempty(n, True)[qi[:, :, None], kj[:, None, :]].sum(axis=(1, 2))
+    runs = inner.nonempty(n)[qi[:, :, None], kj[:, None, :]].sum(axis=(1, 2))
     per = sum(inner.block_times(cluster, bwd, n)[qi[:, :, None], kj[:, None, :]].sum(axis=(1, 2))
               for bwd in (False, True))
     return {
@@ -123,7 +123,7 @@ def document_section(cluster, packing, docs, title):
         w = Workload(seq_local=SEQ // N, heads=32, kv_heads=kv, head_dim=128, partial_bytes=2)
         res = {r.algo: r for r in compare_documents(["usp", "mesh", "a2a+mesh"], N, cluster, w, packing, docs)}
         # the same documents in the dataset's order (--mesh-document-order given): what balancing buys
-        res["a2a+mesh-given"] = simulate_algorithm("a2a+mesh", N, cluster, replace(w, documents=docs.with_balance(False)))
+        res["a2a+mesh-given"] = simulate_algorithm("a2a+mesh", N, cluster, replace(w, mask=docs.with_balance(False)))
         usp, ring = res["usp"], res["ring"]
         lines = ["| algorithm | shape | step ms | vs USP | vs TE Ring | MiB sent per rank | exposed comm ms (share) "
                  "| compute ms (critical rank) | peak attention MiB/rank | real tokens |", "|" + "---|" * 10]
@@ -136,8 +136,8 @@ def document_section(cluster, packing, docs, title):
         hyb = usp.time / res["a2a+mesh"].time
         heads = "MHA 32/32" if kv == 32 else "GQA 32/8"
         out += [f"### {heads}", "", *lines, ""]
-        verdict.append((heads, hyb, TARGET[kv] if title.startswith("Log") else None))  # targets: log-uniform only
-        wd = replace(w, documents=docs)
+        verdict.append((heads, hyb, TARGET[kv] if title.startswith("Log") else None))  # goals: log-uniform only
+        wd = replace(w, mask=docs)
         for algo in ("ring-pruned", "mesh", "a2a+mesh"):
             diags.append((title, heads, algo, diagnose(algo, res[algo], wd, cluster)))
         print(f"{title} kv={kv} done", flush=True)
@@ -163,7 +163,7 @@ def padded_section(cluster, packing):
         w = Workload(seq_local=SEQ // N, heads=32, kv_heads=kv, head_dim=128, partial_bytes=2)
         lines = ["| algorithm | shape: unpacked / padded | step ms: unpacked / padded | padded: vs USP "
                  "| exposed comm ms (share): unpacked / padded | MiB sent per rank |", "|" + "---|" * 6]
-        rows = [(a, simulate_algorithm(a, N, cluster, w), simulate_algorithm(a, N, cluster, replace(w, packing=packing)))
+        rows = [(a, simulate_algorithm(a, N, cluster, w), simulate_algorithm(a, N, cluster, replace(w, mask=packing)))
                 for a in ("ring", "usp", "mesh", "a2a+mesh")]
         usp = rows[1][2]
         for a, u, p in rows:
@@ -212,7 +212,7 @@ def documents_page():
         "by its pairs inside the padded documents, 2-3 varlen calls per block.",
         "* **Ours (mesh, a2a+mesh, and our Ring 1×n)** run them unpadded on Megatron's ordinary zigzag layout "
         "(`mesh_attention(..., cu_seqlens=cu)`, `--reset-attention-mask`): a block runs the sub-blocks its "
-        "documents leave (`runtime/documents.py`), an empty block no call at all, and the plan is the cached full "
+        "documents leave (`runtime/masks/spans.py`), an empty block no call at all, and the plan is the cached full "
         "plan (chains split both ways) pruned to the tile blocks some rank needs (`runtime/prune.py`): a chunk "
         "nobody needs is not sent. The simulator prices each block's own calls (kernel at the call's rows, call "
         "overhead and correction per call; `planning/documents.py`, tested call for call against the runtime) and "
@@ -240,7 +240,7 @@ def documents_page():
         "Setup: one attention layer, forward + backward, causal, n = 256, S = 1M tokens, 32 query heads, d = 128, "
         "batch 1, bf16, partials in bf16 for every algorithm (as docs/performance.md).",
         "",
-        "## Against the issue's target",
+        "## a2a+mesh against USP: the design goals",
         "",
         *[f"* {title}: " + "; ".join(f"{h} a2a+mesh **{v:.2f}x** USP ({_target(v, t)})"
                                      for h, v, t in verdict) for title, verdict in verdicts],

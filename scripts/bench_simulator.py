@@ -175,14 +175,14 @@ def main():
         "counters (tested). Nothing here is a GPU measurement. Packed sequences (THD documents) are in "
         "docs/packing.md (`python scripts/bench_simulator.py --packed`).",
         "",
-        "**Calibrated model.** Since the calibration issue the simulator charges what hiding communication "
-        "costs: compute slows by `slowdown_intra` (0.3) per NVLink transfer and `slowdown_inter` (0.025) per "
-        "network transfer in flight beside it, every block-kernel call pays 40 us and six fp32 passes of "
-        "output correction, and PCIe nodes share one host bridge among all-to-all traffic. These values are "
-        "fitted to published Ring / Ulysses / USP measurements (docs/calibration.md: 18 of 22 ratios within "
-        "10%, worst 15%); before, the model hid communication for free and overstated every ring-style "
-        "algorithm, mesh included, by 10-30% against all-to-all ones. The same costs apply to every "
-        "algorithm here, and so does the host term (issue 20): the host issues each kernel call in "
+        "**Calibrated model.** The simulator charges what hiding communication costs: compute slows by "
+        "`slowdown_intra` (0.3) per NVLink transfer and `slowdown_inter` (0.025) per network transfer in flight "
+        "beside it, every block-kernel call pays 40 us and six fp32 passes of output correction, and PCIe nodes "
+        "share one host bridge among all-to-all traffic. These values are fitted to published Ring / Ulysses / "
+        "USP measurements (docs/calibration.md: 18 of 22 ratios within 10%, worst 15%); before calibration, the "
+        "model hid communication for free and overstated every ring-style algorithm, mesh included, by 10-30% "
+        "against all-to-all ones. The same costs apply to every "
+        "algorithm here, and so does the host term: the host issues each kernel call in "
         f"{h100.host_per_call * 1e6:.0f} us beside the GPU, a step costing the larger of the two (section "
         "\"How the host term moves\" below).",
         "",

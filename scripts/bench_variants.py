@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from megatron_mesh_cp.planning.baselines import simulate_algorithm  # noqa: E402
 from megatron_mesh_cp.planning.cluster import Workload, load_cluster  # noqa: E402
 from megatron_mesh_cp.planning.window_baselines import te_a2a_refusal  # noqa: E402
+from megatron_mesh_cp.runtime.masks import Window  # noqa: E402
 
 N, CLUSTER = 256, "h100-ib400"
 SEQS = ((128 * 1024, "128K"), (1 << 20, "1M"))
@@ -39,7 +40,7 @@ HEAD = ("| algorithm | runs it? | shape | step ms | MiB sent per rank | exposed 
 
 
 def workload(seq, window=None, **dims):
-    return Workload(seq_local=seq // N, partial_bytes=2, window=window, **dims)
+    return Workload(seq_local=seq // N, partial_bytes=2, mask=None if window is None else Window(*window), **dims)
 
 
 def sim(algo, w, cluster):
@@ -63,7 +64,7 @@ def te_rows(w, cluster, windowed):
     out = []
     for algo, label in (("ring", "TE p2p (Ring)"), ("usp", "TE a2a+p2p (USP)")):
         if windowed:
-            out.append((label, CANNOT, sim(algo, replace(w, window=None), cluster)))
+            out.append((label, CANNOT, sim(algo, w.unmasked, cluster)))
         else:
             out.append((label, "runs", sim(algo, w, cluster)))
     out.append(("TE all_gather", "runs the window (gathers all K/V)" if windowed else "runs",
@@ -147,7 +148,7 @@ def sweep(cluster):
     full = {algo: sim("mesh:1x256" if algo == "ring-pruned" else algo, base, cluster) for algo, _ in OURS}
     rows = []
     for keys in SWEEP:
-        w = replace(base, window=(keys - 1, 0))
+        w = replace(base, mask=Window(keys - 1, 0))
         res = {algo: sim(algo, w, cluster) for algo, _ in OURS}
         rows.append((keys, res, halo_bytes(w, keys)))
         print(f"sweep {keys} done", flush=True)
@@ -273,7 +274,7 @@ def page(plot):
         "",
         "* **Ours (our Ring 1xn, mesh, a2a+mesh)** run a window as `mesh_attention(..., window=(L, R))` does: the "
         "cached full plan (chains split both ways) pruned to the tile blocks the window leaves (`runtime/prune.py`), "
-        "each block cut piece pair by piece pair into the band's tight rectangles (`DocumentMask._windowed`). The "
+        "each block cut piece pair by piece pair into the band's tight rectangles (`SpanBlocks._windowed`). The "
         "simulator prices each of those kernel calls (its exact band pairs at its rows' throughput, its call overhead "
         "and fp32 correction; `planning/windows.py`, tested call for call against the runtime) and replays the pruned "
         "plans; a rank waits only for the chunks of the blocks it runs. Exact pairs flatter narrow windows a little: "
@@ -286,7 +287,8 @@ def page(plot):
         "* **TE p2p (Ring) and a2a+p2p (USP)** refuse sliding windows: TE's `attn_forward_func_with_cp` asserts "
         "`not sliding_window_attn or cp_comm_type in [\"a2a\", \"all_gather\"]`. On window layers their rows show the "
         "cost of the layer *without* its window, marked \"cannot window\": what the layer would cost on them, not the "
-        "model's attention. Megatron's window-aware p2p (Megatron-LM PR #5597) was still open when issue 21 was filed.",
+        "model's attention. Megatron's window-aware p2p (Megatron-LM PR #5597) was still open when this support "
+        "was written.",
         "* **TE all_gather** runs windows: it gathers the whole K/V (forward, again in the backward, and "
         "reduce-scatters dK/dV), then slices each chunk's keys to its window (`get_kv_seq_info_after_all_gather`); "
         "priced so (its busiest rank's band pairs, no overlap of the gather). The TE stack that runs the alternating "

@@ -216,24 +216,24 @@ def section_e(device, quick):
 
 def section_f(device, quick):
     """Warm calls of a2a+mesh (2, 2, 2): no host sync, flat memory, pool = peak_live_bytes, bitwise."""
-    from megatron_mesh_cp.virtual import virtual_mesh_attention
+    from megatron_mesh_cp.virtual import VirtualMesh, virtual_mesh_attention
 
     cuda = device == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
     s, h, hk, d = (64, 4, 2, 16) if quick else (4096, 16, 4, 128)
     g = torch.Generator(device="cpu").manual_seed(7)
     q, k, v, do = (torch.randn(1, s, x, d, generator=g).to(device=device, dtype=dtype) for x in (h, hk, hk, h))
-    hubs: list = []
-    kw = dict(dout=do, partial_dtype=torch.bfloat16, deterministic=True, hubs=hubs)
+    mesh = VirtualMesh((2, 2, 2))  # one mesh for every call: its pools stay warm, as a real mesh's do
+    kw = dict(dout=do, partial_dtype=torch.bfloat16, deterministic=True)
     # deterministic: the torch kernel runs its CUDA backward under use_deterministic_algorithms (TE, flash:
     # their deterministic flag), so two calls must agree bit for bit
-    first = virtual_mesh_attention(q, k, v, (2, 2, 2), **kw)
+    first = virtual_mesh_attention(q, k, v, mesh, **kw)
     notes = []
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
-            second = virtual_mesh_attention(q, k, v, (2, 2, 2), **kw)
+            second = virtual_mesh_attention(q, k, v, mesh, **kw)
             synced = "none"
         except RuntimeError as exc:
             synced = str(exc).splitlines()[0][:120]
@@ -244,37 +244,32 @@ def section_f(device, quick):
         torch.cuda.reset_peak_memory_stats()
         peaks = []
         for _ in range(10):
-            virtual_mesh_attention(q, k, v, (2, 2, 2), **kw)
+            virtual_mesh_attention(q, k, v, mesh, **kw)
             torch.cuda.synchronize()
             peaks.append(torch.cuda.max_memory_allocated())
         flat = len(set(peaks)) == 1
     else:
-        second = virtual_mesh_attention(q, k, v, (2, 2, 2), **kw)
+        second = virtual_mesh_attention(q, k, v, mesh, **kw)
         synced, flat, peaks = None, None, []
         notes.append("CPU: no sync debug mode and no CUDA allocator stats; pool bytes and bitwise checked")
     names = ("out", "dq", "dk", "dv")
     bitwise = second is not None and all(torch.equal(first[x], second[x]) for x in names)
-    pools = _pool_check(hubs, q, k, (2, 2, 2))
+    pools = _pool_check(mesh, first["plans"], q, k)
     ok = bitwise and pools["ok"] and synced in (None, "none") and flat in (None, True)
     yield dict(check="a2a+mesh 2x2x2, bf16 partials, deterministic", host_syncs=synced, memory_flat=flat,
                peak_mib=[round(p / 2**20, 1) for p in peaks[:1] + peaks[-1:]], pool_bytes=pools["pool"],
                peak_live_bytes=pools["peak"], bitwise=bitwise, notes="; ".join(notes), result="ok" if ok else "FAIL")
 
 
-def _pool_check(hubs, q, k, shape) -> dict:
+def _pool_check(mesh, plans, q, k) -> dict:
     """Every rank's pool bytes against the larger phase's peak_live_bytes of the plans it ran."""
-    from megatron_mesh_cp.attention import plans_for
-
-    u, a, b = shape
-    n = u * a * b
+    u, n = mesh.ulysses, mesh.size
     s_mesh = q.shape[1] // n * u
     mq = torch.empty(s_mesh, q.shape[0], q.shape[2] // u, q.shape[3], dtype=q.dtype, device="meta")
     mk = torch.empty(s_mesh, k.shape[0], k.shape[2] // u, k.shape[3], dtype=k.dtype, device="meta")
-    fake = type("VirtualMesh", (), {"shape": MeshShape(a, b), "cluster": None, "stride": 1, "ulysses": u})()
-    plans = plans_for(mq, mk, fake, True, "sbhd", torch.bfloat16, "greedy")
     dims = ChunkDims.of(mq, mk, torch.float32, torch.bfloat16)
     peak = max(peak_live_bytes(p, dims) for p in plans)
-    pools = {c.buffers.nbytes() for hub in hubs for c in hub.ranks}
+    pools = {c.buffers.nbytes() for hub in mesh.hubs for c in hub.ranks}
     return dict(pool=sorted(pools), peak=peak, ok=pools == {peak})
 
 

@@ -1,6 +1,6 @@
 """Rank functions for the document-masking tests on real gloo groups: exactness against the float64
 reference, measured bytes against the pruned plans' bytes, the pool against their peak, one
-agreement per batch, bad input on every rank."""
+agreement per call (or per batch, agreed once), bad input on every rank (a warm cache too)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import torch
 import megatron_mesh_cp.attention as attention
 from megatron_mesh_cp import mesh_attention, zigzag_shard
 from megatron_mesh_cp.runtime.kernels import BlockKernel
+from megatron_mesh_cp.runtime.masks import Documents
 from megatron_mesh_cp.runtime.memory import peak_live_bytes
 from megatron_mesh_cp.runtime.plan import ChunkDims, plan_traffic
 from megatron_mesh_cp.runtime.ulysses import ulysses_traffic
@@ -41,10 +42,15 @@ def exactness(ctx, shape, cu, heads, kv_heads, seed=0):
     out.backward(ldo)
     sent = dict(mesh.traffic.sent)
     pool = mesh.buffers.nbytes()
-    plans = next(reversed(attention._agreed_calls(mesh).values()))[2]
-    mesh_attention(lq, lk, lv, mesh, cu_seqlens=cu_t)  # the same batch again: no new agreement
+    plans = mesh.calls.last().call.plans
+    mesh_attention(lq, lk, lv, mesh, cu_seqlens=cu_t)  # the same batch again: per-batch documents agree every call
     mesh_attention(lq, lk, lv, mesh, cu_seqlens=cu_t.clone())
     agreed = count[0] - before
+    attention.agree_batch(mesh, Documents(tuple(cu)))  # the launcher's once-per-micro-batch agreement
+    mesh_attention(lq, lk, lv, mesh, cu_seqlens=cu_t)
+    mesh_attention(lq, lk, lv, mesh, cu_seqlens=cu_t.clone())
+    agreed_batch = count[0] - before - agreed
+    mesh.calls.agreed_batch = None
     u = mesh.ulysses
     inner = ChunkDims(1, u * (t // n), heads // u, kv_heads * (u // torch.gcd(torch.tensor(kv_heads), torch.tensor(u)).item()) // u,
                       8, torch.float32)
@@ -55,7 +61,8 @@ def exactness(ctx, shape, cu, heads, kv_heads, seed=0):
     got = [out[0].detach(), lse[0], lq.grad[0], lk.grad[0], lv.grad[0]]
     return {"errors": {name: _sq(a, b) for name, a, b in zip(QUANTITIES, got, local_refs)}, "sent": sent,
             "want": want, "pool": pool, "peak": max(peak_live_bytes(p, inner) for p in plans),
-            "kept": len(plans[0].blocks), "tile": plans[0].a * plans[0].b, "agreed": agreed}
+            "kept": len(plans[0].blocks), "tile": plans[0].a * plans[0].b, "agreed": agreed,
+            "agreed_batch": agreed_batch}
 
 
 class _DenseOnly(BlockKernel):
@@ -77,6 +84,10 @@ def bad_input(ctx, what):
         cu = [0, 20, 5, 32]
     elif what == "disagree" and g == 2:
         cu = [0, 6, 20, 32]
+    elif what == "warm":  # every rank runs this batch once, then rank 2 alone gets other documents
+        q, k, v = (torch.randn(1, 8, h, 8) for h in (4, 2, 2))
+        mesh_attention(q, k, v, mesh, cu_seqlens=torch.tensor(cu, dtype=torch.int32))
+        cu = [0, 6, 20, 32] if g == 2 else cu
     elif what == "kernel":
         kw["kernel"] = _DenseOnly()
     batch = 2 if what == "batch" else 1

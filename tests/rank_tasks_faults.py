@@ -195,25 +195,25 @@ def scales(ctx):
 
 def agreement_overhead(ctx, calls=200):
     """Seconds per call of the agreement step: a cache hit (mean of ``calls``) and a first call."""
-    from megatron_mesh_cp import attention
+    from megatron_mesh_cp import attention, call
 
     mesh = _mesh(ctx)
     q, k, v = _inputs()
     mesh_attention(q, k, v, mesh)
-    key_args = (q, k, v, mesh, True, None, "bshd", "auto", None, None, "greedy", False, False)
+    options = dict(causal=True, softmax_scale=None, kernel="auto", plans=None, partial_dtype=None, planner="greedy",
+                   deterministic=False, check_finite=False, sink=None, return_max_logit=False)
     t0 = time.perf_counter()
     for _ in range(calls):
-        key = attention._call_key(*key_args)
-        attention._agreed_calls(mesh).get(key)
+        attention._prepared(mesh, q, k, v, "bshd", (None, None, None, None), options)
     hit = (time.perf_counter() - t0) / calls
     firsts = []
     for seq in (10, 14, 18, 22, 26):  # new signatures: validation, planning and one all_gather
         q, k, v = _inputs(seq=seq)
         dist.barrier()
         t0 = time.perf_counter()
-        prepared = attention._prepare(q, k, v, mesh, True, None, "bshd", "auto", None, None, "greedy", False)
+        spec = call.resolve(q, k, v, mesh, layout="bshd", mask=call.call_mask("bshd"), **options)
+        prepared = call.prepare(spec)
         t1 = time.perf_counter()
-        attention.agree("mesh attention", attention._signature(q, k, mesh, True, "bshd", None, False, False, prepared),
-                        mesh.cp_group, attention._comm_device(mesh))
+        attention.agree("mesh attention", call.agreement(spec, prepared), mesh.cp_group, attention._comm_device(mesh))
         firsts.append((t1 - t0, time.perf_counter() - t1))
     return {"hit_s": hit, "first_prepare_s": min(f[0] for f in firsts), "first_agree_s": min(f[1] for f in firsts)}

@@ -99,7 +99,7 @@ def cuda_rng_under_checkpoint(ctx):
 
 
 @megatron_task
-def llama_from_checkpoint(ctx, ckpt_dir, tokens, shape=(2, 2), **llama):
+def llama_from_checkpoint(ctx, ckpt_dir, tokens, shape=(2, 2), iteration=0, **llama):
     """Load a converted Llama checkpoint into a GPTModel built as the launcher builds it (mesh spec), under
     mesh CP = a*b; return (rank 0) the full-sequence logits and the state-dict keys of this model and of a
     GPTModel built with stock megatron-core's local spec and the same config."""
@@ -140,7 +140,7 @@ def llama_from_checkpoint(ctx, ckpt_dir, tokens, shape=(2, 2), **llama):
     stock_config = dataclasses.replace(config, context_parallel_size=1, cp_comm_type=None,
                                        hierarchical_context_parallel_sizes=None)
     stock = GPTModel(stock_config, transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"), **kw)
-    loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, f"{ckpt_dir}/iter_0000000")
+    loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, f"{ckpt_dir}/iter_{iteration:07d}")
     model.load_state_dict(loaded["model"])
 
     def sharded_keys(m):

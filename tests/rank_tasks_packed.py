@@ -8,6 +8,7 @@ import torch
 import megatron_mesh_cp.attention as attention
 from megatron_mesh_cp import mesh_attention
 from megatron_mesh_cp.runtime.kernels import BlockKernel
+from megatron_mesh_cp.runtime.masks import packed_documents
 from megatron_mesh_cp.runtime.packed import thd_shard
 from megatron_mesh_cp.reference import packed_reference
 from rank_tasks import _sq, get_mesh
@@ -54,10 +55,15 @@ def exactness(ctx, shape, cu, real, heads, kv_heads, seed=0):
                               return_lse=True)
     out.backward(ldo)
     packed_bytes = dict(mesh.traffic.sent)
-    # the same batch again (same tensors, then equal copies): no new agreement
+    # the same batch again (same tensors, then equal copies): per-batch documents agree every call, unless the
+    # batch was agreed once (agree_batch)
     mesh_attention(lq, lk, lv, mesh, layout="thd", cu_seqlens=real_t, cu_seqlens_padded=cu_t)
     mesh_attention(lq, lk, lv, mesh, layout="thd", cu_seqlens=real_t.clone(), cu_seqlens_padded=cu_t.clone())
     agreed_same = count[0] - before
+    attention.agree_batch(mesh, packed_documents(real_t, cu_t))
+    mesh_attention(lq, lk, lv, mesh, layout="thd", cu_seqlens=real_t, cu_seqlens_padded=cu_t)
+    agreed_batch = count[0] - before - agreed_same
+    mesh.calls.agreed_batch = None
     got = [out.detach(), lse, lq.grad, lk.grad, lv.grad]
     finite = torch.isfinite(local_refs[1])
     same_inf = bool(torch.equal(torch.isfinite(lse), finite))
@@ -67,7 +73,8 @@ def exactness(ctx, shape, cu, real, heads, kv_heads, seed=0):
     x = [y.detach().unsqueeze(0).requires_grad_(True) for y in (lq, lk, lv)]
     mesh_attention(*x, mesh, return_lse=True)[0].backward(ldo.unsqueeze(0))
     return {"errors": {name: _sq(a, b) for name, a, b in zip(QUANTITIES, got, local_refs)}, "same_inf": same_inf,
-            "packed_bytes": packed_bytes, "plain_bytes": dict(mesh.traffic.sent), "agreed_same": agreed_same}
+            "packed_bytes": packed_bytes, "plain_bytes": dict(mesh.traffic.sent), "agreed_same": agreed_same,
+            "agreed_batch": agreed_batch}
 
 
 class _DenseOnly(BlockKernel):

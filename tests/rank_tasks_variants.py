@@ -39,7 +39,7 @@ def exactness(ctx, shape, causal, window, heads, kv_heads, d, dv, seed=0):
                                    cu_seqlens=torch.tensor(cu, dtype=torch.int32), return_lse=True,
                                    return_max_logit=True)
     out.backward(ldo)
-    plans = next(reversed(attention._agreed_calls(mesh).values()))[2]
+    plans = mesh.calls.last().call.plans
     r = kv_repeats(heads, kv_heads, u) if u > 1 else 1
     inner = ChunkDims(1, u * (t // n), heads // u, kv_heads * r // u, d, torch.float32, v_head_dim=dv)
     want = {**plan_traffic(plans[0], inner), **plan_traffic(plans[1], inner)}
@@ -78,3 +78,37 @@ def bad_input(ctx, what):
         kw.update(return_max_logit=True, kernel=_NoWindow())
     q, k, v = (torch.randn(1, 8, h, 8) for h in (4, 2, 2))
     return mesh_attention(q, k, v, mesh, **kw)
+
+
+def chunked(ctx, shape, seed=0):
+    """Chunked local attention with documents on this rank's zigzag share: squared errors against the
+    float64 dense definition, and the bytes sent against the pruned plans' (+ the all-to-all)."""
+    from megatron_mesh_cp.runtime.masks import Chunked
+    from test_masks import chunked_keep, dense_reference
+
+    mesh = _mesh(ctx, shape)
+    n, g, u = mesh.size, mesh.position, mesh.ulysses
+    t, size, heads, kv_heads = 16 * n, 5, 4, 2
+    cu = [0, 7, t // 2 + 1, t]
+    gen = torch.Generator().manual_seed(seed)
+    q, do = (torch.randn(t, heads, 8, generator=gen, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(t, kv_heads, 8, generator=gen, dtype=torch.float64) for _ in range(2))
+    ref = dense_reference(q, k, v, do, chunked_keep(t, size, cu, True), 8 ** -0.5)
+    local_refs = [zigzag_shard(ref[name], n, g, dim=1 if name == "lse" else 0) for name in QUANTITIES]
+    lq, lk, lv, ldo = (zigzag_shard(x, n, g, dim=0).float().unsqueeze(0) for x in (q, k, v, do))
+    lq, lk, lv = (x.requires_grad_(True) for x in (lq, lk, lv))
+    mesh.traffic.reset()
+    out, lse = mesh_attention(lq, lk, lv, mesh, mask=Chunked(size), cu_seqlens=torch.tensor(cu, dtype=torch.int32),
+                              return_lse=True)
+    out.backward(ldo)
+    plans = mesh.calls.last().call.plans
+    r = kv_repeats(heads, kv_heads, u) if u > 1 else 1
+    inner = ChunkDims(1, u * (t // n), heads // u, kv_heads * r // u, 8, torch.float32)
+    want = {**plan_traffic(plans[0], inner), **plan_traffic(plans[1], inner)}
+    local = ChunkDims(1, t // n, heads, kv_heads, 8, torch.float32)
+    want.update(ulysses_traffic(u, local, "forward", return_lse=True))
+    want.update(ulysses_traffic(u, local, "backward"))
+    got = [out[0].detach(), lse[0], lq.grad[0], lk.grad[0], lv.grad[0]]
+    errors = {name: _sq(a, b) for name, a, b in zip(QUANTITIES, got, local_refs)}
+    nonzero = lambda d: {key: val for key, val in d.items() if val}  # noqa: E731
+    return {**errors, "sent": nonzero(mesh.traffic.sent), "want": nonzero(want)}

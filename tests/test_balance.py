@@ -1,6 +1,6 @@
 """The document order that balances the zigzag chunks (runtime/balance.py): its work figures are the
 mask's own pair counts, it is a permutation, deterministic, never worse than the given order, and
-on the issue's 1M-token draw it brings the busiest chunk close to the busiest-piece bound."""
+on a 1M-token draw of 4K-64K documents it brings the busiest chunk close to the busiest-piece bound."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def test_chunk_work_is_the_masks_pair_count(causal):
     for n in (1, 2, 3, 4, 6):
         for _ in range(20):
             lengths = _draw(rng, 2 * n * int(rng.integers(1, 9)))
-            want = row_pairs(UnpaddedDocuments(tuple(lengths)), n, causal, None)
+            want = row_pairs(UnpaddedDocuments(tuple(lengths)).span(), n, causal)
             np.testing.assert_allclose(chunk_work(lengths, n, causal), want)
 
 
@@ -38,7 +38,7 @@ def test_balance_order_is_a_deterministic_improving_permutation():
             assert chunk_work([lengths[i] for i in order], n).max() <= chunk_work(lengths, n).max()
 
 
-def test_the_issues_draw_gets_near_the_busiest_piece_bound():
+def test_a_1m_draw_gets_near_the_busiest_piece_bound():
     lengths = list(sample_documents(1 << 20, 4096, 65536, seed=0).lengths)
     given, order = chunk_work(lengths, 32), balance_order(lengths, 32)
     got = chunk_work([lengths[i] for i in order], 32)
@@ -73,10 +73,10 @@ def test_the_simulator_runs_balanced_documents_in_the_runtimes_order():
     cluster = load_cluster("h100-ib400")
     lengths = list(sample_documents(4096, 64, 1024, seed=3).lengths)
     w = Workload(seq_local=4096 // 8, heads=4, kv_heads=2, head_dim=16,
-                 documents=UnpaddedDocuments(tuple(lengths), balanced=True))
+                 mask=UnpaddedDocuments(tuple(lengths), balanced=True))
     for a, b in ((2, 4), (1, 8)):
         order = balance_order(lengths, a * b)
-        plain = replace(w, documents=UnpaddedDocuments(tuple(lengths[i] for i in order)))
+        plain = replace(w, mask=UnpaddedDocuments(tuple(lengths[i] for i in order)))
         assert order != tuple(range(len(lengths)))
         np.testing.assert_array_equal(w.block_times(cluster, True, a * b), plain.block_times(cluster, True, a * b))
         assert w.needed(a, b) == plain.needed(a, b)

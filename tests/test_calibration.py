@@ -31,7 +31,7 @@ def test_published_ratios_reproduced(rows):
 
 
 def test_uncalibrated_model_fails_the_same_bar():
-    """The bar is not trivially met: without the overlap costs the model misses it (as the issue found)."""
+    """The bar is not trivially met: without the overlap costs the model misses it (as the published ratios show)."""
     zero = {k: 0.0 for k in CALIBRATED}
     s = cal.summary(cal.compare(zero, bridge={"shared_GBps": None, "p2p_group": 0}))
     assert not s["ok"] and s["share_within"] < 0.8
@@ -119,7 +119,7 @@ def test_calibration_script_regenerates_the_docs(tmp_path):
 
 
 def test_host_cost_per_kernel_call_bounds_compute_steps():
-    """Issue 20: the host spends ``host_per_call`` issuing each kernel call while the GPU runs the
+    """The host spends ``host_per_call`` issuing each kernel call while the GPU runs the
     steps; a step cannot end before the host issued it, so a plan whose calls take longer on the host
     than on the GPU runs at the host's pace (``host_bound``), and GPU-bound plans do not move."""
     from megatron_mesh_cp.planning.schedule import build_plans

@@ -58,13 +58,27 @@ def test_launcher_dry_run_fails_naming_the_unset_variable(tmp_path):
 
 
 def test_false_turns_off_a_setting_megatron_enables_by_default_and_never_drops_silently(tmp_path):
-    path = _cfg(tmp_path, "create_attention_mask_in_dataloader: false\napply_rope_fusion: false\nbf16: false\n"
-                          "rope_fusion_flag_that_does_not_exist: true\n")
-    assert config_to_argv(path, {}) == ["--no-create-attention-mask-in-dataloader", "--no-rope-fusion",
-                                        "--rope-fusion-flag-that-does-not-exist"]  # Megatron rejects the last loudly
+    path = _cfg(tmp_path, "create_attention_mask_in_dataloader: false\napply_rope_fusion: false\nbf16: false\n")
+    assert config_to_argv(path, {}) == ["--no-create-attention-mask-in-dataloader", "--no-rope-fusion"]
     assert config_to_argv(_cfg(tmp_path, "create_attention_mask_in_dataloader: true\n"), {}) == []  # the default
-    with pytest.raises(ConfigError, match=r"crate_attention_mask: false, but Megatron has no .* silently dropped"):
+    with pytest.raises(ConfigError, match=r"crate_attention_mask: not a Megatron or mesh-CP setting .* did you mean "
+                                          r".*create_attention_mask_in_dataloader"):
         config_to_argv(_cfg(tmp_path, "crate_attention_mask: false\n"), {})
+
+
+def test_an_unknown_key_names_itself_and_the_file_it_is_in(tmp_path):
+    """A typo is one line naming the key, the file (the included one when it is there) and the nearest settings,
+    not Megatron's usage text; a setting whose flag is spelled otherwise maps to that flag."""
+    (tmp_path / "base.yaml").write_text("seq_lenght: 128\nrope_fusion_flag_that_does_not_exist: true\n")
+    top = tmp_path / "top.yaml"
+    top.write_text("include: base.yaml\nlr: 1.0e-4\n")
+    with pytest.raises(ConfigError) as err:
+        config_to_argv(str(top), {})
+    text = str(err.value)
+    assert f"{tmp_path / 'base.yaml'}: seq_lenght: not a Megatron or mesh-CP setting (Megatron has no --seq-lenght); " \
+           "did you mean seq_length" in text
+    assert "rope_fusion_flag_that_does_not_exist: not a Megatron or mesh-CP setting" in text
+    assert config_to_argv(_cfg(tmp_path, "layernorm_epsilon: 1.0e-5\n"), {}) == ["--norm-epsilon", "1e-05"]
 
 
 def test_include_reads_the_base_first_and_the_file_overrides_it(tmp_path):

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from megatron_mesh_cp import build_plans, valid_shapes
-from megatron_mesh_cp.runtime.documents import DocumentMask, Documents, documents_from_eod
+from megatron_mesh_cp.runtime.masks import Documents, Window, documents_from_eod, intersect
 from megatron_mesh_cp.runtime.kernels import TorchKernel, Varlen
 from megatron_mesh_cp.runtime.layout import zigzag_positions
 from megatron_mesh_cp.runtime.plan import ChunkDims, plan_traffic, validate
@@ -21,6 +21,13 @@ from megatron_mesh_cp.runtime.prune import prune
 from megatron_mesh_cp.runtime.topology import MeshShape
 from megatron_mesh_cp.reference import packed_reference, relative_errors
 from megatron_mesh_cp.virtual import virtual_mesh_attention
+
+
+def span_blocks(docs, n, causal, window=None):
+    """The runtime's block engine of documents (a Documents or UnpaddedDocuments mask, or offsets)
+    and a window on n mesh chunks."""
+    docs = docs if not isinstance(docs, (list, tuple)) else Documents(tuple(docs))
+    return intersect(docs, None if window is None else Window(*window)).bind(n, docs.cu[-1], causal)
 
 
 def offsets(lengths):
@@ -100,7 +107,7 @@ def test_sub_blocks_are_the_dense_mask(n):
             for window in WINDOWS + [(3 * (cu[-1] // (2 * n)), 0)]:
                 if causal and window is not None and window[1] > 0:
                     continue
-                mask = DocumentMask(Documents(tuple(cu)), n, causal, window=window)
+                mask = span_blocks(cu, n, causal, window)
                 ne = mask.nonempty()
                 for i in range(n):
                     for j in range(n):
@@ -119,7 +126,7 @@ def test_needed_blocks_are_the_union_over_ranks():
     for a, b in ((2, 3), (3, 2), (1, 6), (6, 1)):
         shape = MeshShape(a, b)
         for cu in document_sets(shape.n, rng):
-            mask = DocumentMask(Documents(tuple(cu)), shape.n, True)
+            mask = span_blocks(cu, shape.n, True)
             union = {(qo, ko) for g in range(shape.n) for qo in range(a) for ko in range(b)
                      if mask.block(shape.q_chunk(g, qo), shape.kv_chunk(g, ko))}
             assert mask.needed(shape) == union
@@ -140,7 +147,7 @@ def test_pruned_plans_validate_and_move_less(n):
     for a, b in valid_shapes(n):
         full = build_plans(a, b, chains="both-ways")
         for cu in document_sets(n, rng):
-            keep = DocumentMask(Documents(tuple(cu)), n, True).needed(MeshShape(a, b))
+            keep = span_blocks(cu, n, True).needed(MeshShape(a, b))
             for plan in full:
                 pruned = prune(plan, keep)
                 validate(pruned)
@@ -148,7 +155,7 @@ def test_pruned_plans_validate_and_move_less(n):
                 assert sum(plan_traffic(pruned, dims).values()) <= sum(plan_traffic(plan, dims).values())
         # documents that never cross a chunk (each piece its own documents): only the own block, nothing moves
         cu = offsets([2, 3, 11] * (2 * n))
-        keep = DocumentMask(Documents(tuple(cu)), n, True).needed(MeshShape(a, b))
+        keep = span_blocks(cu, n, True).needed(MeshShape(a, b))
         assert keep == {(0, 0)}
         for plan in full:
             pruned = prune(plan, keep)

@@ -37,19 +37,19 @@ def lengths_of(cu):
 
 def _w(n, docs, kv=8, causal=True, **kw):
     return Workload(seq_local=docs.total // n, heads=32, kv_heads=kv, head_dim=128, causal=causal, partial_bytes=2,
-                    documents=docs, **kw)
+                    mask=docs, **kw)
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 5])
 @pytest.mark.parametrize("tile", [0, 3])
 def test_block_calls_are_the_runtime_sub_blocks(n, tile):
-    """Call for call (rows, keys, work) what DocumentMask.block runs, causal and not, vectorised."""
+    """Call for call (rows, keys, work) what SpanBlocks.block runs, causal and not, vectorised."""
     for cu in runtime_document_sets(n, random.Random(n)) + [[0, 1, 4 * n]]:
         docs = UnpaddedDocuments(lengths_of(cu), tile)
         for causal in (True, False):
-            mask = docs.mask(n, causal)
+            mask = docs.bind(n, docs.total, causal)
             got = {}
-            for i, j, r, k, w in zip(*block_calls(docs, n, causal)):
+            for i, j, r, k, w in zip(*block_calls(docs.span(), n, causal)):
                 got.setdefault((int(i), int(j)), []).append((int(r), int(k), int(w)))
             for i in range(n):
                 for j in range(n):
@@ -66,7 +66,7 @@ def test_block_calls_are_the_runtime_sub_blocks(n, tile):
                         assert tile or w == s.pairs
                         want.append((r, k, w))
                     assert sorted(got.get((i, j), [])) == sorted(want), (cu, causal, i, j)
-            assert np.array_equal(docs.nonempty(n, causal), np.array(
+            assert np.array_equal(mask.nonempty(), np.array(
                 [[bool(got.get((i, j))) for j in range(n)] for i in range(n)]))
 
 
@@ -74,11 +74,11 @@ def test_empty_blocks_cost_nothing_and_every_call_is_charged():
     n = 8
     docs = sample_documents(64 * 1024, 256, 4096, seed=3)
     w = _w(n, docs)
-    mask = docs.mask(n, True)
+    mask = docs.bind(n, docs.total, True)
     for backward in (False, True):
         t = w.block_times(H100, backward, n)
         assert not t.flags.writeable
-        assert np.array_equal(t > 0, docs.nonempty(n, True)) and (t == 0).sum() > n  # most blocks are empty
+        assert np.array_equal(t > 0, mask.nonempty()) and (t == 0).sum() > n  # most blocks are empty
         for i, j in ((0, 0), (3, 2), (2, 3), (7, 6)):
             want = 0.0
             for s in mask.block(i, j):  # each sub-block: its kernel at its rows' throughput and its own call costs
@@ -114,13 +114,13 @@ def test_pruned_plan_bytes_replay_equal_plan_traffic_and_the_executor(shape):
     a, b = shape[-2:]
     docs = UnpaddedDocuments(lengths_of(cu))
     w = Workload(seq_local=cu[-1] // n, heads=4, kv_heads=2, head_dim=8, bytes_per_element=4, partial_bytes=4,
-                 documents=docs)
+                 mask=docs)
     inner = ulysses_inner(u, w)
     plans = document_plans(a, b, cluster=default_cluster(), workload=inner, stride=u)
     assert [p.ops for p in plans] == [p.ops for p in res["plans"]]
     dims = ChunkDims(1, inner.seq_local, inner.heads, inner.kv_heads, 8, torch.float32)
     want = {**plan_traffic(plans[0], dims), **plan_traffic(plans[1], dims)}
-    full = build_plans(a, b, cluster=default_cluster(), workload=replace(inner, documents=None), stride=u,
+    full = build_plans(a, b, cluster=default_cluster(), workload=replace(inner, mask=None), stride=u,
                        chains="both-ways")
     assert sum(want.values()) <= sum(sum(plan_traffic(p, dims).values()) for p in full)
     sim = {}
@@ -184,19 +184,19 @@ def test_te_baselines_stay_padded_and_send_every_chunk():
     res = {r.algo: r for r in compare_documents(["usp", "mesh:4x4"], n, H100, w, packing, docs)}
     assert list(res) == ["ring", "ring-pruned", "usp", "mesh:4x4"]
     for algo in ("ring", "usp"):
-        padded = simulate_algorithm(algo, n, H100, replace(w, packing=packing))
+        padded = simulate_algorithm(algo, n, H100, replace(w, mask=packing))
         plain = simulate_algorithm(algo, n, H100, w)
         assert res[algo].time == padded.time and res[algo].bytes_sent == padded.bytes_sent == plain.bytes_sent
     assert res["ring-pruned"].bytes_sent < 0.6 * res["ring"].bytes_sent  # pruning alone
     assert res["ring-pruned"].time < res["ring"].time
     with pytest.raises(ValueError, match="cannot run unpadded documents"):
-        simulate_algorithm("usp", n, H100, replace(w, documents=docs))
+        simulate_algorithm("usp", n, H100, replace(w, mask=docs))
     with pytest.raises(ValueError, match="give documents"):
         simulate_algorithm("ring-pruned", n, H100, w)
     with pytest.raises(ValueError, match="not both"):
-        replace(w, documents=docs, packing=packing)
+        replace(w, mask=docs & packing)
     with pytest.raises(ValueError, match="must fill the global sequence length"):
-        simulate_algorithm("mesh:4x4", n, H100, replace(w, documents=sample_documents(seq // 2, 2048, 32768)))
+        simulate_algorithm("mesh:4x4", n, H100, replace(w, mask=sample_documents(seq // 2, 2048, 32768)))
     table = format_documents_table(list(res.values()), packing, docs).splitlines()
     assert table[0].split()[:3] == ["algorithm", "shape", "documents"]
     rows = {ln.split()[0]: ln for ln in table[2:]}

@@ -1,4 +1,4 @@
-"""Faults must fail loudly and fast (issue 11): ranks that disagree, stall, or grow memory.
+"""Faults must fail loudly and fast: ranks that disagree, stall, or grow memory.
 
 Every multi-rank test runs on a RankPool, whose result wait is a hard timeout (the pool's
 process-group timeout + 30 s), so a hang fails the test instead of stalling CI. The stall tests
@@ -106,11 +106,12 @@ def test_check_finite_raises_on_every_rank_naming_the_rank_with_the_nan(pools):
 
 
 def test_a_tensor_softmax_scale_is_read_to_the_host_once_per_version():
-    """Issue 20, defect 7: reading a 0-d CUDA tensor is a device sync, and every call keys its cached
+    """Defect 7 of docs/DESIGN.md section 6: reading a 0-d CUDA tensor is a device sync, and every call keys its cached
     plan by the scale; the same tensor object is read once (again only after an in-place change)."""
-    from types import SimpleNamespace
-
-    from megatron_mesh_cp.attention import _call_key
+    from megatron_mesh_cp.attention import _options
+    from megatron_mesh_cp.call import call_key
+    from megatron_mesh_cp.runtime.masks import FULL
+    from megatron_mesh_cp.virtual import VirtualMesh
 
     reads = []
 
@@ -121,8 +122,10 @@ def test_a_tensor_softmax_scale_is_read_to_the_host_once_per_version():
 
     scale = torch.tensor(0.25).as_subclass(Counting)
     q = torch.zeros(1, 8, 2, 4)
-    mesh = SimpleNamespace()
-    keys = [_call_key(q, q, q, mesh, True, scale, "bshd", "auto", None, None, "greedy", False, False) for _ in range(5)]
+    mesh = VirtualMesh((1, 1))
+    opts = dict(causal=True, kernel="auto", plans=None, partial_dtype=None, planner="greedy", deterministic=False,
+                check_finite=False, sink=None, return_max_logit=False)
+    keys = [call_key(q, q, q, mesh, "bshd", FULL, _options(softmax_scale=scale, **opts)) for _ in range(5)]
     assert len(reads) == 1 and len(set(keys)) == 1 and resolve_scale(scale, 4) == 0.25 and len(reads) == 1
     scale.fill_(0.5)  # in place: a new version, read again
     assert resolve_scale(scale, 4) == 0.5 and len(reads) == 2

@@ -19,7 +19,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_buffers_are_allocated_once_per_layer_shape_and_never_alias_results():
-    from megatron_mesh_cp.attention import plans_for
+    from megatron_mesh_cp.call import plan, resolve
+    from megatron_mesh_cp.virtual import VirtualMesh
     from megatron_mesh_cp.runtime.execute import run_virtual
     from megatron_mesh_cp.runtime.kernels import TorchKernel
     from megatron_mesh_cp.runtime.layout import zigzag_shard
@@ -28,9 +29,8 @@ def test_buffers_are_allocated_once_per_layer_shape_and_never_alias_results():
     hub = VirtualHub(shape)
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(32, 2, h, 8, generator=g) for h in (4, 2, 2))
-    mesh = type("M", (), {"shape": shape, "cluster": None, "stride": 1})()
-    fwd, _ = plans_for(q, k, mesh, True, "sbhd", None, "greedy")
     per = [dict(q=zigzag_shard(q, 4, r, 0), k=zigzag_shard(k, 4, r, 0), v=zigzag_shard(v, 4, r, 0)) for r in range(4)]
+    fwd, _ = plan(resolve(per[0]["q"], per[0]["k"], per[0]["v"], VirtualMesh((2, 2)), layout="sbhd"))[0]
     first, _ = run_virtual(fwd, shape, per, TorchKernel(), causal=True, scale=0.3, hub=hub)
     sizes = [len(c.buffers) for c in hub.ranks]
     nbytes = [c.buffers.nbytes() for c in hub.ranks]
@@ -46,7 +46,7 @@ def test_buffers_are_allocated_once_per_layer_shape_and_never_alias_results():
 def test_gpu_check_script_smoke_on_cpu(tmp_path):
     """The GPU check end to end on CPU (``--device cpu --quick``, what CI runs): every section runs in
     its own process and reports rows, and both the markdown and the JSON of raw numbers land in the
-    output directory. The executor sections (issue 20) pass on CPU: the stream stand-in (copies
+    output directory. The executor sections ((e)-(g)) pass on CPU: the stream stand-in (copies
     deferred to the first wait) is bitwise equal to the same-stream run on slab plans for 2x2, 4x4
     and 8x2; warm a2a+mesh calls are bitwise equal with every pool at peak_live_bytes; the n = 16
     run reports its host cost per kernel call."""

@@ -1,4 +1,4 @@
-"""Grouped computes (issue 9 item 5): one Compute op covers several blocks of a Q chunk whose KV
+"""Grouped computes: one Compute op covers several blocks of a Q chunk whose KV
 chunks sit in a slab, and the executor runs them as one kernel call per contiguous run of keys.
 
 Checked here: the slab layout gives each case group one run on every rank; grouped plans are exact

@@ -1,4 +1,4 @@
-"""The executor's host work per layer stays where issue 20 brought it: launching ops, views and
+"""The executor's host work per layer stays where the prepared steps brought it: launching ops, views and
 allocations per rank of a small mesh, counted with the torch profiler on virtual ranks exactly as
 scripts/bench_host.py counts them (the figures in docs/performance.md, "Host cost")."""
 
@@ -24,8 +24,8 @@ def _bench_host():
 
 def test_launching_ops_per_rank_and_layer_stay_near_the_measured_figures():
     """2x4 mesh, greedy plans of a 32K-token GQA layer (KV slabs and grouped calls in both phases,
-    fresh and merged partials, both reductions), one warm layer forward + backward. Measured after
-    issue 20: 90.5 launching ops (13 of them the transport's one copy per transfer), 172 views,
+    fresh and merged partials, both reductions), one warm layer forward + backward. Measured with the
+    prepared steps: 90.5 launching ops (13 of them the transport's one copy per transfer), 172 views,
     0 allocations per rank; before it: 133.5, 262 and 0. The bounds leave ~8% for small additions."""
     bh = _bench_host()
     torch.set_num_threads(1)
@@ -37,7 +37,7 @@ def test_launching_ops_per_rank_and_layer_stay_near_the_measured_figures():
     hub.copies = kern.calls = 0
     launch, views, alloc = bh.count_ops(pieces())
     assert hub.copies / ranks == sum(len(p.transfers) for p in plans)  # one transport op per transfer
-    assert launch / ranks <= 98, f"{launch / ranks:.1f} launching ops per rank and layer (measured 90.5 after issue 20)"
+    assert launch / ranks <= 98, f"{launch / ranks:.1f} launching ops per rank and layer (measured 90.5 with the prepared steps)"
     assert views / ranks <= 186, f"{views / ranks:.1f} views per rank and layer (measured 172)"
     assert alloc <= kern.calls, f"{alloc} allocations for {kern.calls} kernel calls"
 

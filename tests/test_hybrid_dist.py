@@ -15,8 +15,9 @@ import pytest
 import torch
 
 from megatron_mesh_cp import ChunkDims, MeshShape, plan_traffic
-from megatron_mesh_cp.attention import plans_for
+from megatron_mesh_cp.call import plan, resolve
 from megatron_mesh_cp.runtime.ulysses import kv_repeats, ulysses_traffic
+from megatron_mesh_cp.virtual import VirtualMesh
 
 SHAPES = {8: [(2, 2, 2), (2, 1, 4), (4, 2, 1), (8, 1, 1)], 12: [(2, 2, 3), (3, 2, 2)], 16: [(2, 2, 4), (4, 2, 2)]}
 DIM, S_LOCAL, BATCH = 16, 4, 2
@@ -53,9 +54,9 @@ def _expected_bytes(shape, case):
     h, hk = case["heads"], case["kv_heads"]
     r = kv_repeats(h, hk, u)
     dtype = DTYPE_OF[case["dtype"]]
-    meta = lambda heads: torch.empty(u * S_LOCAL, BATCH, heads, DIM, dtype=dtype, device="meta")  # noqa: E731
-    mesh = type("M", (), {"shape": MeshShape(a, b), "ulysses": u})()
-    fwd, bwd = plans_for(meta(h // u), meta(hk * r // u), mesh, case["causal"], "sbhd", None, "greedy")
+    meta = lambda heads: torch.empty(S_LOCAL, BATCH, heads, DIM, dtype=dtype, device="meta")  # noqa: E731
+    spec = resolve(meta(h), meta(hk), meta(hk), VirtualMesh((u, a, b)), causal=case["causal"], layout="sbhd")
+    fwd, bwd = plan(spec)[0]
     super_dims = ChunkDims(BATCH, u * S_LOCAL, h // u, hk * r // u, DIM, dtype)
     local_dims = ChunkDims(BATCH, S_LOCAL, h, hk, DIM, dtype)
     want = {**plan_traffic(fwd, super_dims), **plan_traffic(bwd, super_dims)}

@@ -1,4 +1,4 @@
-"""a2a+mesh in the planner and simulator: shapes, pruned auto choice, CLI, and the issue's n = 256 rows."""
+"""a2a+mesh in the planner and simulator: shapes, pruned auto choice, CLI, and the n = 256 rows."""
 
 from __future__ import annotations
 
@@ -75,8 +75,8 @@ def test_cli_prints_a2a_mesh_row_with_three_part_shape():
     assert bad.returncode == 2 and "u*a*b" in bad.stderr
 
 
-def test_issue_rows_at_256_mesh_family_vs_usp_and_ring():
-    """The calibrated verdicts the hybrid issue asks for at n = 256 (h100-ib400), as far as they hold."""
+def test_rows_at_256_mesh_family_vs_usp_and_ring():
+    """The calibrated verdicts a2a+mesh was built for at n = 256 (h100-ib400), as far as they hold."""
     out = {}
     for seq in (128 * 1024, 1 << 20):
         for kv in (32, 8):
@@ -113,15 +113,18 @@ def test_auto_honours_the_memory_budget(caplog):
     # the plans that then run (mesh_attention plans with the choice's live-chunk limit, as
     # simulate_algorithm does) hold exactly the peak the choice logged
     import torch
-    from megatron_mesh_cp.attention import plans_for
+    from megatron_mesh_cp.call import prepare, resolve
     from megatron_mesh_cp.planning.costs import plan_peak_bytes
+    from megatron_mesh_cp.runtime.mesh import PlanOptions
+    from megatron_mesh_cp.virtual import VirtualMesh
 
     assert tight.max_live is not None and free.max_live is None
-    mesh = type("Mesh", (), {"shape": tight.shape, "cluster": H100, "stride": 1, "ulysses": 1,
-                             "max_live": tight.max_live})()
+    mesh = VirtualMesh(tight.shape, PlanOptions(cluster=H100, max_live=tight.max_live))
     q = torch.empty(w.seq_local, w.batch, w.heads, w.head_dim, dtype=torch.bfloat16)
     k = torch.empty(w.seq_local, w.batch, w.kv_heads, w.head_dim, dtype=torch.bfloat16)
-    fwd, bwd = plans_for(q, k, mesh, True, "sbhd", torch.bfloat16 if w.partial_bytes == 2 else None, "greedy")
+    spec = resolve(q, k, k, mesh, layout="sbhd", partial_dtype=torch.bfloat16 if w.partial_bytes == 2 else None,
+                   kernel="torch")
+    fwd, bwd = prepare(spec).plans
     assert plan_peak_bytes(fwd, bwd, w) == tight.peak_bytes
     sim = simulate_algorithm("mesh", 16, H100, w, max_live=None)
     auto = choose_shape(16, H100, w)
@@ -134,7 +137,6 @@ def test_simulator_bytes_equal_executor_bytes_for_a2a_mesh(shape, h, hk):
     equal the simulator's bytes per phase: all-to-all plus the inner mesh plan."""
     import torch
 
-    from megatron_mesh_cp.attention import plans_for
     from megatron_mesh_cp.virtual import virtual_mesh_attention
 
     u, a, b = shape
@@ -144,14 +146,7 @@ def test_simulator_bytes_equal_executor_bytes_for_a2a_mesh(shape, h, hk):
     res = virtual_mesh_attention(q, k, v, shape, dout=do)
     w = Workload(seq_local=s, heads=h, kv_heads=hk, head_dim=d, batch=2, bytes_per_element=4, partial_bytes=4)
 
-    class _Mesh:  # what plans_for reads: the same plans the virtual run used
-        ulysses, stride = u, 1
-        shape = __import__("megatron_mesh_cp.runtime.topology", fromlist=["MeshShape"]).MeshShape(a, b)
-        cluster = None
-
-    inner_q = torch.empty(2, s * u, h // u, d)
-    inner_k = torch.empty(2, s * u, ulysses_inner(u, w).kv_heads, d)
-    fwd, bwd = plans_for(inner_q, inner_k, _Mesh, True, "bshd", None, "greedy")
+    fwd, bwd = res["plans"]  # the plans the virtual run used
     from megatron_mesh_cp.planning.schedule import default_cluster
 
     sim = a2a_mesh(u, a, b, default_cluster(), w, 1)

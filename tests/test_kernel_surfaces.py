@@ -34,7 +34,7 @@ def _through_executor(monkeypatch, name, shape, causal, heads, **kw):
 @pytest.mark.parametrize("fa2", ["2.6", "2.7", "2.8"])
 @pytest.mark.parametrize("shape,causal,heads", CASES)
 def test_flash_attn_2_surfaces_through_the_executor(monkeypatch, fa2, shape, causal, heads):
-    """Item 1: 2.7/2.8 wrap the entry points as torch custom ops (signature ``(*args, **kwargs)``
+    """flash-attn 2.7/2.8 wrap the entry points as torch custom ops (signature ``(*args, **kwargs)``
     on the module attribute); 2.6 takes a ``window_size`` tuple and returns an 8-tuple."""
     fake_kernels.pretend_cuda(monkeypatch, te=None, flash=fa2)
     kern = _through_executor(monkeypatch, "flash", shape, causal, heads)
@@ -51,7 +51,7 @@ def test_flash_attn_older_than_2_6_is_refused_by_version(monkeypatch):
 @pytest.mark.parametrize("fa3", ["2024-07", "2025-03", "2025-08"])
 @pytest.mark.parametrize("shape,causal,heads", CASES[:2])
 def test_flash_attn_3_surfaces_through_the_executor(monkeypatch, fa3, shape, causal, heads):
-    """Item 3: the first FA3 release returns (out, q, k, v, out_padded, lse, S_dmask); 2025-01..07
+    """The first FA3 release returns (out, q, k, v, out_padded, lse, S_dmask); 2025-01..07
     builds need every leading argument and take ``causal`` in the backward; 2025-08+ builds are
     custom ops with ``is_causal`` (and may not be handed an ``out`` buffer: a custom op cannot
     return its input)."""
@@ -75,7 +75,7 @@ def test_flash_attn_3_on_sm80_runs_where_the_build_can_else_fa2(monkeypatch, fa3
 @pytest.mark.parametrize("te", ["2.0", "2.15"])
 @pytest.mark.parametrize("shape,causal,heads", CASES)
 def test_te_surfaces_through_the_executor(monkeypatch, te, shape, causal, heads):
-    """Item 4: 2.0-2.14 take ``dqkv_dtype`` positionally, 2.15+ do not; causal is passed with
+    """TE 2.0-2.14 take ``dqkv_dtype`` positionally, 2.15+ do not; causal is passed with
     ``window_size=(-1, 0)``; the backward is non-deterministic unless asked."""
     fake_kernels.pretend_cuda(monkeypatch, te=te, flash=None)
     _through_executor(monkeypatch, "te", shape, causal, heads)
@@ -102,7 +102,7 @@ def _spec(d=128, dtype=torch.bfloat16, h=8, hk=2):
     ((12, 0), (9, 19, 0), 128, True, "no deterministic .*sm120"),
 ])
 def test_te_configurations_are_gated_by_te_backend_selection(monkeypatch, capability, cudnn, d, deterministic, error):
-    """Item 4: what TE cannot run fails in check() -- before any process group -- naming the
+    """What TE cannot run fails in check() -- before any process group -- naming the
     alternative, instead of crashing inside TE's backward after a good forward."""
     fake_kernels.pretend_cuda(monkeypatch, capability=capability, te="2.15", flash=None)
     monkeypatch.setitem(fake_kernels.CUDNN, "version", cudnn)
@@ -166,7 +166,7 @@ def _megatron_on_gpu(monkeypatch, capability, te="2.15"):
 
 
 def test_megatron_start_up_checks_the_kernel_for_the_model(monkeypatch):
-    """Item 4 under Megatron: the argument check asks the backend (TE's own selection) about this
+    """Under Megatron the argument check asks the backend (TE's own selection) about this
     model's attention inputs before any process group, honouring --deterministic-mode."""
     from megatron_mesh_cp.megatron.arguments import MeshArgumentError, apply_mesh_args
     from megatron_mesh_cp.megatron.settings import SETTINGS
@@ -182,7 +182,7 @@ def test_megatron_start_up_checks_the_kernel_for_the_model(monkeypatch):
     assert SETTINGS.deterministic is False
     with pytest.raises(MeshArgumentError, match="no deterministic fused-attention backward .*--deterministic-mode"):
         apply_mesh_args(args(kv_channels=128, deterministic_mode=True), argv=[])
-    # issue 20, defect 7: --mesh-packed-data needs a backend for packed (THD) blocks; on sm80 TE has
+    # docs/DESIGN.md section 6, defect 7: --mesh-packed-data needs a backend for packed (THD) blocks; on sm80 TE has
     # none and auto falls to the torch kernel, whose CUDA path has no varlen
     packed = dict(kv_channels=128, mesh_packed_data=True, tensor_model_parallel_size=1, calculate_per_token_loss=True)
     with pytest.raises(MeshArgumentError, match=r"--mesh-kernel auto: .*torch: the torch attention kernel runs packed "
@@ -231,7 +231,7 @@ def test_flash_varlen_needs_a_build_with_varlen_entry_points(monkeypatch):
 @pytest.mark.parametrize("cudnn", [(9, 10, 0), (9, 5, 0)], ids=["stats-ragged", "stats-bhs1"])
 def test_te_thd_through_the_executor(monkeypatch, te, cudnn):
     """TE's thd_thd_thd with padding_causal / padding; softmax stats ragged from cuDNN 9.6 on --
-    [max_tokens(t), h, 1] through TE 2.10 (issue 20, defect 1: at least 1024 rows, the ones past t
+    [max_tokens(t), h, 1] through TE 2.10 (docs/DESIGN.md section 6, defect 1: at least 1024 rows, the ones past t
     unwritten), [t, h, 1] from 2.11 -- and [b, h, max_seqlen, 1] before; all converted to and from ours.
     Below cuDNN 9.6 TE's thd needs as many kv heads as heads."""
     fake_kernels.pretend_cuda(monkeypatch, te=te, flash=None)
@@ -535,9 +535,9 @@ def test_te_window_and_thd_checks_ask_with_mlas_value_head_dim(monkeypatch):
 def test_kernel_checks_see_sequence_major_inputs_for_bshd(monkeypatch):
     """Review finding 8: blocks run sequence-major, so mesh_attention asks the kernel with
     sequence-major views of bshd inputs: TE's selection reads max_seqlen from dim 0."""
-    from megatron_mesh_cp.attention import _prepare
+    from megatron_mesh_cp.call import prepare, resolve
     from megatron_mesh_cp.runtime.kernels.te import TEKernel
-    from megatron_mesh_cp.runtime.topology import MeshShape
+    from megatron_mesh_cp.virtual import VirtualMesh
 
     fake_kernels.pretend_cuda(monkeypatch, te="2.15", flash=None)
     seen = []
@@ -550,12 +550,12 @@ def test_kernel_checks_see_sequence_major_inputs_for_bshd(monkeypatch):
     monkeypatch.setattr(TEKernel, "_supported", spy)
     monkeypatch.setattr("megatron_mesh_cp.runtime.kernels.te.check_cuda_half", lambda *a, **kw: None)  # CPU tensors
 
-    class Mesh:
-        shape, ulysses, stride, cluster, comm = MeshShape(2, 2), 1, 1, None, None
-
     q = torch.randn(1, 96, 4, 16, dtype=torch.float16)  # bshd: batch 1, 96 tokens on this rank
-    _prepare(q, q, q, Mesh(), True, None, "bshd", "te", None, None, "greedy", False)
+    prepare(resolve(q, q, q, VirtualMesh((2, 2)), layout="bshd", kernel="te"))
     assert seen and all(s == (96, 96) for s in seen), seen
+    seen.clear()  # a2a+mesh: the blocks run u times the tokens on h/u heads (and so are asked)
+    prepare(resolve(q, q, q, VirtualMesh((2, 1, 2)), layout="bshd", kernel="te"))
+    assert seen and all(s == (192, 192) for s in seen), seen
 
 
 def test_flash_varlen_refuses_mla_where_its_varlen_build_takes_one_head_dim(monkeypatch):

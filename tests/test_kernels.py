@@ -28,7 +28,7 @@ def _pretend_cuda(monkeypatch, **versions):
 
 
 def test_auto_picks_a_backend_that_can_run_the_inputs_and_logs_why(monkeypatch, caplog):
-    """Item 5: auto tries te, flash, torch in order, each against these inputs; fp32 CUDA inputs get
+    """Auto tries te, flash, torch in order, each against these inputs; fp32 CUDA inputs get
     torch (not a ValueError from te), and the log says why te and flash were skipped."""
     caplog.set_level(logging.INFO, logger="megatron_mesh_cp")
     cpu = torch.empty(16, 1, 8, 128)
@@ -84,7 +84,7 @@ def test_backend_input_checks_name_the_fix(monkeypatch, name):
 @pytest.mark.parametrize("m,shape,causal,heads", [(12, (2, 2), True, (8, 2)), (32, (1, 4), False, (4, 4)),
                                                   (16, (4, 1), True, (4, 1))])
 def test_torch_kernel_cuda_paths_through_the_executor(monkeypatch, path, dtype, tol, m, shape, causal, heads):
-    """Item 2: the torch backend's CUDA flash and efficient paths against stand-ins of the aten ops
+    """The torch backend's CUDA flash and efficient paths against stand-ins of the aten ops
     that apply their argument rules (defined cum_seq => varlen; lse read as the kernel reads it);
     m = 12 and 16 give row ranges that are not multiples of 32 (the padded-lse path)."""
     monkeypatch.setattr(torch_sdpa, "_aten", fake_aten.namespace())
@@ -109,7 +109,7 @@ def test_cuda_flash_backward_stand_in_takes_a_defined_cum_seq_as_varlen():
 
 @pytest.mark.parametrize("name", ["torch", "te", "flash"])
 def test_rectangular_causal_blocks_are_refused(monkeypatch, name):
-    """Item 6: the libraries align a rectangular causal mask differently (top-left vs bottom-right),
+    """The libraries align a rectangular causal mask differently (top-left vs bottom-right),
     so every backend refuses a causal block that is not square instead of computing one silently."""
     _pretend_cuda(monkeypatch)
     kern = K.TorchKernel() if name == "torch" else K.get_kernel(name, "cuda")

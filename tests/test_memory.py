@@ -1,4 +1,4 @@
-"""Memory that follows the plan (issue 9 item 6) and a bounded pool (issue 11): the bytes a rank's
+"""Memory that follows the plan and a bounded pool: the bytes a rank's
 buffer pool holds for one layer shape equal the plan's peak live bytes, per phase."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from megatron_mesh_cp import MeshShape
-from megatron_mesh_cp.attention import plans_for
+from megatron_mesh_cp.call import plan, resolve
 from megatron_mesh_cp.runtime.comm import VirtualHub
 from megatron_mesh_cp.runtime.buffers import BufferPool
 from megatron_mesh_cp.runtime.execute import run_virtual
@@ -15,6 +15,7 @@ from megatron_mesh_cp.runtime.kernels import TorchKernel
 from megatron_mesh_cp.runtime.layout import zigzag_shard
 from megatron_mesh_cp.runtime.memory import buffer_lives, layout, peak_live_bytes
 from megatron_mesh_cp.runtime.plan import ChunkDims
+from megatron_mesh_cp.virtual import VirtualMesh
 
 
 def _case(a, b, causal, h, hk, s_local=8, d=8, batch=1, seed=0):
@@ -23,9 +24,8 @@ def _case(a, b, causal, h, hk, s_local=8, d=8, batch=1, seed=0):
     g = torch.Generator().manual_seed(seed)
     q, do = (torch.randn(s_local * n, batch, h, d, generator=g) for _ in range(2))
     k, v = (torch.randn(s_local * n, batch, hk, d, generator=g) for _ in range(2))
-    mesh = type("M", (), {"shape": shape, "cluster": None, "stride": 1})()
-    plans = plans_for(q, k, mesh, causal, "sbhd", None, "greedy")
     sh = lambda x, r: zigzag_shard(x, n, r, 0)  # noqa: E731
+    plans = plan(resolve(sh(q, 0), sh(k, 0), sh(v, 0), VirtualMesh((a, b)), causal=causal, layout="sbhd"))[0]
     fwd_in = [dict(q=sh(q, r), k=sh(k, r), v=sh(v, r)) for r in range(n)]
     dims = ChunkDims.of(fwd_in[0]["q"], fwd_in[0]["k"], torch.float32)
     return shape, plans, fwd_in, lambda res: [
@@ -93,7 +93,7 @@ def test_pool_keeps_the_most_recent_layer_shapes_and_a_byte_cap():
         BufferPool(max_shapes=0)
 
 
-# --- the dry run's attention figure (issue 19): each algorithm's real buffers, the planner's figure -----
+# --- the dry run's attention figure: each algorithm's real buffers, the planner's figure -----
 
 _DRY_RUN_MEMORY = r"""
 import json, logging, os, sys

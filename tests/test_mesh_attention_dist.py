@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from megatron_mesh_cp import ChunkDims, MeshShape, plan_traffic, valid_shapes
-from megatron_mesh_cp.attention import plans_for
+from megatron_mesh_cp.call import plan, resolve
 from megatron_mesh_cp.spawn import RankError
+from megatron_mesh_cp.virtual import VirtualMesh
 
 HEADS = {"mha": (4, 4), "gqa": (8, 2), "mqa": (4, 1)}
 SHAPES = [s for n in (1, 2, 3, 4, 6, 8) for s in valid_shapes(n)] + [(3, 3), (4, 4)]
@@ -66,8 +67,9 @@ def test_exact_against_float64_reference(pools, shape):
         dims = ChunkDims(BATCH, S_LOCAL, case["heads"], case["kv_heads"], DIM, dtype, partial_dtype=partial)
         # the plans the run used (greedy, tuned for these dims), rebuilt here from metadata alone
         meta = lambda h: torch.empty(BATCH, S_LOCAL, h, DIM, dtype=dtype, device="meta")  # noqa: E731
-        mesh = type("M", (), {"shape": MeshShape(a, b)})()
-        fwd_plan, bwd_plan = plans_for(meta(case["heads"]), meta(case["kv_heads"]), mesh, case["causal"], "bshd", partial, "greedy")
+        kv = meta(case["kv_heads"])
+        spec = resolve(meta(case["heads"]), kv, kv, VirtualMesh((a, b)), causal=case["causal"], partial_dtype=partial)
+        fwd_plan, bwd_plan = plan(spec)[0]
         want = {**plan_traffic(fwd_plan, dims), **plan_traffic(bwd_plan, dims)}
         want = {k: v for k, v in want.items() if v}
         for g, r in enumerate(results):

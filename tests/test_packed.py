@@ -13,8 +13,9 @@ import torch
 
 from megatron_mesh_cp import valid_shapes
 from megatron_mesh_cp.runtime.layout import BlockCase
+from megatron_mesh_cp.runtime.masks import packed_documents
 from megatron_mesh_cp.runtime.packed import (
-    PackedLayout, packed_slices, packed_spec, padding_rows, thd_gather, thd_partition_indices, thd_shard,
+    PackedLayout, packed_slices, padding_rows, thd_gather, thd_partition_indices, thd_shard,
 )
 from megatron_mesh_cp.reference import packed_reference, relative_errors
 from megatron_mesh_cp.virtual import virtual_mesh_attention
@@ -70,12 +71,12 @@ def test_partition_refuses_documents_not_split_evenly():
     with pytest.raises(ValueError, match="ends at 12 but the packed sequence has 16 tokens"):
         thd_partition_indices([0, 4, 12], 16, 2, 0)
     with pytest.raises(ValueError, match="real length 5 but padded length 4"):
-        packed_spec(torch.tensor([0, 5, 8]), torch.tensor([0, 4, 8])).check(8, 2)
+        packed_documents(torch.tensor([0, 5, 8]), torch.tensor([0, 4, 8])).check(8, 2)
 
 
 def test_padding_rows_and_half_major_order():
     n, cu, real = 2, [0, 8, 16], [0, 5, 13]  # document 0: 5 real tokens, 3 padding
-    spec = packed_spec(torch.tensor(real), torch.tensor(cu))
+    spec = packed_documents(torch.tensor(real), torch.tensor(cu))
     # rank 0 holds pieces 0 and 3 of each document: positions 0,1 and 6,7 of document 0 -> 6,7 pad
     assert padding_rows(spec, n, 0).tolist() == [False, False, True, True] + [False] * 4
     assert padding_rows(spec, n, 1).tolist() == [False] * 3 + [True] + [False] * 4  # positions 2, 3, 4, 5

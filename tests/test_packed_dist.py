@@ -24,7 +24,8 @@ def test_packed_exact_on_process_groups(pools, shape, heads):
     for r in per_rank:
         assert r["same_inf"]  # padding rows: lse = -inf exactly where the reference has it
         assert r["packed_bytes"] == r["plain_bytes"] and r["packed_bytes"]  # chunk payloads unchanged
-        assert r["agreed_same"] == 1  # one agreement for the batch, none for the repeats
+        assert r["agreed_same"] == 3  # per-batch documents: every call agrees on them ...
+        assert r["agreed_batch"] == 1  # ... unless the batch was agreed once (agree_batch)
 
 
 BAD = {

@@ -115,7 +115,7 @@ def test_ulysses_groups_hold_the_coarser_zigzag():
 
 def _w(n, seq, kv=8, packing=None, causal=True):
     return Workload(seq_local=seq // n, heads=32, kv_heads=kv, head_dim=128, causal=causal, partial_bytes=2,
-                    packing=packing)
+                    mask=packing)
 
 
 # no fixed per-call costs: what is left is the kernel work, where one document is the unpacked model
@@ -197,14 +197,14 @@ def test_greedy_planner_costs_are_the_packed_block_times(ungrouped):
         cost = PlanCost.of(4, 4, phase, H100, w)
         assert cost.block == pytest.approx(t[below].mean(), rel=1e-12)
         assert t[below].max() / t[below].min() < 1.01  # every rank holds 2 pieces of each doc: only padding varies
-        assert cost.block < PlanCost.of(4, 4, phase, H100, replace(w, packing=None)).block / 2
+        assert cost.block < PlanCost.of(4, 4, phase, H100, replace(w, mask=None)).block / 2
     # one unpadded document, no per-call costs: the planner sees exactly the unpacked costs, so it plans the same
     one = _w(n, seq, packing=Packing((seq,), 2 * n))
     for phase in (FORWARD, BACKWARD):
-        packed, plain = PlanCost.of(4, 4, phase, NOFIX, one), PlanCost.of(4, 4, phase, NOFIX, replace(one, packing=None))
+        packed, plain = PlanCost.of(4, 4, phase, NOFIX, one), PlanCost.of(4, 4, phase, NOFIX, replace(one, mask=None))
         assert packed.block == pytest.approx(plain.block, rel=1e-12) and replace(packed, block=plain.block) == plain
     assert [p.ops for p in build_plans(4, 4, cluster=NOFIX, workload=one)] == \
-        [p.ops for p in build_plans(4, 4, cluster=NOFIX, workload=replace(one, packing=None))]
+        [p.ops for p in build_plans(4, 4, cluster=NOFIX, workload=replace(one, mask=None))]
 
 
 def test_shape_bound_stays_a_bound_when_packed():

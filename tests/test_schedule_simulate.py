@@ -143,7 +143,7 @@ def test_link_types_follow_megatron_placement():
     assert float(r8.sent["intra"].sum()) == 0
 
 
-# --- the figures the issue sets ---------------------------------------------------------------
+# --- traffic and exposed communication at n = 256 ---------------------------------------------
 
 
 def test_traffic_and_exposed_targets_at_256():

@@ -1,4 +1,4 @@
-"""Every shipped config as its job runs it (issue 19): the launcher's dry run at the job's real world size,
+"""Every shipped config as its job runs it: the launcher's dry run at the job's real world size,
 no dense dataloader mask anywhere, A/B partners that differ only in the CP algorithm, stages that differ
 only in what a stage changes and start from the previous one, and the README naming every config."""
 
@@ -13,6 +13,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+import fake_dataset  # noqa: E402
+
 CONFIGS = sorted(p.stem for p in (ROOT / "configs").glob("*.yaml"))
 #: the world size of the job that runs each config (run_main_job.sh: 4 CPU ranks; smoke_2node.sbatch: 16 GPUs;
 #: pretrain_256gpu.sbatch: 256 GPUs)
@@ -35,13 +38,14 @@ for path, world in json.loads(sys.argv[1]):
     lines.clear()
     logging.getLogger("megatron_mesh_cp").addHandler(grab := Grab())
     t, code, err = time.time(), 0, io.StringIO()
-    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+    with contextlib.redirect_stdout(io.StringIO()) as std, contextlib.redirect_stderr(err):
         try:
             main(["--config", path, "--dry-run"])
         except SystemExit as exc:
             code = exc.code
     logging.getLogger("megatron_mesh_cp").removeHandler(grab)
-    out.append(dict(path=path, seconds=time.time() - t, code=code, lines=list(lines), stderr=err.getvalue()[-2000:]))
+    out.append(dict(path=path, seconds=time.time() - t, code=code, lines=list(lines), stderr=err.getvalue()[-2000:],
+                    stdout=std.getvalue()[-20000:]))
 print("RESULT " + json.dumps(out))
 """
 
@@ -64,12 +68,16 @@ def _diff(a, b):
     return {k for k in pa.keys() | pb.keys() if pa.get(k) != pb.get(k)}
 
 
-def test_every_shipped_config_dry_runs_at_its_jobs_world_size():
+def test_every_shipped_config_dry_runs_at_its_jobs_world_size(tmp_path):
     """The launcher's --dry-run of each config, all in one process (Megatron imported once): it parses and
-    validates through Megatron, resolves the mesh shape and prints the memory estimate, which for the
-    Llama configs fits an 80 GiB GPU. The per-config seconds are printed (``pytest -s``)."""
+    validates through Megatron, checks the data files, resolves the mesh shape, prints the memory estimate,
+    which for the Llama configs fits an 80 GiB GPU, and the layout and simulated step on the data's documents
+    (a blend of long and short ones here). The per-config seconds are printed (``pytest -s``)."""
     cases = [[str(ROOT / "configs" / f"{c}.yaml"), WORLD.get(c, 256)] for c in CONFIGS]
-    env = dict(os.environ, RANK="0", PYTHONWARNINGS="ignore", CUDA_DEVICE_MAX_CONNECTIONS="1", **ENV)
+    long = fake_dataset.write(tmp_path / "books_text_document", [1_500_000, 3_000_000, 700_000] * 10)
+    short = fake_dataset.write(tmp_path / "web_text_document", [1024, 3000, 9000, 16000] * 200)
+    data = dict(ENV, DATA_PATH=f"0.5 {long} 0.5 {short}")
+    env = dict(os.environ, RANK="0", PYTHONWARNINGS="ignore", CUDA_DEVICE_MAX_CONNECTIONS="1", **data)
     res = subprocess.run([sys.executable, "-c", _DRY_RUNS, json.dumps(cases)], capture_output=True, text=True,
                          timeout=900, env=env, cwd=ROOT)
     assert res.returncode == 0, res.stderr[-3000:]
@@ -83,6 +91,16 @@ def test_every_shipped_config_dry_runs_at_its_jobs_world_size():
         assert memory, (name, r["lines"])
         if name.startswith("llama31_"):
             assert not any("exceeds the GPU" in line for line in r["lines"]), (name, memory)
+            masked = not name.endswith("_nodocmask")
+            layout = [line for line in r["lines"] if line.startswith("layout: zigzag")]
+            assert layout and ("busiest chunk" in layout[0]) == masked, (name, layout)
+            step = [line for line in r["lines"] if line.startswith("step time (estimate: attention simulated")]
+            assert step and ("without document masking" in step[0]) == masked, (name, step)
+            assert any(line.startswith(f"save_interval {_parsed(name)['save_interval']}: a save every ")
+                       for line in r["lines"]), name
+        # our summary comes last; Megatron's argument dump is behind --show-megatron-args
+        assert r["lines"][-1] == "(Megatron's own resolved arguments: add --show-megatron-args)", (name, r["lines"])
+        assert "------------------------ arguments ------------------------" not in r["stdout"], name
 
 
 @pytest.mark.parametrize("name", CONFIGS)
@@ -119,9 +137,11 @@ def test_ab_partners_differ_only_in_the_cp_algorithm(a, b, keys):
 
 
 def test_document_masking_partners_differ_only_in_masking_and_the_70b_ulysses_layout_keeps_stages_busy():
-    assert _diff("llama31_8b_cpt_s4_1m", "llama31_8b_1m_a2a_mesh_nodocmask") == MASKING
-    assert _diff("llama31_70b_cpt_s4_1m", "llama31_70b_1m_mesh_nodocmask") == MASKING
-    assert _diff("llama31_70b_1m_tp4pp2_a2a_mesh", "llama31_70b_1m_tp4pp2_a2a_mesh_nodocmask") == MASKING
+    # and in how often they save: the masked step is shorter (save intervals follow the step each one runs)
+    assert _diff("llama31_8b_cpt_s4_1m", "llama31_8b_1m_a2a_mesh_nodocmask") == MASKING | {"save_interval"}
+    assert _diff("llama31_70b_cpt_s4_1m", "llama31_70b_1m_mesh_nodocmask") == MASKING | {"save_interval"}
+    tp4pp2 = ("llama31_70b_1m_tp4pp2_a2a_mesh", "llama31_70b_1m_tp4pp2_a2a_mesh_nodocmask")
+    assert _diff(*tp4pp2) == MASKING | {"save_interval"}
     args = _parsed("llama31_70b_1m_tp4pp2_a2a_mesh")
     dp = 256 // (args["tensor_model_parallel_size"] * args["pipeline_model_parallel_size"] * args["context_parallel_size"])
     micro_batches = args["global_batch_size"] // (args["micro_batch_size"] * dp)
@@ -160,16 +180,20 @@ def test_readme_names_every_shipped_config_and_no_retired_one():
 
 
 def test_save_intervals_follow_the_estimated_step_time():
-    """The stage configs save about every 30 min of estimated step time (scripts/recipe_step_times.py, capped at the
-    stage's length); a cost-model change that moves the estimate by more than 1.5x should regenerate them."""
+    """The stage configs save about every 30 min of the estimated step under document masking, on the recipe's
+    length mix (scripts/recipe_step_times.py, capped at the stage's length; the unmasked step for the _nodocmask
+    partners); a cost-model change that moves the estimate by more than 1.5x should regenerate them."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("recipe_step_times", ROOT / "scripts" / "recipe_step_times.py")
     steps = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(steps)
-    for name in ("llama31_8b_cpt_s3_512k", "llama31_70b_cpt_s4_1m"):
+    for name in ("llama31_8b_cpt_s4_1m", "llama31_70b_cpt_s4_1m", "llama31_70b_1m_mesh_nodocmask"):
         row = steps.step_time(name, "h100-ib400", 450.0)
         args = _parsed(name)
+        assert row["masked"] == (not name.endswith("_nodocmask")) and row["step_s"] <= row["unmasked_s"]
         derived = min(row["save_every"], args["train_iters"])
         assert derived / 1.5 <= args["save_interval"] <= derived * 1.5, (name, row, args["save_interval"])
         assert row["step_s"] * args["save_interval"] <= 3600  # never more than an hour of work between saves
+        if row["masked"]:  # the unmasked step would save far less often than the 30 min the recipe wants
+            assert args["save_interval"] * row["unmasked_s"] > 1.5 * 1800, (name, row)

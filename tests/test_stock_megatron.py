@@ -1,4 +1,4 @@
-"""Stock Megatron on CPU and in errors (issue 11, part 5): the dataset-helper build, the CPU route
+"""Stock Megatron on CPU and in errors: the dataset-helper build, the CPU route
 for a stock-layout ``pretrain_gpt.py`` against a patched copy of Megatron, one ``error:`` line for
 bad mesh settings, and help text despite stray ``%`` in Megatron's help strings (the launcher's ``--help``
 itself: test_megatron_integration.py)."""

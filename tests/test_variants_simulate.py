@@ -26,7 +26,8 @@ from megatron_mesh_cp.runtime.plan import plan_traffic
 from megatron_mesh_cp.runtime.topology import valid_shapes
 from megatron_mesh_cp.simulate import main
 from megatron_mesh_cp.virtual import virtual_mesh_attention
-from test_documents import dense_mask, document_sets
+from megatron_mesh_cp.runtime.masks import Window
+from test_documents import dense_mask, document_sets, span_blocks
 
 H100 = load_cluster("h100-ib400")
 
@@ -43,16 +44,16 @@ def windows(m, causal):
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 5])
 def test_window_calls_are_the_runtime_sub_blocks(n):
-    """Call for call (rows, keys, band pairs) what DocumentMask.block runs under a window, with and
+    """Call for call (rows, keys, band pairs) what SpanBlocks.block runs under a window, with and
     without documents, causal and not; the blocks with calls are the runtime's nonempty ones."""
     for cu in document_sets(n, random.Random(n)) + [[0, 8 * n]]:
         docs = UnpaddedDocuments(lengths_of(cu))
         m = cu[-1] // (2 * n)
         for causal in (True, False):
             for win in windows(m, causal):
-                mask = docs.mask(n, causal, win)
+                mask = span_blocks(docs, n, causal, win)
                 got = {}
-                for i, j, r, k, w in zip(*window_block_calls(docs, n, causal, mask.window)):
+                for i, j, r, k, w in zip(*window_block_calls(mask.span, n, causal)):
                     got.setdefault((int(i), int(j)), []).append((int(r), int(k), int(w)))
                 for i in range(n):
                     for j in range(n):
@@ -70,14 +71,15 @@ def test_window_pairs_of_whole_sequence_calls():
         docs = UnpaddedDocuments(lengths_of(cu))
         for causal, win in ((True, (4, 0)), (False, (2, 9)), (False, (-1, 3))):
             dense = [[int(dense_mask(cu, n, i, j, causal, win).sum()) for j in range(n)] for i in range(n)]
-            assert sequence_pairs(docs, causal, win) == sum(map(sum, dense))
-            assert row_pairs(docs, n, causal, win).tolist() == [sum(r) for r in dense]
+            span = (docs & Window(*win)).span(docs.total, causal)
+            assert sequence_pairs(span, causal) == sum(map(sum, dense))
+            assert row_pairs(span, n, causal).tolist() == [sum(r) for r in dense]
 
 
 def test_windowed_block_times_price_every_call():
     n = 8
-    w = Workload(seq_local=8192, heads=64, kv_heads=8, head_dim=64, head_dim_v=48, partial_bytes=2, window=(300, 0))
-    mask = w.mask_documents(n).mask(n, True, w.window)
+    w = Workload(seq_local=8192, heads=64, kv_heads=8, head_dim=64, head_dim_v=48, partial_bytes=2, mask=Window(300, 0))
+    mask = w.blocks(n)
     for backward in (False, True):
         t = w.block_times(H100, backward, n)
         assert not t.flags.writeable and np.array_equal(t > 0, mask.nonempty()) and (t == 0).sum() > n
@@ -107,7 +109,7 @@ def test_window_and_mla_bytes_are_the_runtime_plans_and_payloads(shape, window, 
     n, u = math.prod(shape), (shape[0] if len(shape) == 3 else 1)
     a, b = shape[-2:]
     w = Workload(seq_local=64 // n, heads=4, kv_heads=2, head_dim=8, head_dim_v=dv, bytes_per_element=4,
-                 partial_bytes=4, window=window)
+                 partial_bytes=4, mask=None if window is None else Window(*window))
     inner = ulysses_inner(u, w)
     if window is not None:
         plans = document_plans(a, b, cluster=default_cluster(), workload=inner, stride=u)
@@ -156,7 +158,7 @@ def test_te_algorithms_under_a_window():
     and all_gather run them with the band cutting their compute and every byte as before."""
     n = 16
     full = Workload(seq_local=2048, heads=32, kv_heads=8, head_dim=64, partial_bytes=2)
-    w = replace(full, window=(127, 0))
+    w = replace(full, mask=Window(127, 0))
     for algo in ("ring", "usp", "usp:4"):
         with pytest.raises(ValueError, match="cannot run a sliding window"):
             simulate_algorithm(algo, n, H100, w)
@@ -175,15 +177,15 @@ def test_te_algorithms_under_a_window():
     with pytest.raises(ValueError, match="give the workload a window"):
         compare_windows(["mesh"], n, H100, full)
     with pytest.raises(ValueError, match="causal query sees no key to its right"):
-        replace(full, window=(4, 4))
+        replace(full, mask=Window(4, 4))
     with pytest.raises(ValueError, match="packed THD"):
         from megatron_mesh_cp.planning.packing import sample_packing
-        replace(full, window=(4, 0), packing=sample_packing(n * 2048, 512, 4096, n))
+        replace(full, mask=Window(4, 0) & sample_packing(n * 2048, 512, 4096, n))
 
 
 def test_auto_bound_stays_a_bound_for_windows_and_auto_is_the_exhaustive_best():
     n = 8
-    w = Workload(seq_local=8192, heads=32, kv_heads=8, head_dim=128, partial_bytes=2, window=(3000, 0))
+    w = Workload(seq_local=8192, heads=32, kv_heads=8, head_dim=128, partial_bytes=2, mask=Window(3000, 0))
     times = {}
     for a, b in valid_shapes(n):
         times[(a, b)] = _mesh_time(a, b, H100, w, 1, None)

@@ -2,7 +2,7 @@
 
 ``--context-parallel-algo {p2p,all_gather,a2a,a2a+p2p,mesh,a2a+mesh}`` selects the CP algorithm
 (for the Megatron values it is an alias of ``--cp-comm-type``); ``--mesh-shape AxB|auto`` the tile,
-``UxAxB|auto`` for ``a2a+mesh`` (Ulysses degree u x mesh, docs/HYBRID.md).
+``UxAxB|auto`` for ``a2a+mesh`` (Ulysses degree u x mesh, docs/hybrid.md).
 :func:`apply_mesh_args` maps them onto ``cp_comm_type`` and ``hierarchical_context_parallel_sizes``
 ([a, b], or [u, a, b]: Megatron builds the Ulysses groups and the rings as its hierarchical CP
 groups) and rejects every

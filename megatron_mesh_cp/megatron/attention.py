@@ -5,7 +5,7 @@ It has Megatron's core-attention contract (constructor and forward as ``DotProdu
 
 * CP > 1 and ``cp_comm_type == "mesh"``: mesh attention on the CP group, with Megatron's
   hierarchical CP groups (sizes [a, b]) as the row and column rings;
-* CP > 1 and ``cp_comm_type == "a2a+mesh"``: Ulysses x mesh (docs/HYBRID.md), with the hierarchical
+* CP > 1 and ``cp_comm_type == "a2a+mesh"``: Ulysses x mesh (docs/hybrid.md), with the hierarchical
   CP groups for sizes [u, a, b] as the Ulysses group, the row and the column rings;
 * otherwise it hands off to Transformer Engine's ``TEDotProductAttention`` when TE is installed,
   else to Megatron's local ``DotProductAttention``.
@@ -39,9 +39,9 @@ from megatron.core.transformer.utils import (
 )
 
 from ..attention import mesh_attention
-from ..runtime.documents import check_window
 from ..runtime.groups import MeshGroups
-from ..runtime.packed import packed_spec
+from ..runtime.masks import check_window, packed_documents
+from ..runtime.mesh import PlanOptions
 from ..runtime.ulysses import check_ulysses_heads
 from .settings import SETTINGS
 
@@ -77,13 +77,12 @@ def mesh_groups_for(pg_collection=None, levels: int = 2) -> MeshGroups:
         )
     key = (tuple(torch.distributed.get_process_group_ranks(cp)), levels)
     if key not in _MESHES:
+        tp = parallel_state.get_tensor_model_parallel_world_size() if parallel_state.model_parallel_is_initialized() else 1
+        options = PlanOptions(cluster=SETTINGS.cluster, stride=tp, max_live=SETTINGS.max_live)
         if levels == 3:
-            mesh = MeshGroups.from_groups(cp, hcp[1], hcp[2], ulysses_group=hcp[0])
+            mesh = MeshGroups.from_groups(cp, hcp[1], hcp[2], ulysses_group=hcp[0], plan_options=options)
         else:
-            mesh = MeshGroups.from_groups(cp, hcp[0], hcp[1])
-        mesh.cluster = SETTINGS.cluster
-        mesh.max_live = SETTINGS.max_live
-        mesh.stride = parallel_state.get_tensor_model_parallel_world_size() if parallel_state.model_parallel_is_initialized() else 1
+            mesh = MeshGroups.from_groups(cp, hcp[0], hcp[1], plan_options=options)
         _MESHES[key] = mesh
     return _MESHES[key]
 
@@ -325,7 +324,7 @@ class MeshCoreAttention(MegatronModule):
                 raise ValueError("documents in qkv_format 'sbhd' take cu_seqlens_q (global offsets) and no padded "
                                  "offsets; padded documents go in qkv_format 'thd'")
             kv = params.cu_seqlens_kv
-            if kv is not None and kv is not cu and packed_spec(kv) != packed_spec(cu):
+            if kv is not None and kv is not cu and packed_documents(kv) != packed_documents(cu):
                 raise ValueError("mesh CP documents are self-attention: cu_seqlens_kv must equal cu_seqlens_q")
             return {"cu_seqlens": cu}
         if fmt != "thd":
@@ -337,7 +336,7 @@ class MeshCoreAttention(MegatronModule):
         q = (params.cu_seqlens_q, params.cu_seqlens_q_padded)
         kv = (params.cu_seqlens_kv, params.cu_seqlens_kv_padded)
         same = all(a is b for a, b in zip(q, kv)) or all(x is None for x in kv)
-        if not same and packed_spec(*kv) != packed_spec(*q):  # host copies, read once per tensor
+        if not same and packed_documents(*kv) != packed_documents(*q):  # host copies, read once per tensor
             raise ValueError("mesh CP packed sequences are self-attention: cu_seqlens_kv(_padded) must equal "
                              "cu_seqlens_q(_padded)")
         return {"cu_seqlens": q[0], "cu_seqlens_padded": q[1], "thd": True}

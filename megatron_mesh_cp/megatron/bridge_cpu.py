@@ -16,7 +16,10 @@ machine without Transformer Engine needs:
   megatron-core's own TE probes run before it exists, and a megatron-core module that saw it fails
   the import loudly instead of believing TE is there.
 
-With CUDA available it refuses: run ``AutoBridge.import_ckpt`` itself (README, "From Hugging Face weights").
+The inputs are checked first (the model's config, a tokenizer, an empty output path) and the checkpoint
+is written under a temporary name beside ``--megatron-path``, moved into place only when complete, so a
+failed conversion leaves nothing that looks like a checkpoint. With CUDA available it refuses: run
+``AutoBridge.import_ckpt`` itself (README, "From Hugging Face weights").
 """
 
 from __future__ import annotations
@@ -114,11 +117,42 @@ def _check(dtype: str) -> None:
         raise ValueError(f"--dtype {dtype!r}: use float32, bfloat16 or float16")
 
 
-def import_hf(hf_model: str, megatron_path: str, dtype: str = "float32") -> None:
-    """Convert a Hugging Face checkpoint (id or directory) into a Megatron checkpoint at ``megatron_path``."""
+def check_inputs(hf_model: str, megatron_path: str, hf_tokenizer: Optional[str] = None) -> str:
+    """What the conversion needs, checked before any model is built: the model's config, a tokenizer (the
+    checkpoint keeps a copy in ``tokenizer/``, which the launcher's ``tokenizer_model`` can point at) and an output
+    path that holds nothing yet. Returns the tokenizer's source; ``ValueError`` naming the fix."""
+    local = os.path.isdir(hf_model)
+    hub_id = hf_model.count("/") == 1 and not hf_model.startswith((".", "/", "~"))
+    if not local and not hub_id:
+        raise ValueError(f"--hf-model {hf_model}: no such directory (and not a Hugging Face id such as "
+                         "meta-llama/Llama-3.1-8B)")
+    if local and not os.path.isfile(os.path.join(hf_model, "config.json")):
+        raise ValueError(f"--hf-model {hf_model} has no config.json: pass the directory save_pretrained wrote")
+    source = hf_tokenizer or hf_model
+    try:
+        from transformers import AutoTokenizer
+
+        AutoTokenizer.from_pretrained(source)
+    except Exception as exc:  # missing files, a hub id that cannot be reached, a tokenizer transformers cannot build
+        first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+        raise ValueError(f"no tokenizer loads from {source} ({type(exc).__name__}: {first}); the conversion copies "
+                         "the tokenizer into the checkpoint's tokenizer/ directory: save it into the Hugging Face "
+                         "directory (tokenizer.save_pretrained) or pass --hf-tokenizer DIR") from None
+    if os.path.exists(megatron_path) and (not os.path.isdir(megatron_path) or os.listdir(megatron_path)):
+        raise ValueError(f"--megatron-path {megatron_path} exists and is not empty: remove it or choose another path "
+                         "(the conversion writes a new checkpoint directory)")
+    return source
+
+
+def import_hf(hf_model: str, megatron_path: str, dtype: str = "float32", hf_tokenizer: Optional[str] = None) -> None:
+    """Convert a Hugging Face checkpoint (id or directory) into a Megatron checkpoint at ``megatron_path``, written
+    under a temporary name and moved into place only when complete."""
     import torch
 
+    from .staging import staged
+
     _check(dtype)
+    tokenizer = check_inputs(hf_model, megatron_path, hf_tokenizer)
     from . import cpu_compat
 
     cpu_compat.activate(training=False)
@@ -133,7 +167,8 @@ def import_hf(hf_model: str, megatron_path: str, dtype: str = "float32") -> None
         setattr(provider, name, False)
     provider.finalize()
     model = provider.provide_distributed_model(wrap_with_ddp=False, use_cpu_initialization=True)
-    bridge.save_megatron_model(model, megatron_path, hf_tokenizer_path=hf_model, low_memory_save=True)
+    with staged(megatron_path) as tmp:
+        bridge.save_megatron_model(model, tmp, hf_tokenizer_path=tokenizer, low_memory_save=True)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
@@ -141,13 +176,15 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     p.add_argument("--hf-model", required=True, help="Hugging Face model id or local directory")
     p.add_argument("--megatron-path", required=True, help="output directory (Megatron torch_dist checkpoint)")
     p.add_argument("--dtype", default="float32", help="float32 (default), bfloat16 or float16")
+    p.add_argument("--hf-tokenizer", default=None, help="where the tokenizer is, if not in --hf-model")
     args = p.parse_args(argv)
     try:
         _check(args.dtype)
+        check_inputs(args.hf_model, args.megatron_path, args.hf_tokenizer)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         sys.exit(2)
-    import_hf(args.hf_model, args.megatron_path, args.dtype)
+    import_hf(args.hf_model, args.megatron_path, args.dtype, args.hf_tokenizer)
     import torch
 
     torch.distributed.destroy_process_group()

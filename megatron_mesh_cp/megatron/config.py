@@ -4,7 +4,8 @@
 ``--name v1 v2 ...``. ``false`` -> omitted for a ``--name`` switch, and ``--no-name`` for a Megatron setting
 that only a ``--no-...`` flag turns off (``create_attention_mask_in_dataloader: false`` ->
 ``--no-create-attention-mask-in-dataloader``); a ``false`` that matches neither is a :class:`ConfigError`,
-never silently dropped. ``include: OTHER.yaml`` (relative to the file) reads that config first; the
+never silently dropped; a key that is no Megatron or mesh-CP setting is one too, naming the file and the
+nearest settings. ``include: OTHER.yaml`` (relative to the file) reads that config first; the
 file's own keys then replace its values (``key: null`` removes one), so an A/B partner or a later
 stage states only what differs. ``$VAR`` / ``${VAR}`` in strings are substituted by the standard library's
 ``string.Template.substitute``: an unset variable is a :class:`ConfigError` naming the variable and
@@ -71,12 +72,12 @@ def config_to_argv(path: str, env: Optional[Mapping[str, str]] = None,
                    multi: Optional[FrozenSet[str]] = None) -> List[str]:
     """The Megatron flags a flat YAML config stands for (``env`` defaults to ``os.environ``)."""
     env = os.environ if env is None else env
-    cfg = load_config(path)
+    cfg, origin = _load(path)
     argv: List[str] = []
     errors: List[str] = []
     for key, value in cfg.items():
         try:
-            argv += _flag_tokens(key, value, path, env, multi)
+            argv += _flag_tokens(key, value, origin[key], env, multi)
         except ConfigError as exc:
             errors.append(str(exc))
     if errors:  # every problem at once, not one per attempt
@@ -84,9 +85,14 @@ def config_to_argv(path: str, env: Optional[Mapping[str, str]] = None,
     return argv
 
 
-def load_config(path: str, _seen: Tuple[str, ...] = ()) -> Dict:
+def load_config(path: str) -> Dict:
     """The config's keys in order, ``include`` resolved (the included file's keys first, this file's
     values replacing theirs)."""
+    return _load(path)[0]
+
+
+def _load(path: str, _seen: Tuple[str, ...] = ()) -> Tuple[Dict, Dict[str, str]]:
+    """(keys in order, the file each key's value comes from)."""
     import yaml
 
     real = os.path.realpath(path)
@@ -97,16 +103,42 @@ def load_config(path: str, _seen: Tuple[str, ...] = ()) -> Dict:
             cfg = yaml.safe_load(f) or {}
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read it ({exc.strerror})") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
     if not isinstance(cfg, dict):
         raise ConfigError(f"{path}: expected a mapping of argument names to values")
     base = cfg.pop("include", None)
+    here = {str(k): path for k in cfg}
     if base is None:
-        return cfg
+        return cfg, here
     if not isinstance(base, str):
         raise ConfigError(f"{path}: include: expected one file name, got {base!r}")
-    merged = load_config(os.path.join(os.path.dirname(path), base), _seen + (real,))
+    merged, origin = _load(os.path.join(os.path.dirname(path), base), _seen + (real,))
     merged.update(cfg)
-    return merged
+    origin.update(here)
+    return merged, origin
+
+
+def _flag(key: str, path: str) -> str:
+    """The option string a config key stands for: ``--name-with-dashes``, or the flag of the Megatron setting named
+    ``key`` when its spelling differs (``override_opt_param_scheduler`` -> ``--override-opt_param-scheduler``);
+    an unknown key is a :class:`ConfigError` naming the key, the file and the nearest settings."""
+    import difflib
+
+    options, by_dest = _actions()
+    flag = "--" + str(key).replace("_", "-")
+    if flag in options:
+        return flag
+    for action in by_dest.get(str(key), []):
+        if action.option_strings and not isinstance(action, argparse._StoreFalseAction):
+            return action.option_strings[0]
+    if str(key) in by_dest:
+        return flag  # a setting only a --no-... flag turns off: _switch maps its false value
+    names = sorted({d for d in by_dest if d and not d.startswith("_")})
+    near = difflib.get_close_matches(str(key), names, n=3, cutoff=0.6)
+    hint = (f"; did you mean {' or '.join(near)}?" if near
+            else " (python scripts/pretrain_gpt_mesh.py --help lists them)")
+    raise ConfigError(f"{path}: {key}: not a Megatron or mesh-CP setting (Megatron has no {flag}){hint}")
 
 
 def _switch(key: str, flag: str, value: bool, path: str) -> List[str]:
@@ -124,9 +156,9 @@ def _switch(key: str, flag: str, value: bool, path: str) -> List[str]:
 
 
 def _flag_tokens(key, value, path: str, env: Mapping[str, str], multi: Optional[FrozenSet[str]]) -> List[str]:
-    flag = "--" + str(key).replace("_", "-")
     if value is None:
         return []
+    flag = _flag(key, path)
     if isinstance(value, bool):
         return _switch(key, flag, value, path)
     if isinstance(value, (list, tuple)):

@@ -41,7 +41,7 @@ def attention_workload(args, packing=None):
         seq_local=args.seq_length // cp, heads=max(1, heads // tp), kv_heads=max(1, kv // tp),
         head_dim=args.kv_channels or args.hidden_size // heads, batch=args.micro_batch_size, causal=True,
         bytes_per_element=2 if half else 4,
-        partial_bytes=2 if getattr(args, "mesh_partial_dtype", "fp32") == "bf16" else 4, packing=packing,
+        partial_bytes=2 if getattr(args, "mesh_partial_dtype", "fp32") == "bf16" else 4, mask=packing,
     )
 
 

@@ -15,9 +15,9 @@ An estimate, not a measurement.
 from __future__ import annotations
 
 import copy
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
-__all__ = ["estimate", "report"]
+__all__ = ["estimate", "report", "tokenizer_vocab"]
 
 GIB = 2**30
 ASSUMED_VOCAB = 128256  # Llama-3's, when the tokenizer (not loaded by a dry run) gives no size
@@ -62,7 +62,23 @@ def estimate(args) -> dict:
             "optimizer_shards": shards, "algorithm": cp_algorithm(args)[0] if cp > 1 else None}
 
 
-def report(args, gpu_gib: float) -> List[Tuple[str, str]]:
+def tokenizer_vocab(args) -> Tuple[Optional[int], str]:
+    """(vocabulary, why not) of the config's Hugging Face tokenizer, read here for the estimate (a dry run
+    builds no tokenizer); None and the reason, naming how to give it, when it does not load on this machine."""
+    if getattr(args, "tokenizer_type", None) != "HuggingFaceTokenizer" or args.vocab_size:
+        return None, ""
+    path = args.tokenizer_model
+    try:
+        from transformers import AutoTokenizer
+
+        return len(AutoTokenizer.from_pretrained(path, local_files_only=True)), ""
+    except Exception as exc:  # any failure: the estimate assumes Llama-3's and says how to do better
+        why = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}" if str(exc) else type(exc).__name__
+        return None, (f"the tokenizer {path} did not load here ({why}); make it readable on this machine "
+                      "(TOKENIZER_MODEL: a local directory) or pass --vocab-size N to the dry run")
+
+
+def report(args, gpu_gib: float, vocab_hint: str = "") -> List[Tuple[str, str]]:
     """(level, line) pairs: the breakdown, and a warning when the total exceeds ``gpu_gib``."""
     e = estimate(args)
     p = e["parts"]
@@ -72,7 +88,8 @@ def report(args, gpu_gib: float) -> List[Tuple[str, str]]:
               f"+ logits {p['logits'] / GIB:.1f} + attention {p['attention'] / GIB:.2f}"
               + (f" ({e['algorithm']} buffers at their peak)" if e["algorithm"] else "")
               + f"; {e['params'] / 1e9:.2f} B parameters on this shard"
-              + (f"; vocabulary assumed {ASSUMED_VOCAB} (set vocab_size)" if e["vocab_assumed"] else ""))]
+              + (f"; vocabulary assumed {ASSUMED_VOCAB} (Llama-3's: {vocab_hint or 'pass --vocab-size N'})"
+                 if e["vocab_assumed"] else ""))]
     if e["total"] > gpu_gib * GIB:
         lines.append(("warning", f"the estimate ({e['total'] / GIB:.1f} GiB) exceeds the GPU's {gpu_gib:.0f} GiB: "
                       "raise TP/CP, enable full recompute, or use the distributed optimizer"))

@@ -7,12 +7,13 @@ megatron-core 0.19.x or 0.20 for the launcher, Transformer Engine when the confi
 for a Hugging Face tokenizer, torchrun's ``--shutdown-timeout`` when the job gives it one), the
 tokenizer and data paths (each blend prefix's ``.bin``/``.idx``), that the checkpoint directory is
 writable and that the job has weights to start from (its own latest checkpoint, else
-``--pretrained-checkpoint``: the converted model or the previous stage), the GPUs this node shows, and
-the mesh settings (``mesh_shape: auto`` is resolved here once, filling the shape cache the ranks read).
-Prints one line per check
-and exits 1 if any failed. ``scripts/slurm/job.py`` runs it on the first node before ``srun`` fans
-out, and its ``--dry-run`` runs the same checks here (``--no-software``/``--no-gpus`` when this
-machine is not the one that will run the job, e.g. a container image).
+``--pretrained-checkpoint``: the converted model or the previous stage) of the config's model
+(:mod:`.checkpoint_model`: layers, hidden, heads, FFN, vocabulary from the tensors' shapes), the GPUs
+this node shows, and the mesh settings (``mesh_shape: auto`` is resolved here once, filling the shape
+cache the ranks read). Prints one line per check and exits 1 if any failed. ``scripts/slurm/job.py``
+runs it on the first node before ``srun`` fans out, and its ``--dry-run`` runs the same checks here (``--no-software``/``--no-gpus`` when this
+machine is not the one that will run the job, e.g. a container image; ``--no-gpu-software`` on a login
+node without one: everything but Transformer Engine's import).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import sys
 import tempfile
 from typing import List, NamedTuple, Optional
 
-__all__ = ["Check", "run_checks", "main"]
+__all__ = ["Check", "run_checks", "data_check", "main"]
 
 #: megatron-core minor versions the launcher runs on: CI runs 0.19.2; Megatron-LM main (0.20.0, d98e8a6)
 #: passed the launcher's Megatron tests by hand (README, Compatibility)
@@ -42,7 +43,8 @@ def _version(module: str) -> str:
     return str(getattr(mod, "__version__", "unknown"))
 
 
-def _software(args) -> List[Check]:
+def _software(args, gpu: bool = True) -> List[Check]:
+    """``gpu`` False (a login node): Transformer Engine is reported as left to the compute node's preflight."""
     out = []
     import megatron_mesh_cp
 
@@ -55,7 +57,10 @@ def _software(args) -> List[Check]:
                          "; the launcher needs 0.19.x or 0.20.x (pip install 'megatron-core>=0.19,<0.21')")))
     except ImportError as exc:
         out.append(Check("megatron-core", False, f"not importable ({exc}); pip install 'megatron-core>=0.19,<0.21'"))
-    if args.transformer_impl == "transformer_engine":
+    if args.transformer_impl == "transformer_engine" and not gpu:
+        out.append(Check("transformer-engine", True, "not checked here (a GPU package: the compute node's preflight "
+                         "imports it at job start)"))
+    elif args.transformer_impl == "transformer_engine":
         try:
             out.append(Check("transformer-engine", True, _version("transformer_engine")))
         except Exception as exc:  # TE fails with OSError/RuntimeError too when its CUDA libraries are missing
@@ -93,8 +98,10 @@ def _torchrun(shutdown_timeout: Optional[int]) -> List[Check]:
                   "workers 30 s after SIGTERM, before their checkpoint is saved; use a newer torch or --launcher tasks")]
 
 
-def _tokenizer(args, software: bool) -> List[Check]:
+def _tokenizer(args, software: bool, found: dict) -> List[Check]:
+    """The tokenizer loads; ``found["vocab"]``: its size, when known (the checkpoint check reads it)."""
     if args.tokenizer_type in (None, "NullTokenizer"):
+        found["vocab"] = args.vocab_size
         return []
     path = args.tokenizer_model
     if not path:
@@ -107,6 +114,7 @@ def _tokenizer(args, software: bool) -> List[Check]:
             from transformers import AutoTokenizer
 
             tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+            found["vocab"] = len(tok)
             return [Check("tokenizer", True, f"{path}: {type(tok).__name__}, vocab {len(tok)}")]
         except ImportError:
             return []  # reported by the software check
@@ -116,27 +124,34 @@ def _tokenizer(args, software: bool) -> List[Check]:
 
 
 def _data(args) -> List[Check]:
+    return [data_check(args)]
+
+
+def data_check(args) -> Check:
+    """Every data prefix's ``.bin`` and ``.idx`` exist (the launcher's dry run runs this check too)."""
     if args.mock_data:
-        return [Check("data", True, "mock data")]
+        return Check("data", True, "mock data")
     from megatron.core.datasets.utils import get_blend_from_list
 
     blends = [("data_path", args.data_path), ("train_data_path", args.train_data_path),
               ("valid_data_path", args.valid_data_path), ("test_data_path", args.test_data_path)]
     prefixes = [(k, p) for k, v in blends if v for p in get_blend_from_list(v)[0]]
     if not prefixes:
-        return [Check("data", False, "no data_path (or train/valid/test_data_path) and no mock_data")]
-    missing = [f"{k}: {p}.{ext}" for k, p in prefixes for ext in ("bin", "idx") if not os.path.isfile(f"{p}.{ext}")]
+        return Check("data", False, "no data_path (or train/valid/test_data_path) and no mock_data")
+    missing = [f"{k}: {p}.{ext}" for k, p in prefixes for ext in ("bin", "idx")
+               if "://" not in p and not os.path.isfile(f"{p}.{ext}")]
     if missing:
-        return [Check("data", False, "missing " + ", ".join(missing[:4]) + (" ..." if len(missing) > 4 else ""))]
-    return [Check("data", True, f"{len(prefixes)} dataset prefix(es), .bin and .idx present")]
+        return Check("data", False, "missing " + ", ".join(missing[:4]) + (" ..." if len(missing) > 4 else ""))
+    return Check("data", True, f"{len(prefixes)} dataset prefix(es), .bin and .idx present")
 
 
 def _has_checkpoint(path: Optional[str]) -> bool:
     return bool(path) and os.path.exists(os.path.join(path, "latest_checkpointed_iteration.txt"))
 
 
-def _checkpoints(path: Optional[str], args) -> List[Check]:
-    """The checkpoint directory is writable, and the job has weights to start from when it must not start fresh."""
+def _checkpoints(path: Optional[str], args, vocab: Optional[int] = None) -> List[Check]:
+    """The checkpoint directory is writable, the job has weights to start from when it must not start fresh, and
+    they are the config's model."""
     if not path:
         return []
     existing = path
@@ -149,17 +164,32 @@ def _checkpoints(path: Optional[str], args) -> List[Check]:
         return [Check("checkpoints", False, f"{path}: {existing} is not writable: {exc}")]
     load = args.load or path
     if _has_checkpoint(load):
-        return [Check("checkpoints", True, f"{path} (resumes from its latest checkpoint)")]
+        return [Check("checkpoints", True, f"{path} (resumes from its latest checkpoint)")] + _model(load, args, vocab)
     start = args.pretrained_checkpoint
     if start:
         if _has_checkpoint(start):
-            return [Check("checkpoints", True, f"{path} (starts from {start}: weights only, iteration 0)")]
+            return ([Check("checkpoints", True, f"{path} (starts from {start}: weights only, iteration 0)")]
+                    + _model(start, args, vocab))
         return [Check("checkpoints", False, f"neither {load} nor --pretrained-checkpoint {start} holds a checkpoint "
                       "(latest_checkpointed_iteration.txt): run the previous stage first, or convert the Hugging Face "
                       "weights there (README, Long-context recipe)")]
     if args.exit_on_missing_checkpoint:
         return [Check("checkpoints", False, f"{load} holds no checkpoint and the config sets exit_on_missing_checkpoint")]
     return [Check("checkpoints", True, f"{path} (starts fresh)")]
+
+
+def _model(path: str, args, vocab: Optional[int]) -> List[Check]:
+    """The checkpoint the job loads holds the config's model (layers, hidden, heads, FFN, vocabulary)."""
+    from .checkpoint_model import compare, describe, iteration_dir, stored_shapes
+
+    stored = stored_shapes(iteration_dir(path))
+    problems = compare(args, stored, vocab)
+    if problems:
+        return [Check("checkpoint model", False, f"{path} holds another model ({describe(stored)}): "
+                      + "; ".join(problems[:4]) + ("; ..." if len(problems) > 4 else "")
+                      + " -- point the config at the checkpoint of its own model, or fix the model flags")]
+    note = "" if vocab else " (vocabulary not checked: the tokenizer did not load here)"
+    return [Check("checkpoint model", True, f"{describe(stored)}: the config's model{note}")]
 
 
 def _gpus(expected: int) -> List[Check]:
@@ -199,7 +229,8 @@ def _mesh_shape(args, argv: List[str]) -> List[Check]:
 
 
 def run_checks(config: str, *, gpus_per_node: int = 0, save: Optional[str] = None, software: bool = True,
-               extra: Optional[List[str]] = None, torchrun_shutdown_timeout: Optional[int] = None) -> List[Check]:
+               extra: Optional[List[str]] = None, torchrun_shutdown_timeout: Optional[int] = None,
+               gpu_software: bool = True) -> List[Check]:
     """All checks for one config (plus extra Megatron flags); never raises for a failed check."""
     from .config import ConfigError, config_to_argv, megatron_parser
 
@@ -209,11 +240,12 @@ def run_checks(config: str, *, gpus_per_node: int = 0, save: Optional[str] = Non
         return [Check("config", False, str(exc))]
     args, _ = megatron_parser().parse_known_args(argv)
     checks = [Check("config", True, config)]
+    found: dict = {}
     steps = {
-        "software": lambda: (_software(args) + _torchrun(torchrun_shutdown_timeout)) if software else [],
-        "tokenizer": lambda: _tokenizer(args, software),
+        "software": lambda: (_software(args, gpu_software) + _torchrun(torchrun_shutdown_timeout)) if software else [],
+        "tokenizer": lambda: _tokenizer(args, software, found),
         "data": lambda: _data(args),
-        "checkpoints": lambda: _checkpoints(save or args.save, args),
+        "checkpoints": lambda: _checkpoints(save or args.save, args, found.get("vocab")),
         "gpus": lambda: _gpus(gpus_per_node) if gpus_per_node else [],
         "mesh shape": lambda: _mesh_shape(args, argv),
     }
@@ -231,12 +263,14 @@ def main(argv=None) -> int:
     p.add_argument("--gpus-per-node", type=int, default=0, help="check this many GPUs are visible (0: skip)")
     p.add_argument("--save", default=None, help="checkpoint directory that must be writable")
     p.add_argument("--no-software", action="store_true", help="skip the import/version checks")
+    p.add_argument("--no-gpu-software", action="store_true",
+                   help="a machine without GPUs (a login node): leave Transformer Engine's import to the compute node")
     p.add_argument("--torchrun-shutdown-timeout", type=int, default=None,
                    help="the job's torchrun waits this long after SIGTERM: check that it can")
     args, extra = p.parse_known_args(argv)
     checks = run_checks(args.config, gpus_per_node=args.gpus_per_node, save=args.save,
                         software=not args.no_software, extra=extra,
-                        torchrun_shutdown_timeout=args.torchrun_shutdown_timeout)
+                        torchrun_shutdown_timeout=args.torchrun_shutdown_timeout, gpu_software=not args.no_gpu_software)
     for c in checks:
         print(f"preflight: {'ok  ' if c.ok else 'FAIL'} {c.name}: {c.detail}", flush=True)
     failed = [c.name for c in checks if not c.ok]

@@ -31,7 +31,9 @@ through :mod:`megatron_mesh_cp.megatron.cpu_compat`; with CUDA that module is ne
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
+import io
 import json
 import logging
 import os
@@ -51,7 +53,7 @@ __all__ = ["main", "cli", "config_to_argv", "parse_megatron_args"]
 log = logging.getLogger("megatron_mesh_cp")
 
 LAUNCHER_FLAGS = ("--config", "--summary-json", "--plot-loss", "--dump-grads", "--data-cache-dir", "--gpu-memory-gib",
-                  "--stdlib-doc-bytes")
+                  "--stdlib-doc-bytes", "--show-megatron-args")
 YAML_CFG_REFUSED = (
     "--yaml-cfg: Megatron's experimental YAML path fails inside megatron-core's own parse_args (0.19.2 and "
     "main: AttributeError: 'types.SimpleNamespace' object has no attribute 'disable_msc_deprecated'); use "
@@ -246,7 +248,7 @@ def _documents(tokens, args):
     from megatron.core.packed_seq_params import PackedSeqParams
     from megatron.training import get_tokenizer
 
-    from ..runtime.documents import documents_from_eod
+    from ..runtime.masks import documents_from_eod
 
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     cu = documents_from_eod(tokens[0].to(device), get_tokenizer().eod) if tokens is not None else None
@@ -345,6 +347,8 @@ def _launcher_parser() -> argparse.ArgumentParser:
     g.add_argument("--dry-run", action="store_true",
                    help="resolve and validate the arguments (mesh shape included), print the layout and a per-GPU "
                         "memory estimate, start nothing (WORLD_SIZE: the job's world size)")
+    g.add_argument("--show-megatron-args", action="store_true",
+                   help="with --dry-run: also print Megatron's own list of resolved arguments (hundreds of lines)")
     g.add_argument("--gpu-memory-gib", type=float,
                    default=float(os.environ.get("MESH_CP_GPU_MEMORY_GIB", "0")) or None,
                    help="the dry run's memory warning threshold (default: this GPU's memory, else 80)")
@@ -408,9 +412,28 @@ def _summary(args, opts, started: float) -> Dict:
     }
 
 
+def _missing_data(args) -> Optional[str]:
+    """--dry-run: the local dataset files the job will read (each prefix's .bin and .idx), as the preflight checks
+    them; None when all are there (or the data is mock, remote or the built-in corpus)."""
+    from .preflight import data_check
+
+    paths = [p for p in (args.data_path or []) + (args.train_data_path or []) if "://" not in str(p)]
+    if args.mock_data or not paths:
+        return None
+    check = data_check(args)
+    if check.ok:
+        return None
+    return (f"--data-path: {check.detail} (a dataset prefix PREFIX names PREFIX.bin and PREFIX.idx, as "
+            "tools/preprocess_data.py writes them; a real run would fail only after building the model)")
+
+
 def _print_resolved(args, gpu_gib: Optional[float]) -> None:
-    """--dry-run: the parallel layout, CP algorithm and per-GPU memory estimate (nothing is started)."""
-    from .memory import report
+    """--dry-run: the parallel layout, CP algorithm, per-GPU memory estimate and the simulated step on the configured
+    data (nothing is started)."""
+    from .checkpoint_model import padded_vocab
+    from .memory import report, tokenizer_vocab
+    from .step_estimate import dry_run_estimate, layout_lines
+
     algo = getattr(args, "context_parallel_algo", None) or (args.cp_comm_type[0] if args.cp_comm_type else "p2p")
     log.info(f"world {args.world_size}: TP {args.tensor_model_parallel_size} x PP "
              f"{args.pipeline_model_parallel_size} x CP {args.context_parallel_size} x DP {args.data_parallel_size}; "
@@ -420,7 +443,10 @@ def _print_resolved(args, gpu_gib: Optional[float]) -> None:
     log.info(f"document masking: {_masking(args)}")
     if gpu_gib is None:
         gpu_gib = torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available() else 80.0
-    for level, line in report(args, gpu_gib):
+    vocab, hint = tokenizer_vocab(args)
+    if vocab:
+        args.padded_vocab_size = padded_vocab(vocab, args)
+    for level, line in report(args, gpu_gib, hint) + layout_lines(dry_run_estimate(args), args.save_interval):
         getattr(log, level)(line)
 
 
@@ -578,13 +604,21 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         stdlib = len(megatron_argv) > given
     from .arguments import MeshArgumentError
 
+    quiet = opts.dry_run and not opts.show_megatron_args  # Megatron's argument dump: hundreds of lines
     try:
-        args = parse_megatron_args(megatron_argv, set_globals=not opts.dry_run)
+        with contextlib.redirect_stdout(io.StringIO()) if quiet else contextlib.nullcontext():
+            args = parse_megatron_args(megatron_argv, set_globals=not opts.dry_run)
     except MeshArgumentError as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         sys.exit(2)
     if opts.dry_run:
+        missing = _missing_data(args)
+        if missing:
+            print(f"error: {missing}", file=sys.stderr, flush=True)
+            sys.exit(2)
         _print_resolved(args, opts.gpu_memory_gib)
+        if quiet:
+            log.info("(Megatron's own resolved arguments: add --show-megatron-args)")
         return
     if cpu:
         _init_distributed_cpu(args)
@@ -602,27 +636,42 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     if args.spec is None:
         model_cfg.transformer_layer_spec = gpt_mesh_spec
     container = pretrain_cfg_container_from_args(args, model_cfg)
+    from . import exits
+
+    exits.install()
     try:
         pretrain(container, datasets_provider, ModelType.encoder_or_decoder, forward_step)
-    except SystemExit as exc:  # Megatron's early exits (duration, signal, interval) end in sys.exit
+    except SystemExit as exc:  # planned early exits (duration, signal, interval) and failures both end in sys.exit
+        verdict = exits.classify(exc, args.save)
+        if not verdict.planned and (not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0):
+            print(f"error: {verdict.reason}", file=sys.stderr, flush=True)
         if torch.distributed.is_initialized():
-            _finish(args, opts, megatron_argv, started, stdlib,
-                    exit=f"Megatron exited early (code {exc.code}) at iteration {_LOSSES[-1][0] if _LOSSES else 0}: "
-                         "--exit-duration-in-mins, --exit-signal-handler or --exit-interval")
-        raise
+            _finish(args, opts, megatron_argv, started, stdlib, exit=verdict.reason, failed=not verdict.planned)
+        raise SystemExit(verdict.code) from None
+    except AssertionError as exc:  # Megatron's scheduler check on resume is an assert: name the fix
+        fix = exits.scheduler_mismatch(exc)
+        if fix is None:
+            raise
+        if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+            print(f"error: {fix}", file=sys.stderr, flush=True)
+        if torch.distributed.is_initialized():
+            _finish(args, opts, megatron_argv, started, stdlib, exit=fix, failed=True)
+        raise SystemExit(exits.FAILED) from None
     _finish(args, opts, megatron_argv, started, stdlib)
 
 
-def _finish(args, opts, megatron_argv: List[str], started: float, stdlib: bool, exit: Optional[str] = None) -> None:
+def _finish(args, opts, megatron_argv: List[str], started: float, stdlib: bool, exit: Optional[str] = None,
+            failed: bool = False) -> None:
     """The last rank's summary (and summary JSON); after a complete run also the CP = 1 loss plot."""
     last = torch.distributed.get_rank() == torch.distributed.get_world_size() - 1
     summary = _summary(args, opts, started)
     summary["data"] = _data_label(args, stdlib, opts.stdlib_doc_bytes)
     summary["exit"] = exit
+    summary["failed"] = failed
     if not last:
         return
     if exit:
-        log.info(exit)
+        (log.error if failed else log.info)(exit)
     _print_summary(summary)
     if opts.summary_json:
         Path(opts.summary_json).parent.mkdir(parents=True, exist_ok=True)

@@ -61,7 +61,7 @@ def check_attention_variants(get: Callable, launcher: bool) -> None:
     window = get("window_size", None)
     if window is None:
         return
-    from ..runtime.documents import check_window
+    from ..runtime.masks import check_window
 
     cp = int(get("context_parallel_size", 1) or 1)
     algo = get("context_parallel_algo", None)

@@ -11,7 +11,7 @@
   (dO forward, dQ/dK/dV back in backward); needs heads >= n; K/V heads are replicated up to n.
 * ``usp`` -- Ulysses inside a node x Ring across nodes (yunchang USP / TE ``a2a+p2p``); the best
   Ulysses degree (a divisor of the GPUs per node) is chosen; ``usp:U`` a fixed degree.
-* ``a2a+mesh`` -- Ulysses inside a node x the greedy mesh across the Ulysses groups (HYBRID.md), the
+* ``a2a+mesh`` -- Ulysses inside a node x the greedy mesh across the Ulysses groups (docs/hybrid.md), the
   fastest (u, a, b) by :func:`~megatron_mesh_cp.planning.autoshape.choose_hybrid_shape`; ``a2a+mesh:UxAxB`` fixed.
 
 The shared costs (one kernel call, a collective, the all-to-all, peak memory) are in ``costs``.
@@ -41,6 +41,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Dict, List, Optional, Tuple
 
+from .layouts import resolve_layout
 from .autoshape import choose_hybrid_shape, choose_shape, ulysses_degrees
 from .cluster import Cluster, Workload
 from .costs import (collective_time, monolithic_time, plan_peak_bytes, te_ring_peak_bytes, ulysses_a2a_steps,
@@ -100,7 +101,8 @@ def _from_phases(algo: str, fwd: PhaseResult, bwd: PhaseResult, shape: str, note
 
 
 def _plan_algo(algo, a, b, cluster, w, stride, planner="greedy", chains="auto", max_live=None, note=""):
-    if w.pruned:  # the runtime's plans for documents or a window: full, chains both ways, pruned
+    w = resolve_layout(w, a, b, cluster, stride)  # documents laid out by auto: the layout chosen for this mesh
+    if w.pruned:  # the runtime's plans for documents, chunks or a window: full, chains both ways, pruned
         fwd, bwd = document_plans(a, b, planner, cluster=cluster, workload=w, stride=stride, max_live=max_live)
     else:
         fwd, bwd = build_plans(a, b, planner, cluster=cluster, workload=w, stride=stride, max_live=max_live,
@@ -141,7 +143,7 @@ def _allgather(n: int, cluster: Cluster, w: Workload, stride: int) -> SimResult:
     if pairs is not None:
         w.check_packing(n)
     if w.window is not None:
-        pairs = float(row_pairs(w.mask_documents(n), n, w.causal, w.window).max())
+        pairs = float(row_pairs(w.span(n), n, w.causal).max())
     f_comp = monolithic_time(cluster, w, w.seq_local, w.seq_local * n, w.heads, False, pairs)
     b_comp = monolithic_time(cluster, w, w.seq_local, w.seq_local * n, w.heads, True, pairs)
     x = 1.0 if spans else 0.0
@@ -219,7 +221,7 @@ def _usp_with(u: int, n: int, cluster: Cluster, w: Workload, stride: int, algo: 
 
 def a2a_mesh(u: int, a: int, b: int, cluster: Cluster, w: Workload, stride: int = 1,
              max_live: Optional[int] = None, algo: str = "a2a+mesh") -> SimResult:
-    """Ulysses over u consecutive ranks x the greedy a x b mesh over the u-rank groups (HYBRID.md)."""
+    """Ulysses over u consecutive ranks x the greedy a x b mesh over the u-rank groups (docs/hybrid.md)."""
     mesh = (_plan_algo("mesh", a, b, cluster, ulysses_inner(u, w), stride * u, max_live=max_live)
             if a * b > 1 else None)
     return _ulysses_around(u, mesh, cluster, w, stride, algo, f"{u}x{a}x{b}")
@@ -241,7 +243,7 @@ def simulate_algorithm(
     algo: str, n: int, cluster: Cluster, w: Workload, *, tp: int = 1, max_live: Optional[int] = None
 ) -> SimResult:
     """One algorithm's simulated forward+backward of one attention layer on ``n`` CP ranks."""
-    if w.documents is not None and not algo.startswith(PRUNED):
+    if w.pruned and w.mask.cuts_documents and not algo.startswith(PRUNED):
         raise ValueError(f"{algo} cannot run unpadded documents (TE's THD pads every document to 2*CP and sends "
                          f"every chunk): price it on the padded packing of the same documents (doc_baselines, "
                          f"--doc-layout), or use passq, mesh, mesh:AxB, mesh-naive, a2a+mesh, a2a+mesh:UxAxB or "

@@ -1,7 +1,7 @@
 """Published CP measurements and the simulator's prediction of each, side by side (docs/calibration.md).
 
-Other people measured Ring, Ulysses and USP on real clusters (``../shared/docs/CALIBRATION.md``,
-sources S1-S6). Each :class:`Case` describes one compared ratio: the source's hardware, the shape,
+Other people measured Ring, Ulysses and USP on real clusters (sources S1-S6, described in
+docs/calibration.md). Each :class:`Case` describes one compared ratio: the source's hardware, the shape,
 the two algorithms and the measured ratio (time of ``algo`` over time of ``ref``). :func:`compare`
 simulates every case with the given overlap costs, so a fit (``scripts/calibrate_simulator.py``)
 and a test can both hold the model to the published ratios. Only ratios are compared, never
@@ -103,8 +103,11 @@ def _s3() -> List[Case]:
 def _s5() -> List[Case]:
     rows = [("h800-nvlink", _FWD, 0.852), ("h800-nvlink", _BOTH, 0.902),
             ("a100-nvlink", _FWD, 0.817), ("a100-nvlink", _BOTH, 0.898)]
-    return [Case("S5", f"{hw.split('-')[0].upper()} {"fwd+bwd" if len(ph) == 2 else "fwd"} ideal / ring", hw, 8, 64 * K,
-                 32, 8, 128, 1, "ideal", "ring", ph, m) for hw, ph, m in rows]
+
+    def label(hw: str, ph: Tuple[str, ...]) -> str:
+        return f"{hw.split('-')[0].upper()} {'fwd+bwd' if len(ph) == 2 else 'fwd'} ideal / ring"
+
+    return [Case("S5", label(hw, ph), hw, 8, 64 * K, 32, 8, 128, 1, "ideal", "ring", ph, m) for hw, ph, m in rows]
 
 
 #: S6: TFLOPS per GPU by (Ulysses u, ring r) and sequence; step-time ratios are taken against u4 r4.
@@ -196,7 +199,7 @@ def compare(overlap: Optional[Dict[str, float]] = None, cases: Sequence[Case] = 
 
 
 def summary(rows: Sequence[Row]) -> Dict[str, object]:
-    """The issue's verdict: S1/S2/S5/S6 within tolerance, S3's Ulysses-8 slower than Ring everywhere."""
+    """The calibration verdict: S1/S2/S5/S6 within tolerance, S3's Ulysses-8 slower than Ring everywhere."""
     judged = [r for r in rows if r.case.source in ("S1", "S2", "S5", "S6") and not r.case.weak]
     within = sum(abs(r.error) <= TOLERANCE for r in judged)
     s3 = [r for r in rows if r.case.source == "S3" and r.case.algo == "ulysses"]

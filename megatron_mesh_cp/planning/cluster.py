@@ -26,13 +26,14 @@ from typing import Dict, FrozenSet, List, Optional, Tuple
 import numpy as np
 import torch
 
-from ..runtime.documents import check_window
 from ..runtime.layout import BlockCase
+from ..runtime.masks import Mask, Span, SpanBlocks, as_mask
 from ..runtime.packed import packed_slices
 from ..runtime.plan import ChunkDims
-from .documents import UnpaddedDocuments, block_calls as document_block_calls, block_times as document_block_times
+from ..runtime.topology import MeshShape
+from .documents import arranged_block_calls, block_calls as document_block_calls, price_calls
 from .packing import Packing
-from .windows import block_times as window_block_times, window_block_calls
+from .windows import window_block_calls
 
 __all__ = ["Cluster", "Workload", "CALIBRATED", "HOST_PER_CALL_US", "load_cluster", "cluster_presets", "CLUSTER_DIRS",
            "workload_dims"]
@@ -176,15 +177,14 @@ class Cluster:
 class Workload:
     """One attention layer's shape per CP rank: what the cost of a block and a chunk depends on.
 
-    ``packing`` (optional) says the sequence is packed documents (THD): chunk sizes, and so every
-    payload, stay the same, but each block only computes the pairs inside each document
-    (:mod:`megatron_mesh_cp.planning.packing`); :meth:`block_times` prices every block by that work. Each
-    of the ``batch`` sequences is packed the same way. ``documents`` (optional, batch 1) says the
-    sequence is unpadded documents on the ordinary layout (:mod:`megatron_mesh_cp.planning.documents`):
-    each block is priced as the kernel calls its documents leave, an empty block at 0. ``window``
-    (optional, (left, right) as ``mesh_attention`` takes it) is a sliding window, alone or over the
-    documents (:mod:`megatron_mesh_cp.planning.windows`); both run pruned plans (:attr:`pruned`).
-    ``head_dim_v`` (MLA) is the head dim of V, O and their gradients where it differs from Q/K's.
+    ``mask`` (optional) is the layer's one mask value: unpadded documents
+    (:class:`~megatron_mesh_cp.planning.documents.UnpaddedDocuments` or the runtime's ``Documents``), a
+    sliding window, chunks (``runtime.masks``) or their intersection -- every block is then priced as
+    the kernel calls the mask leaves it, an empty block at 0, on pruned plans (:attr:`pruned`) -- or
+    packed THD documents (:class:`~megatron_mesh_cp.planning.packing.Packing`): chunk sizes, and so
+    every payload, stay the same, but each block only computes the pairs inside each document; each
+    of the ``batch`` sequences is packed the same way. ``head_dim_v`` (MLA) is the head dim of V, O
+    and their gradients where it differs from Q/K's.
     """
 
     seq_local: int  # tokens per rank (2m)
@@ -195,58 +195,97 @@ class Workload:
     causal: bool = True
     bytes_per_element: int = 2
     partial_bytes: int = 4  # bytes per element of partial O / dQ / dKV on the wire
-    packing: Optional[Packing] = None
-    documents: Optional[UnpaddedDocuments] = None
-    window: Optional[Tuple[int, int]] = None
+    mask: Optional[Mask] = None
     head_dim_v: Optional[int] = None  # None: head_dim
 
     def __post_init__(self) -> None:
-        if self.packing is not None and self.documents is not None:
-            raise ValueError("a workload is either packed (THD, padded: packing) or unpadded documents "
-                             "(documents), not both")
-        if self.documents is not None and self.batch != 1:
-            raise ValueError(f"unpadded documents take one sequence (batch 1), got batch {self.batch}")
-        window = check_window(self.window, self.causal)  # (left, right) ints >= -1; None: no window
-        if window is not None and self.packing is not None:
-            raise ValueError("a sliding window on packed THD (padded) documents is not built (the runtime refuses "
-                             "it); give the documents unpadded (documents) or drop the packing")
-        if window is not None and self.documents is not None and self.documents.tile:
+        mask = None if self.mask is None else as_mask(self.mask).simplified(self.causal)
+        if mask is not None:
+            mask.check_batch(self.batch)
+        if mask is not None and mask.has_window and mask.cuts_documents and _tile(mask):
             raise ValueError("windowed blocks are priced by their exact pairs; give the documents kernel tile 0")
+        object.__setattr__(self, "mask", mask)
         if self.head_dim_v is not None and (int(self.head_dim_v) != self.head_dim_v or self.head_dim_v < 1):
             raise ValueError(f"head_dim_v must be a positive int (the head dim of V), got {self.head_dim_v!r}")
-        object.__setattr__(self, "window", window)
         dv = None if self.head_dim_v in (None, self.head_dim) else int(self.head_dim_v)
         object.__setattr__(self, "head_dim_v", dv)  # equal dims: the same workload (and cache key) as before
+
+    @property
+    def packing(self) -> Optional[Packing]:
+        """The packed THD documents, if that is the mask."""
+        return self.mask if isinstance(self.mask, Packing) else None
+
+    @property
+    def window(self) -> Optional[Tuple[int, int]]:
+        """The mask's sliding window as the runtime takes it ((left, right); None: none)."""
+        return None if self.mask is None else self.mask.band(self.causal)
+
+    @property
+    def pruned(self) -> bool:
+        """Whether blocks may be empty (documents, chunks or a window): our plans for it are pruned."""
+        return self.mask is not None and self.packing is None
+
+    @property
+    def unmasked(self) -> "Workload":
+        """The same layer without its documents, chunks or window: what the full plans are planned for."""
+        return replace(self, mask=None) if self.pruned else self
+
+    def arranged(self, ranks: int):
+        """The mask as it runs on ``ranks`` chunks (documents in the order they run there: balanced for
+        ``ranks`` if asked), None for none."""
+        return None if self.mask is None else self.mask.arranged(ranks, self.causal)
+
+    def _runs_as(self, ranks: int):
+        """The mask as it runs on ``ranks`` chunks, its documents checked to fill the sequence."""
+        total = self.seq_local * ranks
+        mask = self.arranged(ranks)
+        docs = None if mask is None else mask_total(mask)
+        if docs is not None and docs != total:
+            raise ValueError(f"the documents span {docs} tokens but {ranks} CP ranks of {self.seq_local} tokens "
+                             f"hold {total}; the documents must fill the global sequence length")
+        return mask, total
+
+    def span(self, ranks: int) -> Optional[Span]:
+        """The mask's canonical form over the sequence of ``ranks`` chunks, as it runs there (None: a
+        mask that is not a span, e.g. documents re-laid in pieces by the split layout)."""
+        mask, total = self._runs_as(ranks)
+        if mask is None:
+            return Span(total)
+        return None if mask.span_error else mask.span(total, self.causal)
+
+    def blocks(self, ranks: int):
+        """The runtime's block engine of the mask on ``ranks`` chunks (cached)."""
+        span = self.span(ranks)
+        if span is not None:
+            return _span_blocks(span, ranks, self.causal)
+        mask, total = self._runs_as(ranks)
+        return _bound(mask, ranks, total, self.causal)
+
+    def nonempty(self, ranks: int) -> np.ndarray:
+        """Bool [ranks, ranks]: the blocks with any (query, key) pair (the runtime's own mask)."""
+        return self.blocks(ranks).nonempty()
+
+    def needed(self, a: int, b: int) -> FrozenSet[Tuple[int, int]]:
+        """Tile blocks some rank of the a x b mesh computes: what the pruned plans keep."""
+        span = self.span(a * b)
+        if span is not None:
+            return _needed(span, a, b, self.causal)
+        return self.blocks(a * b).needed(MeshShape(a, b))
+
+    def mask_calls(self, ranks: int):
+        """Every kernel call of every block on ``ranks`` chunks under the (pruned) mask: vectorised for
+        span masks (planning/documents.py, planning/windows.py), from the block engine otherwise."""
+        span = self.span(ranks)
+        if span is None:  # documents re-laid in pieces (the packed and split layouts)
+            return arranged_block_calls(self._runs_as(ranks)[0], ranks, self.causal)
+        if span.window is None:
+            return document_block_calls(span, ranks, self.causal)
+        return window_block_calls(span, ranks, self.causal)
 
     @property
     def dv(self) -> int:
         """The head dim of V, O, dO and dV."""
         return self.head_dim if self.head_dim_v is None else self.head_dim_v
-
-    @property
-    def pruned(self) -> bool:
-        """Whether blocks may be empty (documents or a window): our plans for it are pruned."""
-        return self.documents is not None or self.window is not None
-
-    @property
-    def unmasked(self) -> "Workload":
-        """The same layer without documents or window: what the full plans are planned for."""
-        return replace(self, documents=None, window=None) if self.pruned else self
-
-    def mask_documents(self, ranks: int) -> UnpaddedDocuments:
-        """The documents the mask sees on ``ranks`` chunks, in the order they run there (``documents``,
-        balanced for ``ranks`` if asked), or the whole sequence as one."""
-        if self.documents is not None:
-            return self.documents.for_chunks(ranks, self.causal)
-        return UnpaddedDocuments((self.seq_local * ranks,))
-
-    def nonempty(self, ranks: int) -> np.ndarray:
-        """Bool [ranks, ranks]: the blocks with any (query, key) pair (the runtime's own mask)."""
-        return self.mask_documents(ranks).nonempty(ranks, self.causal, self.window)
-
-    def needed(self, a: int, b: int) -> FrozenSet[Tuple[int, int]]:
-        """Tile blocks some rank of the a x b mesh computes: what the pruned plans keep."""
-        return self.mask_documents(a * b).needed(a, b, self.causal, self.window)
 
     def pair_flops(self, pairs, backward: bool, heads: Optional[int] = None):
         """Attention FLOPs of ``pairs`` (q, k) pairs over ``heads`` (default: all) and the batch (works on
@@ -331,9 +370,7 @@ class Workload:
         per sub-block of its case (:func:`~megatron_mesh_cp.runtime.packed.packed_slices`), or (documents,
         window) one per call the mask makes, 0 for an empty block. [ranks, ranks]."""
         if self.pruned:
-            docs = self.mask_documents(ranks)
-            calls = (document_block_calls(docs, ranks, self.causal) if self.window is None
-                     else window_block_calls(docs, ranks, self.causal, self.window))
+            calls = self.mask_calls(ranks)
             out = np.zeros((ranks, ranks))
             np.add.at(out, (calls.i, calls.j), 1.0)
             return out
@@ -362,10 +399,51 @@ class Workload:
             )
 
 
+def masked_block_times(w, cluster, backward: bool, ranks: int) -> np.ndarray:
+    """Seconds of every block on ``ranks`` mesh chunks for a workload with a pruned mask (documents,
+    chunks, a window): the sum over the block's calls of the kernel (its work at the throughput of its
+    rows) and the call's fixed costs (:meth:`Workload._call_cost` over its rows, :meth:`Workload._keys_cost`
+    over its keys); 0 for an empty block."""
+    return price_calls(w, cluster, backward, ranks, w.mask_calls(ranks))
+
+
+@lru_cache(maxsize=64)
+def _bound(mask, chunks: int, total: int, causal: bool):
+    return mask.bind(chunks, total, causal)
+
+
+
+@lru_cache(maxsize=64)
+def _span_blocks(span: Span, chunks: int, causal: bool) -> SpanBlocks:
+    return SpanBlocks(span, chunks, causal)
+
+
+@lru_cache(maxsize=256)
+def _needed(span: Span, a: int, b: int, causal: bool) -> FrozenSet[Tuple[int, int]]:
+    return _span_blocks(span, a * b, causal).needed(MeshShape(a, b))
+
+
+def _tile(mask) -> int:
+    """The kernel tile the mask's documents are priced in (0: exact pairs)."""
+    parts = getattr(mask, "parts", (mask,))
+    return max((getattr(p, "tile", 0) for p in parts), default=0)
+
+
+def mask_total(mask) -> Optional[int]:
+    """The tokens a mask's documents span (None: the mask does not fix it)."""
+    parts = getattr(mask, "parts", (mask,))
+    for p in parts:
+        if getattr(p, "cuts_documents", False):
+            cu = getattr(p, "cu", None) or getattr(p, "cuts", None)
+            if cu is not None:
+                return cu[-1]
+    return None
+
+
 @lru_cache(maxsize=256)
 def _block_times(w: Workload, cluster: Cluster, backward: bool, ranks: int) -> np.ndarray:
     if w.pruned:  # each block's own kernel calls; empty blocks 0
-        out = (document_block_times if w.window is None else window_block_times)(w, cluster, backward, ranks)
+        out = masked_block_times(w, cluster, backward, ranks)
         out.setflags(write=False)
         return out
     i, j = np.indices((ranks, ranks))

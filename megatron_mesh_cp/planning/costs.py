@@ -9,12 +9,15 @@ the collective crosses (the NIC once the group spans nodes).
 from __future__ import annotations
 
 from dataclasses import replace
+
+import numpy as np
 from typing import Optional
 
 from ..runtime.memory import layout
 from ..runtime.plan import BACKWARD, FORWARD
 from ..runtime.ulysses import kv_repeats, ulysses_traffic
 from .cluster import Cluster, Workload, workload_dims
+from .documents import span_sequence_work
 from .windows import sequence_pairs
 
 __all__ = ["plan_peak_bytes", "te_ring_peak_bytes", "ulysses_buffer_bytes", "monolithic_time", "whole_sequence_pairs",
@@ -60,13 +63,13 @@ def monolithic_time(cluster: Cluster, w: Workload, rows: int, keys: int, heads: 
 def whole_sequence_pairs(w: Workload, ranks: int) -> Optional[float]:
     """Pairs of attention over the whole packed sequence of ``ranks`` chunks in one call (each document's
     own triangle, cut by the window if any); None when the workload is neither packed nor windowed."""
-    if w.window is not None:
-        return float(sequence_pairs(w.mask_documents(ranks), w.causal, w.window))
-    if w.documents is not None:
-        if w.documents.total != w.seq_local * ranks:
-            raise ValueError(f"the documents span {w.documents.total} tokens but {ranks} CP ranks of {w.seq_local} "
-                             f"tokens hold {w.seq_local * ranks}; the documents must fill the global sequence length")
-        return float(w.documents.sequence_work(w.causal))
+    if w.pruned:  # documents, chunks, a window: each document's own triangle, cut by the window
+        span = w.span(ranks)
+        if span is None:  # re-laid documents: the same documents, so the same pairs
+            lengths = np.bincount(np.asarray(w.arranged(ranks).docs), weights=np.diff(w.arranged(ranks).cuts))
+            x = lengths[lengths > 0]
+            return float((x * (x + 1) / 2).sum() if w.causal else (x * x).sum())
+        return float(sequence_pairs(span, w.causal) if span.window is not None else span_sequence_work(span, w.causal))
     if w.packing is None:
         return None
     w.check_packing(ranks)

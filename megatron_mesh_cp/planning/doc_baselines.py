@@ -46,7 +46,7 @@ def compare_documents(algos: List[str], n: int, cluster: Cluster, w: Workload, p
     """Each algorithm on the documents as it runs them; TE's Ring first, our pruned Ring second."""
     names = ["ring", "ring-pruned"] + [a for a in algos if a not in ("ring", "ring-pruned")]
     check_algorithms(names)
-    padded, unpadded = replace(w, packing=packing, documents=None), replace(w, packing=None, documents=documents)
+    padded, unpadded = replace(w, mask=packing), replace(w, mask=documents)
     return [simulate_algorithm(a, n, cluster, unpadded if runs_unpadded(a) else padded, tp=tp, max_live=max_live)
             for a in names]
 

@@ -1,39 +1,41 @@
 """Unpadded documents in the cost model: every block's kernel calls as the document mask leaves them.
 
-``mesh_attention(..., cu_seqlens=cu)`` (runtime/documents.py) runs documents of any length on
+``mesh_attention(..., cu_seqlens=cu)`` (runtime/masks/) runs documents of any length on
 Megatron's ordinary zigzag layout: nothing is padded, a block (Q chunk i, KV chunk j) runs as the
 sub-blocks its documents leave (an empty block: no kernel call at all), and the plan is the cached
 full plan pruned to the tile blocks some rank needs (runtime/prune.py;
-:func:`~megatron_mesh_cp.planning.schedule.document_plans`). This module prices that:
-:class:`UnpaddedDocuments` is the hashable document set a :class:`~megatron_mesh_cp.planning.cluster.Workload`
-carries, :func:`block_calls` lists every kernel call of every block at once with numpy (the calls of
-:meth:`DocumentMask.block`, tested call for call: one per block under the causal mask off the
-diagonal, one per shared document without it, one varlen call on the diagonal) and
-:func:`block_times` turns them into seconds. TE's algorithms cannot run documents this way (THD
+:func:`~megatron_mesh_cp.planning.schedule.call_plans`). This module prices that:
+:class:`UnpaddedDocuments` is the hashable document mask a :class:`~megatron_mesh_cp.planning.cluster.Workload`
+carries, :func:`block_calls` lists every kernel call of every block of a span (documents, chunks)
+at once with numpy (the calls of ``SpanBlocks.block``, tested call for call: one per block under
+the causal mask off the diagonal, one per shared document without it, one varlen call on the
+diagonal) and :func:`price_calls` turns them into seconds (windows: planning/windows.py). TE's algorithms cannot run documents this way (THD
 pads every document to 2*CP and sends every chunk): they are priced with a
 :class:`~megatron_mesh_cp.planning.packing.Packing` of the same draws.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
-from typing import Dict, FrozenSet, NamedTuple, Tuple
+from typing import Dict, NamedTuple, Tuple
 
 import numpy as np
 
 from ..runtime.balance import balance_order
-from ..runtime.documents import DocumentMask, Documents
-from ..runtime.topology import MeshShape
+from ..runtime.layouts import arrange
+from ..runtime.masks import Span, SpanMask, check_offsets, check_one_sequence
 from .packing import DISTRIBUTIONS, _fill, _read_lengths, _rect, _tri, length_draws
 
-__all__ = ["UnpaddedDocuments", "BlockCalls", "block_calls", "block_times", "price_calls", "check_total", "tile_bound",
+__all__ = ["UnpaddedDocuments", "BlockCalls", "block_calls", "arranged_block_calls", "span_sequence_work",
+           "price_calls", "tile_bound",
            "sample_documents", "read_documents"]
 
 
 @dataclass(frozen=True)
-class UnpaddedDocuments:
-    """Documents of any length, back to back over one sequence of ``total`` tokens, unpadded.
+class UnpaddedDocuments(SpanMask):
+    """Documents of any length, back to back over one sequence of ``total`` tokens, unpadded: the
+    runtime's documents mask (``mesh_attention(cu_seqlens=...)``) as the cost model draws them.
 
     ``tile`` counts a call's work as :class:`~megatron_mesh_cp.planning.packing.Packing` does
     (0: exact unmasked pairs; t: whole t x t tiles per document segment). Hashable: workloads
@@ -43,9 +45,19 @@ class UnpaddedDocuments:
     lengths: Tuple[int, ...]
     tile: int = 0
     label: str = field(default="", compare=False)
-    #: run in the order runtime/balance.py gives each chunk count (as the launcher's
-    #: ``--mesh-document-order balanced`` does per batch) instead of as given
+    #: run in the order runtime/balance.py gives each chunk count (the ``balanced`` layout, as the
+    #: launcher runs it per batch) instead of as given
     balanced: bool = False
+    #: run in the ``split`` layout cutting this many of the longest documents (runtime/layouts.py)
+    split: int = 0
+    #: the layout is chosen per mesh by the cost model (planning/layouts.py: ``resolve_layout``), as
+    #: the launcher's ``--mesh-layout auto`` chooses it per micro-batch
+    auto: bool = False
+
+    name = "documents"
+    per_batch = True
+    order = 10
+    cuts_documents = True
 
     def __post_init__(self) -> None:
         if not self.lengths or any(int(x) != x or x < 1 for x in self.lengths):
@@ -53,6 +65,9 @@ class UnpaddedDocuments:
                              "drop empty documents")
         if self.tile < 0:
             raise ValueError(f"kernel tile {self.tile} must be >= 0 (0: count exact pairs)")
+        if self.split and self.tile:
+            raise ValueError("the split layout's blocks are priced by their exact pairs; give the documents kernel "
+                             "tile 0")
         object.__setattr__(self, "lengths", tuple(int(x) for x in self.lengths))
 
     @property
@@ -64,30 +79,53 @@ class UnpaddedDocuments:
     def total(self) -> int:
         return sum(self.lengths)
 
+    def refine(self, span: Span, causal: bool) -> Span:
+        check_offsets(self.cu, span.total)
+        cuts = self.cu if span.cu is None else tuple(sorted(set(span.cu) | set(self.cu)))
+        return Span(span.total, cuts, span.window, max(span.tile, self.tile))
+
+    def span(self, total: int = None, causal: bool = True) -> Span:
+        """The canonical form over ``total`` tokens (default: the documents' own)."""
+        return self.refine(Span(self.total if total is None else total), causal)
+
+    def check_batch(self, batch: int) -> None:
+        check_one_sequence(batch)
+
+    def agreement(self) -> dict:
+        return {"documents": self.cu}
+
     def with_tile(self, tile: int) -> "UnpaddedDocuments":
-        return UnpaddedDocuments(self.lengths, tile, self.label, self.balanced)
+        return replace(self, tile=tile)
 
     def with_balance(self, balanced: bool) -> "UnpaddedDocuments":
-        return UnpaddedDocuments(self.lengths, self.tile, self.label, bool(balanced))
+        return replace(self, balanced=bool(balanced), split=0, auto=False)
 
-    def for_chunks(self, chunks: int, causal: bool = True) -> "UnpaddedDocuments":
-        """The documents in the order they run on ``chunks`` zigzag chunks: balanced
-        (:func:`~megatron_mesh_cp.runtime.balance.balance_order`, cached) or as given."""
+    def with_layout(self, layout: str) -> "UnpaddedDocuments":
+        """The same documents run in ``layout``: ``zigzag``, ``balanced``, ``split:K`` (the K longest cut)
+        or ``auto`` (chosen per mesh by the cost model)."""
+        name, _, k = layout.partition(":")
+        if name not in ("zigzag", "balanced", "split", "auto") or (name == "split") != bool(k) or (
+                k and not k.isdigit()):
+            raise ValueError(f"unknown layout {layout!r}; choose zigzag, balanced, split:K (K documents cut) or auto")
+        return replace(self, balanced=name == "balanced", split=int(k) if k else 0, auto=name == "auto")
+
+    @property
+    def layout(self) -> str:
+        if self.auto:
+            return "auto"
+        return f"split:{self.split}" if self.split else "balanced" if self.balanced else "zigzag"
+
+    def arranged(self, chunks: int, causal: bool = True):
+        """The documents as they run on ``chunks`` chunks: balanced
+        (:func:`~megatron_mesh_cp.runtime.balance.balance_order`, cached), re-laid by the split layout
+        (an ``Arranged`` mask, cached) or as given; ``auto`` must be resolved for a mesh first."""
+        if self.auto:
+            raise ValueError("the auto layout is chosen per mesh: resolve it first (planning.layouts.resolve_layout)")
+        if self.split:
+            return _split(self, chunks, bool(causal))
         return _balanced(self, chunks, bool(causal)) if self.balanced else self
 
-    def mask(self, chunks: int, causal: bool, window=None) -> DocumentMask:
-        """The runtime's description of these documents (and sliding ``window``, (left, right)) over
-        ``chunks`` mesh chunks (cached)."""
-        return _mask(self, chunks, bool(causal), window)
-
-    def nonempty(self, chunks: int, causal: bool, window=None) -> np.ndarray:
-        """Bool [chunks, chunks]: the blocks that run any kernel call (the runtime's own mask)."""
-        return self.mask(chunks, causal, window).nonempty()
-
-    def needed(self, a: int, b: int, causal: bool, window=None) -> FrozenSet[Tuple[int, int]]:
-        """Tile blocks (Q offset, KV offset) some rank of the a x b mesh must compute: what the
-        pruned plan keeps (:meth:`DocumentMask.needed`)."""
-        return _needed(self, a, b, bool(causal), window)
+    for_chunks = arranged
 
     def sequence_work(self, causal: bool = True) -> int:
         """Work of one call over the whole sequence (Ulysses' view): each document's own triangle."""
@@ -105,7 +143,16 @@ class UnpaddedDocuments:
                 f"{int((x > 256 * 1024).sum())} over 256K; {self.total} tokens, unpadded; causal attention work "
                 f"{self.work_fraction():.2%} of one unmasked sequence")
         text += f" (counted in {self.tile}x{self.tile} tiles)" if self.tile else ""
+        if self.auto:
+            return text + "; laid out per mesh by the cost model (auto)"
+        if self.split:
+            return text + f"; run in the split layout ({self.split} longest split)"
         return text + ("; run in the order balancing each mesh's zigzag chunks" if self.balanced else "")
+
+
+@lru_cache(maxsize=64)
+def _split(docs: UnpaddedDocuments, chunks: int, causal: bool):
+    return arrange(docs.lengths, chunks, "split", split=docs.split, causal=causal).mask
 
 
 @lru_cache(maxsize=64)
@@ -113,16 +160,6 @@ def _balanced(docs: UnpaddedDocuments, chunks: int, causal: bool) -> UnpaddedDoc
     order = balance_order(docs.lengths, chunks, causal=causal)
     return UnpaddedDocuments(tuple(docs.lengths[i] for i in order), docs.tile,
                              (docs.label + ", " if docs.label else "") + f"balanced for {chunks} chunks")
-
-
-@lru_cache(maxsize=64)
-def _mask(docs: UnpaddedDocuments, chunks: int, causal: bool, window) -> DocumentMask:
-    return DocumentMask(Documents(docs.cu), chunks, causal, window)
-
-
-@lru_cache(maxsize=256)
-def _needed(docs: UnpaddedDocuments, a: int, b: int, causal: bool, window) -> FrozenSet[Tuple[int, int]]:
-    return _mask(docs, a * b, causal, window).needed(MeshShape(a, b))
 
 
 class BlockCalls(NamedTuple):
@@ -135,19 +172,20 @@ class BlockCalls(NamedTuple):
     work: np.ndarray
 
 
-def block_calls(docs: UnpaddedDocuments, chunks: int, causal: bool) -> BlockCalls:
-    """Every kernel call of every block on ``chunks`` mesh chunks (read-only arrays, cached)."""
-    return _block_calls(docs, chunks, bool(causal))
+def block_calls(span: Span, chunks: int, causal: bool) -> BlockCalls:
+    """Every kernel call of every block of a span without a window on ``chunks`` mesh chunks (the
+    calls of ``SpanBlocks.block``; read-only arrays, cached)."""
+    return _block_calls(span, chunks, bool(causal))
 
 
 @lru_cache(maxsize=64)
-def _block_calls(docs: UnpaddedDocuments, n: int, causal: bool) -> BlockCalls:
-    cu = np.array(docs.cu, dtype=np.int64)
+def _block_calls(span: Span, n: int, causal: bool) -> BlockCalls:
+    cu = np.array(span.offsets, dtype=np.int64)
     total = int(cu[-1])
     if total % (2 * n):
         raise ValueError(f"the documents span {total} tokens, not a multiple of 2*CP = {2 * n}; "
                          "the sequence must split into 2*CP equal pieces")
-    m, t = total // (2 * n), docs.tile
+    m, t = total // (2 * n), span.tile
     sq = (lambda x: _tri(x, t)) if causal else (lambda x: _rect(x, x, t))  # noqa: E731
     doc = lambda pos: np.searchsorted(cu, pos, side="right") - 1  # noqa: E731
     c = np.arange(n, dtype=np.int64)
@@ -209,21 +247,94 @@ def _shared_documents(lo, seg, piece, doc, n, tile):
     return i, j, r, k, _rect(r, k, tile)
 
 
-def block_times(w, cluster, backward: bool, ranks: int) -> np.ndarray:
-    """Seconds of every block on ``ranks`` mesh chunks for a workload carrying unpadded documents:
-    the sum over the block's calls of the kernel (its work at the throughput of its rows) and the
-    call's fixed costs (:meth:`Workload._call_cost` over its rows, :meth:`Workload._keys_cost` over its
-    keys); 0 for an empty block."""
-    docs = w.mask_documents(ranks)
-    check_total(docs, w, ranks)
-    return price_calls(w, cluster, backward, ranks, block_calls(docs, ranks, w.causal))
+def arranged_block_calls(mask, n: int, causal: bool) -> BlockCalls:
+    """Every kernel call of every block of documents re-laid in pieces (``runtime.masks.Arranged``) on
+    ``n`` mesh chunks: call for call what ``SegmentBlocks.block`` runs (tested), vectorised per
+    document over its segments (read-only arrays, cached)."""
+    return _arranged_calls(mask, n, bool(causal))
 
 
-def check_total(docs: UnpaddedDocuments, w, ranks: int) -> None:
-    """``ValueError`` unless the documents fill the ``ranks`` chunks of ``w``."""
-    if docs.total != w.seq_local * ranks:
-        raise ValueError(f"the documents span {docs.total} tokens but {ranks} CP ranks of {w.seq_local} tokens "
-                         f"hold {w.seq_local * ranks}; the documents must fill the global sequence length")
+@lru_cache(maxsize=64)
+def _arranged_calls(mask, n: int, causal: bool) -> BlockCalls:
+    cuts = np.asarray(mask.cuts, dtype=np.int64)
+    total = int(cuts[-1])
+    m = total // (2 * n)
+    # segments cut at the piece boundaries, with their chunk, first local row, document and positions
+    bounds = np.union1d(cuts, np.arange(0, total + 1, m, dtype=np.int64))
+    lo, seg = bounds[:-1], np.diff(bounds)
+    k = np.searchsorted(cuts, lo, side="right") - 1
+    piece = lo // m
+    chunk = np.where(piece < n, piece, 2 * n - 1 - piece)
+    row = np.where(piece < n, lo - piece * m, m + lo - piece * m)
+    doc = np.asarray(mask.docs, dtype=np.int64)[k]
+    pos = np.asarray(mask.starts, dtype=np.int64)[k] + lo - cuts[k]
+    # per chunk in row order; a run = consecutive segments of one document with increasing positions
+    order = np.lexsort((row, chunk))
+    chunk, row, doc, pos, seg = chunk[order], row[order], doc[order], pos[order], seg[order]
+    new_run = np.r_[True, (chunk[1:] != chunk[:-1]) | (doc[1:] != doc[:-1]) | (pos[1:] < pos[:-1] + seg[:-1])]
+    run = np.cumsum(new_run) - 1
+    run_len = np.bincount(run, weights=seg).astype(np.int64)
+    run_first = np.flatnonzero(new_run)
+    run_chunk = chunk[run_first]
+    tri = (lambda x: x * (x + 1) // 2) if causal else (lambda x: x * x)  # noqa: E731
+    diag_work = np.bincount(run_chunk, weights=tri(run_len), minlength=n).astype(np.int64)
+    full = np.full(n, 2 * m, dtype=np.int64)
+    parts = [(np.arange(n), np.arange(n), full, full, diag_work)]
+    # documents with several runs: their run pairs' rectangles
+    by_doc = np.lexsort((pos, doc))
+    d_sorted = doc[by_doc]
+    starts_ = np.flatnonzero(np.r_[True, d_sorted[1:] != d_sorted[:-1]])
+    ends_ = np.r_[starts_[1:], len(d_sorted)]
+    for a, b in zip(starts_, ends_):
+        idx = by_doc[a:b]
+        runs = np.unique(run[idx])
+        if len(runs) < 2:
+            continue
+        segs = np.sort(idx)  # this document's segments in (chunk, row) order: runs are contiguous in it
+        r_of, p_of, l_of, c_of = run[segs], pos[segs], seg[segs], chunk[segs]
+        uniq, first = np.unique(r_of, return_index=True)
+        col = np.searchsorted(uniq, r_of)  # run column of each segment
+        if causal:  # f[s, V]: key segments of run V before query segment s
+            before = p_of[None, :] + l_of[None, :] <= p_of[:, None]
+            f = np.zeros((len(segs), len(uniq)), dtype=np.int64)
+            np.add.at(f.T, col, before.T.astype(np.int64))
+            # keys of the first f segments of V: V's segments are in position order
+            cum = np.zeros((len(uniq), int(np.bincount(col).max()) + 1), dtype=np.int64)
+            for v in range(len(uniq)):
+                cum[v, 1:1 + np.sum(col == v)] = np.cumsum(l_of[col == v])
+            keys = cum[np.arange(len(uniq))[None, :], f]
+            # consecutive query segments of one run with the same f share a call
+            same_run = np.r_[False, r_of[1:] == r_of[:-1]]
+            start = ~(same_run[:, None] & (f == np.vstack([f[:1] * 0 - 1, f[:-1]])))
+            start[:, :] |= ~same_run[:, None]
+            gid = np.cumsum(start, axis=0)
+            for v in range(len(uniq)):
+                keep = (col != v) & (f[:, v] > 0)
+                if not keep.any():
+                    continue
+                g = gid[keep, v]
+                rows = np.bincount(g, weights=l_of[keep]).astype(np.int64)
+                hit = np.flatnonzero(rows)
+                firsts = np.flatnonzero(keep)[np.searchsorted(g, hit)]
+                qi, kj = c_of[firsts], np.full(len(hit), c_of[first[v]])
+                kk = keys[firsts, v]
+                parts.append((qi, kj, rows[hit], kk, rows[hit] * kk))
+        else:  # every pair of runs: one rectangle
+            rl = np.bincount(col, weights=l_of).astype(np.int64)
+            rc = c_of[first]
+            qa, kb = np.nonzero(~np.eye(len(uniq), dtype=bool))
+            parts.append((rc[qa], rc[kb], rl[qa], rl[kb], rl[qa] * rl[kb]))
+    out = BlockCalls(*(np.ascontiguousarray(np.concatenate(c), dtype=np.int64) for c in zip(*parts)))
+    for arr in out:
+        arr.setflags(write=False)
+    return out
+
+
+def span_sequence_work(span: Span, causal: bool) -> int:
+    """Work of one call over the whole sequence of a span without a window (Ulysses' view): each
+    document's own triangle (square without the causal mask), counted in the span's tiles."""
+    x = np.diff(np.array(span.offsets, dtype=np.int64))
+    return int(_tri(x, span.tile).sum() if causal else _rect(x, x, span.tile).sum())
 
 
 def price_calls(w, cluster, backward: bool, ranks: int, calls: BlockCalls) -> np.ndarray:

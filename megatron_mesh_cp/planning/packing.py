@@ -40,6 +40,8 @@ from typing import Tuple
 
 import numpy as np
 
+from ..runtime.masks import Mask, PackedDocuments
+
 __all__ = ["Packing", "DISTRIBUTIONS", "parse_tokens", "parse_doc_range", "sample_packing", "read_packing",
            "length_draws"]
 
@@ -84,7 +86,7 @@ def _ceil_to(x: int, multiple: int) -> int:
 
 
 @dataclass(frozen=True)
-class Packing:
+class Packing(Mask):
     """Documents packed into one sequence of ``total`` tokens, each padded to a multiple of ``multiple``.
 
     ``lengths`` are the real tokens of each document in packing order; ``multiple`` is 2*CP of the
@@ -99,6 +101,11 @@ class Packing:
     multiple: int
     tile: int = 0
     label: str = field(default="", compare=False)  # how it was made, for reports
+
+    name = "packed documents"
+    per_batch = True
+    padded = True
+    span_error = PackedDocuments.span_error + " (a workload is either packed or unpadded documents, not both)"
 
     def __post_init__(self) -> None:
         if not self.lengths:

@@ -3,8 +3,10 @@
 ``build_plans`` is the entry point: ``greedy`` (default, :mod:`megatron_mesh_cp.planning.greedy`, scored on a
 cluster by the simulator) or ``in-order``. Plans are pure functions of their inputs and cached.
 
-``document_plans`` gives the plans a workload of unpadded documents or a sliding window runs: the full
-plans of the same layer (chains split both ways), pruned to the blocks the mask leaves, as the runtime does.
+``call_plans`` is the one entry point for the plans a call runs: the full plans of the layer, and for a
+mask that may leave blocks empty (documents, chunks, a sliding window) the full plans with chains
+split both ways, pruned to the blocks some rank needs. The runtime asks it for every mesh attention
+call, and ``document_plans`` for a masked workload of the simulator.
 
 ``in_order_plan`` is the straightforward overlapped schedule: gather Q and KV hop by hop around
 their rings (one transfer in flight per ring), compute each block as soon as both of its chunks
@@ -26,7 +28,8 @@ from .cluster import Cluster, Workload, load_cluster
 from .greedy import CONFIGS, PlanCost, greedy_plan, grouping_pays
 from .replay import replay
 
-__all__ = ["in_order_plan", "build_plans", "document_plans", "PLANNERS", "default_cluster", "DEFAULT_WORKLOAD"]
+__all__ = ["in_order_plan", "build_plans", "call_plans", "document_plans", "PLANNERS", "default_cluster",
+           "DEFAULT_WORKLOAD"]
 
 PLANNERS = ("greedy", "in-order")
 #: how ``build_plans`` may direct the gather and reduction chains
@@ -116,16 +119,27 @@ def build_plans(
     return _greedy_plans(a, b, cluster, workload, stride, max_live, max_inflight, chains)
 
 
+def call_plans(a: int, b: int, planner: str = "greedy", *, workload: Workload, cluster: Optional[Cluster] = None,
+               stride: int = 1, max_live: Optional[int] = None, keep=None, masked: bool = False) -> Tuple[Plan, Plan]:
+    """(forward, backward) plans of one call on an a x b mesh for the unmasked layer ``workload``.
+
+    ``masked``: the call's mask may leave blocks empty (documents, chunks, a window), so the full plans
+    split their chains both ways (a document or a window reaches its neighbours on both sides) and are
+    pruned to ``keep``, the tile blocks some rank needs (None: every block)."""
+    full = build_plans(a, b, planner, cluster=cluster, workload=workload, stride=stride, max_live=max_live,
+                       chains="both-ways" if masked else "auto")
+    if keep is None:
+        return full
+    return prune(full[0], keep), prune(full[1], keep)
+
+
 @lru_cache(maxsize=256)
 def document_plans(a: int, b: int, planner: str = "greedy", *, cluster: Optional[Cluster] = None,
                    workload: Workload, stride: int = 1, max_live: Optional[int] = None) -> Tuple[Plan, Plan]:
-    """(forward, backward) plans for ``workload``'s unpadded documents or window, as ``mesh_attention``
-    runs them: the full plans of the same layer without the mask, chains split both ways (a document
-    or a window reaches its neighbours on both sides), pruned to the tile blocks some rank needs."""
-    keep = workload.needed(a, b)
-    full = build_plans(a, b, planner, cluster=cluster, workload=workload.unmasked, stride=stride,
-                       max_live=max_live, chains="both-ways")
-    return prune(full[0], keep), prune(full[1], keep)
+    """(forward, backward) plans for a masked ``workload`` (documents, chunks, a window), as
+    ``mesh_attention`` runs them (:func:`call_plans`)."""
+    return call_plans(a, b, planner, workload=workload.unmasked, cluster=cluster, stride=stride, max_live=max_live,
+                      keep=workload.needed(a, b), masked=True)
 
 
 @lru_cache(maxsize=256)

@@ -59,7 +59,7 @@ def compare_windows(algos: List[str], n: int, cluster: Cluster, w: Workload, *, 
     rows = []
     for algo in names:
         if algo in WINDOWLESS or algo.startswith("usp:"):
-            res = simulate_algorithm(algo, n, cluster, replace(w, window=None), tp=tp, max_live=max_live)
+            res = simulate_algorithm(algo, n, cluster, w.unmasked, tp=tp, max_live=max_live)
             rows.append(WindowRow(algo, res, CANNOT, "TE asserts sliding windows away on p2p and a2a+p2p"))
             continue
         try:

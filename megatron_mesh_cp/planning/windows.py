@@ -1,12 +1,12 @@
 """Sliding windows in the cost model: every block's kernel calls as the runtime's windowed mask makes them.
 
-``mesh_attention(..., window=(left, right))`` (runtime/documents.py, ``DocumentMask._windowed``)
+``mesh_attention(..., window=(left, right))`` (runtime/masks/spans.py, ``SpanBlocks._windowed``)
 describes a block piece pair by piece pair, since the two pieces of a chunk lie far apart: a pair of
 one piece is one call over the piece's documents with the window (square per document); a pair of
 two pieces keeps, per shared document, the tight rectangle of the band inside the document's
 rectangle, one dense call. :func:`window_block_calls` lists those calls for every block at once with
-numpy (rows, keys and exact pairs of each, tested call for call against ``DocumentMask.block``), and
-:func:`block_times` prices them as unpadded documents are priced (each call its kernel and fixed
+numpy (rows, keys and exact pairs of each, tested call for call against ``SpanBlocks.block``), and
+the documents' pricing (``documents.span_block_times``) prices them (each call its kernel and fixed
 costs; an empty block 0). A window alone is one document over the whole sequence with a window.
 :func:`row_pairs` and :func:`sequence_pairs` count what one call over the whole sequence (Ulysses)
 or over a rank's rows (all-gather) computes under the window.
@@ -15,13 +15,12 @@ or over a rank's rows (all-gather) computes under the window.
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import Optional, Tuple
-
 import numpy as np
 
-from .documents import BlockCalls, UnpaddedDocuments, block_calls, check_total, price_calls
+from ..runtime.masks import Span
+from .documents import BlockCalls, block_calls
 
-__all__ = ["band_pairs", "window_block_calls", "block_times", "row_pairs", "sequence_pairs"]
+__all__ = ["band_pairs", "window_block_calls", "row_pairs", "sequence_pairs"]
 
 
 def band_pairs(rows, keys, lo, hi):
@@ -49,15 +48,17 @@ def _square_band(left: int, right: int, causal: bool, size):
     return (-big if left < 0 else -left), (0 if causal else (big if right < 0 else right))
 
 
-def window_block_calls(docs: UnpaddedDocuments, n: int, causal: bool, window: Tuple[int, int]) -> BlockCalls:
-    """Every kernel call of every block on ``n`` mesh chunks under ``window`` (read-only, cached)."""
-    return _calls(docs, n, bool(causal), tuple(window))
+def window_block_calls(span: Span, n: int, causal: bool) -> BlockCalls:
+    """Every kernel call of every block of a windowed span on ``n`` mesh chunks (read-only, cached)."""
+    if span.window is None:
+        raise ValueError("window_block_calls prices a sliding window; the span has none")
+    return _calls(span, n, bool(causal))
 
 
 @lru_cache(maxsize=64)
-def _calls(docs: UnpaddedDocuments, n: int, causal: bool, window: Tuple[int, int]) -> BlockCalls:
-    left, right = window
-    cu = np.array(docs.cu, dtype=np.int64)
+def _calls(span: Span, n: int, causal: bool) -> BlockCalls:
+    left, right = span.window
+    cu = np.array(span.offsets, dtype=np.int64)
     total = int(cu[-1])
     if total % (2 * n):
         raise ValueError(f"the sequence spans {total} tokens, not a multiple of 2*CP = {2 * n}")
@@ -105,24 +106,16 @@ def _calls(docs: UnpaddedDocuments, n: int, causal: bool, window: Tuple[int, int
     return out
 
 
-def block_times(w, cluster, backward: bool, ranks: int) -> np.ndarray:
-    """Seconds of every block on ``ranks`` mesh chunks for a windowed workload (with or without
-    documents): the sum over its calls of each call's kernel and fixed costs; 0 for an empty block."""
-    docs = w.mask_documents(ranks)
-    check_total(docs, w, ranks)
-    return price_calls(w, cluster, backward, ranks, window_block_calls(docs, ranks, w.causal, w.window))
-
-
-def row_pairs(docs: UnpaddedDocuments, n: int, causal: bool, window: Optional[Tuple[int, int]]) -> np.ndarray:
+def row_pairs(span: Span, n: int, causal: bool) -> np.ndarray:
     """Per rank of ``n`` (zigzag pieces g and 2n-1-g), the pairs its rows compute against the whole
     sequence under the mask: what an all-gather rank runs."""
-    calls = block_calls(docs, n, causal) if window is None else window_block_calls(docs, n, causal, window)
+    calls = block_calls(span, n, causal) if span.window is None else window_block_calls(span, n, causal)
     return np.bincount(calls.i, weights=calls.work, minlength=n)
 
 
-def sequence_pairs(docs: UnpaddedDocuments, causal: bool, window: Optional[Tuple[int, int]]) -> int:
+def sequence_pairs(span: Span, causal: bool) -> int:
     """Pairs of one call over the whole sequence (each document's square, causal and windowed)."""
-    x = np.array(docs.lengths, dtype=np.int64)
-    left, right = (-1, -1) if window is None else window
+    x = np.diff(np.array(span.offsets, dtype=np.int64))
+    left, right = (-1, -1) if span.window is None else span.window
     lo, hi = _square_band(left, right, causal, x)
     return int(band_pairs(x, x, lo, hi).sum())

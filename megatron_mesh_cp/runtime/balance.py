@@ -12,7 +12,7 @@ The busiest single piece bounds what any order can reach.
 
 from __future__ import annotations
 
-from typing import Sequence, Tuple
+from typing import Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -54,22 +54,32 @@ def _check(lengths: Sequence[int], chunks: int = 0) -> np.ndarray:
 
 
 def balance_order(lengths: Sequence[int], chunks: int, *, causal: bool = True, iters: int = 2000,
-                  patience: int = 400, seed: int = 0) -> Tuple[int, ...]:
+                  patience: int = 400, seed: int = 0, regions: Optional[Sequence[int]] = None,
+                  fixed: Optional[Sequence[float]] = None) -> Tuple[int, ...]:
     """An order of the documents (indices into ``lengths``) whose zigzag chunks carry near-equal work:
     a local search (swap two documents or move one, half the time one touching the busiest chunk)
     that keeps a move when it lowers the busiest chunk's work (ties: the sum of squares). Seeded and
     deterministic: every rank computes the same order from the same lengths. Never worse than the
-    given order, which it starts from."""
+    given order, which it starts from.
+
+    ``regions`` (a layout's, runtime/layouts.py): the documents are laid back to back over 2 *
+    ``chunks`` regions of these sizes (region p belongs to chunk min(p, 2*chunks-1-p), as zigzag
+    pieces do) instead of equal pieces; ``fixed``: work each chunk carries besides them."""
     if chunks < 1:
         raise ValueError(f"chunks must be >= 1, got {chunks}")
-    x = _check(lengths, chunks).astype(np.float64)
+    x = (_check(lengths, chunks) if regions is None else _check(lengths)).astype(np.float64)
     m = len(x)
     order = np.arange(m)
     if m < 2 or chunks < 2:
         return tuple(int(i) for i in order)
-    piece = x.sum() / (2 * chunks)
-
-    bounds = np.arange(2 * chunks + 1) * piece
+    if regions is None:
+        piece = x.sum() / (2 * chunks)
+        bounds = np.arange(2 * chunks + 1) * piece
+    else:
+        if len(regions) != 2 * chunks or sum(regions) != x.sum():
+            raise ValueError(f"regions must be 2*chunks sizes summing to the documents' {int(x.sum())} tokens")
+        bounds = np.concatenate(([0.0], np.cumsum(np.asarray(regions, dtype=np.float64))))
+    extra = None if fixed is None else np.asarray(fixed, dtype=np.float64)
     whole = x * (x + 1) / 2 if causal else x * x
 
     def score(o: np.ndarray):
@@ -80,6 +90,8 @@ def balance_order(lengths: Sequence[int], chunks: int, *, causal: bool = True, i
         k = bounds - cu[d]
         pw = np.diff(acc[d] + (k * (k + 1) / 2 if causal else k * lens[d]))
         w = pw[:chunks] + pw[::-1][:chunks]
+        if extra is not None:
+            w = w + extra
         return float(w.max()), float(w @ w), int(np.argmax(w)), cu
 
     best, best_sq, busiest, cu = score(order)
@@ -88,8 +100,8 @@ def balance_order(lengths: Sequence[int], chunks: int, *, causal: bool = True, i
     for _ in range(iters):
         if rng.random() < 0.5:  # a document touching the busiest chunk's pieces
             c = busiest
-            lo, hi = c * piece, (c + 1) * piece
-            lo2, hi2 = (2 * chunks - 1 - c) * piece, (2 * chunks - c) * piece
+            lo, hi = bounds[c], bounds[c + 1]
+            lo2, hi2 = bounds[2 * chunks - 1 - c], bounds[2 * chunks - c]
             touch = np.flatnonzero(((cu[:-1] < hi) & (cu[1:] > lo)) | ((cu[:-1] < hi2) & (cu[1:] > lo2)))
             i = int(touch[rng.integers(len(touch))])
         else:

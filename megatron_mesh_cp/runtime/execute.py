@@ -15,13 +15,12 @@ layer of the same shape; inside it, bytes are reused as the plan's liveness allo
 and a tensor placed where a dead one was first waits for that one's send to finish (and, on GPU,
 for the compute that read it). Nothing the executor hands back aliases the pool.
 
-Masked blocks: with ``varlen`` (packed THD) the chunks are in packed.py's half-major order and each
-block runs as its per-document sub-blocks (``packed_slices``), every one a varlen kernel call with
-the batch's one set of lengths; with ``sub_blocks`` (documents on the ordinary layout,
-documents.py) each block runs as the rank's own list of kernel calls for it, none for an empty
-block. Either way every block is its own call (no grouping), and the plan says what moves.
+Masked blocks: with ``parts`` (a mask engine's ``rank_parts``, masks/: documents, windows, chunks
+on the ordinary layout, or packed THD chunks in packed.py's half-major order) each block runs as
+the rank's own list of kernel calls for it, none for an empty block; every block is its own call
+(no grouping), and the plan says what moves.
 
-Host work per call (issue 20; scripts/bench_host.py counts it): what each op does on this rank is
+Host work per call (scripts/bench_host.py counts it): what each op does on this rank is
 worked out once per plan, rank and chunk length (steps.py); an accumulator's first unmasked call
 is copied in rather than merged into a cleared one, block merges skip the NaN guard no unmasked
 call needs, fresh gradient partials are cleared together, and views of pool tensors are kept.
@@ -39,7 +38,7 @@ import torch
 
 from .buffers import BufferPool
 from .comm import RingComm, VirtualHub
-from .kernels import BlockKernel, Varlen, lse_dtype
+from .kernels import BlockKernel, lse_dtype
 from .merge import merge_into, merge_sink
 from .plan import FORWARD, ChunkDims, Compute, Free, Plan, Transfer, payload
 from .steps import Call, Part, compute_calls, prepared
@@ -98,8 +97,7 @@ class Executor:
         tensors: Dict[str, torch.Tensor],
         partial_dtype: Optional[torch.dtype] = None,
         buffers: Optional[BufferPool] = None,
-        varlen: Optional[Varlen] = None,
-        sub_blocks: Optional[Dict[Tuple[int, int], tuple]] = None,
+        parts: Optional[Dict[Tuple[int, int], tuple]] = None,
         sink: Optional[torch.Tensor] = None,
         max_logit: bool = False,
     ) -> None:
@@ -108,9 +106,8 @@ class Executor:
         # forward: the largest scale * q.k of every head over the pairs this rank computed
         self.max_logit = torch.full((tensors["q"].shape[2],), float("-inf"), dtype=torch.float32,
                                     device=tensors["q"].device) if max_logit else None
-        self.varlen = varlen
-        # documents: (q offset, kv offset) -> this rank's calls ((rows, cols, causal, varlen), ...)
-        self.sub_blocks = sub_blocks
+        # masked: (q offset, kv offset) -> this rank's calls ((rows, cols, causal, varlen, window), ...)
+        self.parts = parts
         self.causal, self.scale = causal, scale
         self.shape = MeshShape(plan.a, plan.b)
         self.position = comm.position
@@ -142,7 +139,7 @@ class Executor:
         self._fresh: set = set()  # (kind, offset) of accumulators taken from the pool, not yet written
         # every transfer's (and, unmasked, every compute's) work on this rank, made once per plan,
         # rank and chunk length (steps.py)
-        self.exact = varlen is None and sub_blocks is None  # unmasked: every query row of a call sees a key
+        self.exact = parts is None  # unmasked: every query row of a call sees a key
         self._steps = prepared(plan, self.position, causal, self.seq, masked=not self.exact)
         self.comm.phase = plan.phase
 
@@ -162,7 +159,7 @@ class Executor:
         if isinstance(op, Compute):
             block = self._forward_call if self.plan.phase == FORWARD else self._backward_call
             calls = self._steps.calls[op] if self.exact else compute_calls(
-                op, self.shape, self.position, self.causal, self.seq, self.plan.slab_of, self.varlen, self.sub_blocks)
+                op, self.shape, self.position, self.causal, self.seq, self.plan.slab_of, self.parts)
             for call in calls:
                 block(op.q, call)
         elif isinstance(op, Transfer):
@@ -473,21 +470,21 @@ def run_virtual(
     scale: float,
     hub: VirtualHub = None,
     partial_dtype: Optional[torch.dtype] = None,
-    varlen: Optional[Varlen] = None,
-    sub_blocks: Optional[Sequence[Dict[Tuple[int, int], tuple]]] = None,
+    parts: Optional[Sequence[Dict[Tuple[int, int], tuple]]] = None,
     sinks: Optional[Sequence[torch.Tensor]] = None,
     max_logit: bool = False,
 ):
     """Run ``plan`` for all ranks of ``shape`` in this process, op by op in lockstep.
 
-    ``per_rank[g]`` holds rank g's executor tensors (sequence-major), ``sub_blocks[g]`` its masked
-    blocks' calls (documents, windows), ``sinks[g]`` its heads' sink logits. Returns ``(results, traffic)``.
+    ``per_rank[g]`` holds rank g's executor tensors (sequence-major), ``parts[g]`` its masked
+    blocks' calls (a mask engine's ``rank_parts``), ``sinks[g]`` its heads' sink logits. Returns
+    ``(results, traffic)``.
     """
     hub = hub or VirtualHub(shape)
     execs = [
         Executor(plan, hub.ranks[g], kernel, causal=causal, scale=scale, tensors=per_rank[g],
-                 partial_dtype=partial_dtype, buffers=hub.ranks[g].buffers, varlen=varlen,
-                 sub_blocks=None if sub_blocks is None else sub_blocks[g], sink=None if sinks is None else sinks[g],
+                 partial_dtype=partial_dtype, buffers=hub.ranks[g].buffers,
+                 parts=None if parts is None else parts[g], sink=None if sinks is None else sinks[g],
                  max_logit=max_logit)
         for g in range(shape.n)
     ]

@@ -7,7 +7,7 @@ sharing the verdict over the CP group, so a wrong group on one rank fails on all
 The rings' timeout is the default group's (or ``timeout=``); adopted groups keep their own.
 ``mesh.destroy()`` (or ``with MeshGroups.create(...) as mesh:``) releases the groups ``create``
 made (each gloo group holds three threads until released); adopted groups stay their owner's.
-With a Ulysses degree u > 1 (``a2a+mesh``, docs/HYBRID.md) there is a third level: the Ulysses
+With a Ulysses degree u > 1 (``a2a+mesh``, docs/hybrid.md) there is a third level: the Ulysses
 group of u consecutive CP ranks, and the rings join the ranks of the same Ulysses slot across
 groups (Megatron's hierarchical CP groups for sizes [u, a, b]).
 """
@@ -20,8 +20,9 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from .comm import ProcessGroupComm, Traffic
 from .buffers import BufferPool
+from .comm import ProcessGroupComm, Traffic
+from .mesh import DEFAULT_PLAN_OPTIONS, CallCache, PlanOptions
 from .topology import MeshShape
 
 __all__ = ["MeshGroups"]
@@ -99,12 +100,15 @@ class MeshGroups:
     """This rank's view of an a x b mesh over real process groups (times u for ``a2a+mesh``).
 
     Attributes: ``shape`` (MeshShape), ``position`` (CP rank), ``cp_group``, ``row_group``,
-    ``col_group``, ``cp_ranks`` (global ranks in CP order) and ``traffic`` (bytes this rank moved).
+    ``col_group``, ``cp_ranks`` (global ranks in CP order), ``traffic`` (bytes this rank moved),
+    ``plan_options`` (what its plans are tuned for: :class:`~megatron_mesh_cp.runtime.mesh.PlanOptions`)
+    and ``calls`` (the calls its CP group agreed on). It implements the mesh protocol (runtime/mesh.py).
     A context manager: ``with MeshGroups.create(shape) as mesh:`` calls :meth:`destroy` on exit.
     """
 
     def __init__(self, shape: MeshShape, cp_group, row_group, col_group, cp_ranks: List[int],
-                 timeout: Optional[timedelta] = None, ulysses_group=None, ulysses: int = 1) -> None:
+                 timeout: Optional[timedelta] = None, ulysses_group=None, ulysses: int = 1,
+                 plan_options: Optional[PlanOptions] = None) -> None:
         self._shape = shape
         self._owned: List[object] = []  # the groups create() made for this rank (destroy() releases them)
         self.timeout = timeout  # what a stalled peer costs: the rings' process-group timeout
@@ -126,18 +130,15 @@ class MeshGroups:
         }
         self.traffic = Traffic()
         self.buffers = BufferPool()  # receive buffers and accumulators, reused by every layer
-        self._agreed_calls = None  # call signatures all CP ranks agreed on (attention.py)
+        self.calls = CallCache()  # the calls all CP ranks agreed on (attention.py)
         self._comm: Optional[ProcessGroupComm] = None
-        # what greedy plans are tuned for: a Cluster (None = $MESH_CP_CLUSTER or h100-ib400) and
-        # the GPU distance between consecutive CP ranks (Megatron: the TP size)
-        self.cluster = None
-        self.stride = 1
-        # the live-chunk limit greedy plans keep to (None: none); mesh_shape=auto sets what fits its budget
-        self.max_live: Optional[int] = None
+        # what greedy plans are tuned for (cluster, TP stride, live-chunk limit)
+        self.plan_options = plan_options if plan_options is not None else DEFAULT_PLAN_OPTIONS
 
     # --- construction ------------------------------------------------------------------------
     @classmethod
-    def create(cls, shape, group=None, *, timeout: Optional[timedelta] = None, ulysses: int = 1) -> "MeshGroups":
+    def create(cls, shape, group=None, *, timeout: Optional[timedelta] = None, ulysses: int = 1,
+               plan_options: Optional[PlanOptions] = None) -> "MeshGroups":
         """Build the row and column groups of ``shape`` over the CP ``group`` (None = world).
 
         ``ulysses=u`` > 1 builds ``a2a+mesh``: ``shape`` = (a, b) with u*a*b = the CP size, the
@@ -188,12 +189,13 @@ class MeshGroups:
                     new_group("col", [members[i] for i in ring])
         cp_group = group if group is not None else dist.group.WORLD
         mesh = cls(mesh_shape, cp_group, mine.get("row"), mine.get("col"), cp_ranks, timeout=timeout,
-                   ulysses_group=mine.get("ulysses"), ulysses=u)
+                   ulysses_group=mine.get("ulysses"), ulysses=u, plan_options=plan_options)
         mesh._owned = list(mine.values())
         return mesh
 
     @classmethod
-    def from_groups(cls, cp_group, row_group, col_group, ulysses_group=None) -> "MeshGroups":
+    def from_groups(cls, cp_group, row_group, col_group, ulysses_group=None, *,
+                    plan_options: Optional[PlanOptions] = None) -> "MeshGroups":
         """Adopt existing groups; the shape is (size of row group, size of column group).
 
         With ``ulysses_group`` (u ranks, ``a2a+mesh``): it must be u consecutive CP ranks, the row
@@ -217,7 +219,7 @@ class MeshGroups:
             error = str(exc)
         _shared_verdict(error, cp_group, "MeshGroups.from_groups")
         return cls(shape, cp_group, row_group, col_group, cp_ranks, timeout=group_timeout(row_group),
-                   ulysses_group=ulysses_group, ulysses=len(ulysses) if ulysses else 1)
+                   ulysses_group=ulysses_group, ulysses=len(ulysses) if ulysses else 1, plan_options=plan_options)
 
     @staticmethod
     def _check_rings(cp_ranks: List[int], row: List[int], col: List[int], ulysses: Optional[List[int]] = None) -> MeshShape:
@@ -271,7 +273,7 @@ class MeshGroups:
         Groups adopted by :meth:`from_groups` (and the CP group passed in) belong to the caller and stay
         untouched. Call it on every rank once it is done with the mesh (it does not communicate; a
         peer still using the rings would see them closed). Idempotent; using the mesh afterwards raises
-        ``ValueError`` before any communication.
+        ``ValueError``.
         """
         if self._shape is None:
             return
@@ -282,7 +284,8 @@ class MeshGroups:
         self._owned = []
         self._shape = None
         self.row_group = self.col_group = self.ulysses_group = None
-        self._comm, self._agreed_calls = None, None
+        self._comm = None
+        self.calls.clear()
         self.buffers = BufferPool()
 
     def __enter__(self) -> "MeshGroups":

@@ -20,7 +20,7 @@ from .ulysses import (
     super_to_members,
 )
 
-__all__ = ["exchange", "to_super", "from_super", "UlyssesIn", "UlyssesOut"]
+__all__ = ["exchange", "to_super", "from_super", "super_of_members", "members_of_super", "UlyssesIn", "UlyssesOut"]
 
 
 def exchange(mesh, send: torch.Tensor, phase: str, category: str) -> torch.Tensor:
@@ -34,21 +34,30 @@ def exchange(mesh, send: torch.Tensor, phase: str, category: str) -> torch.Tenso
     return recv
 
 
-def to_super(mesh, x: torch.Tensor, phase: str, category: str, packed=None) -> torch.Tensor:
-    """Local ``[s, b, H, ...]`` -> this member's head group over the super-rank's tokens
-    (``packed``: a PackedLayout, whose per-document reorder replaces the zigzag one)."""
-    u = mesh.ulysses
-    recv = exchange(mesh, heads_to_members(x, u), phase, category)
+def super_of_members(recv: torch.Tensor, u: int, packed=None) -> torch.Tensor:
+    """What the all-to-all delivered (``[u, s, b, h/u, ...]``: every member's tokens of this head
+    group) -> the super-rank's chunk in the mesh's order (``packed``: a PackedLayout, whose
+    per-document reorder replaces the zigzag one)."""
     if packed is not None:
         return packed.into_mesh(recv.reshape(-1, *recv.shape[2:]))
     return members_to_super(recv, u)
 
 
+def members_of_super(y: torch.Tensor, u: int, packed=None) -> torch.Tensor:
+    """Inverse of :func:`super_of_members`: the super-rank's chunk -> the ``[u, ...]`` send buffer."""
+    return super_to_members(y, u) if packed is None else packed.out_of_mesh(y).reshape(u, -1, *y.shape[1:])
+
+
+def to_super(mesh, x: torch.Tensor, phase: str, category: str, packed=None) -> torch.Tensor:
+    """Local ``[s, b, H, ...]`` -> this member's head group over the super-rank's tokens."""
+    u = mesh.ulysses
+    return super_of_members(exchange(mesh, heads_to_members(x, u), phase, category), u, packed)
+
+
 def from_super(mesh, y: torch.Tensor, phase: str, category: str, packed=None) -> torch.Tensor:
     """Inverse of :func:`to_super`: super-rank tokens of one head group -> local tokens, all heads."""
     u = mesh.ulysses
-    send = super_to_members(y, u) if packed is None else packed.out_of_mesh(y).reshape(u, -1, *y.shape[1:])
-    return members_to_heads(exchange(mesh, send, phase, category), u)
+    return members_to_heads(exchange(mesh, members_of_super(y, u, packed), phase, category), u)
 
 
 class UlyssesIn(torch.autograd.Function):

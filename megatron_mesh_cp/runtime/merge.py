@@ -20,7 +20,7 @@ from typing import Callable, Optional
 
 import torch
 
-__all__ = ["merge_into", "merge_sink", "empty_partial"]
+__all__ = ["merge_into", "merge_sink", "sink_grad", "empty_partial"]
 
 
 def empty_partial(like: torch.Tensor, dtype: torch.dtype):
@@ -65,3 +65,11 @@ def merge_sink(acc_out: torch.Tensor, acc_lse: torch.Tensor, sink: torch.Tensor)
     total = torch.logaddexp(acc_lse, sink.to(acc_lse.dtype))
     acc_out.mul_(torch.exp(acc_lse - total).unsqueeze(-1))
     acc_lse.copy_(total)
+
+
+def sink_grad(sink: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    """The sink logits' gradient from one rank's rows: ``-sum_rows exp(sink - lse) * delta`` per
+    head (``lse`` the final one, sink included; ``delta = rowsum(dout * out)``, both ``[s, b, h]``):
+    the sink is a key of value 0, so its score's gradient is ``-P_sink * delta``."""
+    p = torch.exp(sink.to(lse.dtype) - lse)
+    return -(p * delta.to(lse.dtype)).sum(dim=(0, 1)).to(sink.dtype)

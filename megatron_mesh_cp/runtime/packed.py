@@ -17,41 +17,25 @@ caller zeroes their output rows (lse = -inf, gradient 0).
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
 import torch
 
 from .kernels.base import Varlen
 from .layout import BlockCase, BlockSlices
+from .masks.documents import int_offsets
 
 __all__ = [
     "thd_partition_indices",
     "thd_shard",
     "thd_gather",
-    "PackedSpec",
-    "packed_spec",
     "PackedLayout",
     "packed_slices",
     "padding_rows",
 ]
 
 
-def _ints(cu, name: str) -> Tuple[int, ...]:
-    if isinstance(cu, torch.Tensor):
-        if cu.dim() == 2 and cu.shape[0] == 1:  # Megatron's batch dim (1, D + 1)
-            cu = cu[0]
-        if cu.dim() != 1 or cu.is_floating_point() or cu.is_complex() or cu.dtype == torch.bool:
-            raise ValueError(f"{name} must be a 1-D integer tensor [documents + 1], got {cu.dtype} {tuple(cu.shape)}")
-        return tuple(int(x) for x in cu.tolist())
-    try:
-        return tuple(int(x) for x in cu)
-    except TypeError:
-        raise ValueError(f"{name} must be a 1-D integer tensor or sequence, got {type(cu).__name__}") from None
-
-
-def _check_padded(cu: Sequence[int], total: int, n: int, name: str = "cu_seqlens_padded") -> None:
+def check_padded(cu: Sequence[int], total: int, n: int, name: str = "cu_seqlens_padded") -> None:
     if len(cu) < 2 or cu[0] != 0:
         raise ValueError(f"{name} must start at 0 and hold documents + 1 offsets, got {list(cu)[:8]}")
     if cu[-1] != total:
@@ -74,8 +58,8 @@ def thd_partition_indices(cu_seqlens_padded, total_tokens: int, cp_size: int, cp
     """The token indices CP rank ``cp_rank`` keeps of a packed sequence (int64, on the device of
     ``cu_seqlens_padded`` when it is a tensor): pieces rank and 2·CP−1−rank of every document, in
     document order -- what TE's ``thd_get_partitioned_indices`` returns for the same arguments."""
-    cu = _ints(cu_seqlens_padded, "cu_seqlens_padded")
-    _check_padded(cu, total_tokens, cp_size)
+    cu = int_offsets(cu_seqlens_padded, "cu_seqlens_padded")
+    check_padded(cu, total_tokens, cp_size)
     if not 0 <= cp_rank < cp_size:
         raise ValueError(f"cp_rank {cp_rank} is outside [0, {cp_size})")
     device = cu_seqlens_padded.device if isinstance(cu_seqlens_padded, torch.Tensor) else None
@@ -105,58 +89,7 @@ def thd_gather(shards: List[torch.Tensor], cu_seqlens_padded, dim: int = 0) -> t
     return out
 
 
-@dataclass(frozen=True)
-class PackedSpec:
-    """One batch's documents as host integers: padded offsets and (None: no padding) real ones."""
-
-    cu_padded: Tuple[int, ...]
-    cu_real: Optional[Tuple[int, ...]]
-
-    def check(self, total: int, n: int) -> None:
-        """``ValueError`` naming the fix unless the documents can be split over ``n`` CP ranks."""
-        _check_padded(self.cu_padded, total, n)
-        if self.cu_real is None:
-            return
-        real = self.cu_real
-        if len(real) != len(self.cu_padded) or real[0] != 0:
-            raise ValueError(
-                f"cu_seqlens has {len(real)} offsets but cu_seqlens_padded has {len(self.cu_padded)}; both list "
-                "the same documents from 0 (real lengths, and lengths padded to a multiple of 2*CP)"
-            )
-        for i in range(len(real) - 1):
-            length, padded = real[i + 1] - real[i], self.cu_padded[i + 1] - self.cu_padded[i]
-            if not 0 <= length <= padded:
-                raise ValueError(f"document {i} has real length {length} but padded length {padded}; "
-                                 "cu_seqlens must not exceed cu_seqlens_padded per document")
-
-
-#: host copies of recently seen offset tensors: one device-to-host copy per batch, not per layer
-_HOST: "OrderedDict[tuple, Tuple[torch.Tensor, Tuple[int, ...]]]" = OrderedDict()
-
-
-def _host(cu, name: str) -> Tuple[int, ...]:
-    if not isinstance(cu, torch.Tensor):
-        return _ints(cu, name)
-    key = (id(cu), cu._version, cu.data_ptr())
-    hit = _HOST.get(key)
-    if hit is None or hit[0] is not cu:
-        hit = _HOST[key] = (cu, _ints(cu, name))
-        while len(_HOST) > 16:
-            _HOST.popitem(last=False)
-    return hit[1]
-
-
-def packed_spec(cu_seqlens=None, cu_seqlens_padded=None) -> Optional[PackedSpec]:
-    """The batch's :class:`PackedSpec` (None when neither is given); ``cu_seqlens_padded`` defaults
-    to ``cu_seqlens`` (documents already padded). Reads each offset tensor to the host once."""
-    if cu_seqlens is None and cu_seqlens_padded is None:
-        return None
-    padded = _host(cu_seqlens_padded if cu_seqlens_padded is not None else cu_seqlens, "cu_seqlens_padded")
-    real = _host(cu_seqlens, "cu_seqlens") if cu_seqlens is not None else None
-    return PackedSpec(padded, None if real == padded else real)
-
-
-def padding_rows(spec: PackedSpec, n: int, rank: int, device=None) -> Optional[torch.Tensor]:
+def padding_rows(spec, n: int, rank: int, device=None) -> Optional[torch.Tensor]:
     """Bool ``[local tokens]``: which of rank ``rank``'s rows are padding (None: none are)."""
     if spec.cu_real is None:
         return None
@@ -177,7 +110,7 @@ class PackedLayout:
     chunk (pieces Gu..Gu+u-1 and 2n-u-Gu..2n-1-Gu of every document), half-major.
     """
 
-    def __init__(self, spec: PackedSpec, n: int, u: int, device) -> None:
+    def __init__(self, spec, n: int, u: int, device) -> None:
         cu = spec.cu_padded
         piece = torch.tensor([(cu[i + 1] - cu[i]) // (2 * n) for i in range(len(cu) - 1)], dtype=torch.long)
         local = 2 * int(piece.sum())  # one member's chunk

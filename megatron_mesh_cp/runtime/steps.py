@@ -6,8 +6,9 @@ calls, their query rows and keys, and where each call's dK/dV rows go -- depends
 rank's mesh position, the causal flag and the chunk length, never on the tensors.
 :func:`prepared` works it out once and caches it by the plan's identity (plans are immutable; an
 entry holds its plan, so an id is never reused while cached). Masked blocks (documents, windows,
-packed THD) change with every batch, so their calls come from :func:`compute_calls` per call. A
-range covering the whole chunk is ``None``, so the executor takes no view for it.
+packed THD) change with every batch: their calls come from the mask's per-rank parts
+(masks/: ``rank_parts``) through :func:`compute_calls` per call. A range covering the whole chunk is
+``None``, so the executor takes no view for it.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from typing import Callable, Dict, NamedTuple, Optional, Tuple
 import torch
 
 from .layout import BlockSlices, Slab, block_case, kernel_calls, slab_piece
-from .packed import packed_slices
 from .plan import GATHER_KINDS, ChunkDims, Compute, Plan, Transfer, payload
 from .topology import MeshShape
 
@@ -54,19 +54,19 @@ def _whole(sl: slice, seq: int) -> Rows:
 
 
 def compute_calls(op: Compute, shape: MeshShape, position: int, causal: bool, seq: int,
-                  slab_of: Callable[[int], Optional[Slab]], varlen=None, sub_blocks=None) -> Tuple[Call, ...]:
+                  slab_of: Callable[[int], Optional[Slab]], parts=None) -> Tuple[Call, ...]:
     """The kernel calls of ``op`` on the rank at ``position`` (chunks of ``seq`` rows): one per
-    contiguous run of keys per case (layout.kernel_calls); masked (``varlen``: packed THD,
-    ``sub_blocks``: documents / windows, (q, kv) offsets -> the rank's calls) one per block, each
-    as its sub-block calls, none for an empty block."""
+    contiguous run of keys per case (layout.kernel_calls); masked (``parts``: (q, kv) offsets ->
+    the rank's calls, a mask engine's ``rank_parts``) one per block, each as its sub-block calls,
+    none for an empty block."""
     i = shape.q_chunk(position, op.q)
     split = shape.coords(position)[0] if causal else 0  # foreign KV offsets <= the rank's row: lower blocks
     cases = {ko: block_case(i, shape.kv_chunk(position, ko), causal) for ko in op.kvs}
-    masked = varlen is not None or sub_blocks is not None
+    masked = parts is not None
     if not masked:
         kcalls = kernel_calls(op.kvs, cases, slab_of, split)
     else:
-        kvs = op.kvs if sub_blocks is None else [ko for ko in op.kvs if sub_blocks[(op.q, ko)]]
+        kvs = [ko for ko in op.kvs if parts[(op.q, ko)]]
         kcalls = [c for ko in kvs for c in kernel_calls((ko,), cases, slab_of, split)]
     m = seq // 2
     out = []
@@ -74,9 +74,7 @@ def compute_calls(op: Compute, shape: MeshShape, position: int, causal: bool, se
         keys = None if call.slab is None else slice(call.start * m, (call.start + len(call.pieces)) * m)
         if masked:  # one block: its cols are its chunk's rows (in a slab, k starts at the chunk's first piece)
             ko = call.kvs[0]
-            raw = (sub_blocks[(op.q, ko)] if sub_blocks is not None else
-                   [(s.q_rows, s.kv_cols, s.causal, varlen, None) for s in packed_slices(call.case, seq)])
-            parts = tuple(Part(rows, cols, c, vl, w, ((ko, cols, None),)) for rows, cols, c, vl, w in raw)
+            block = tuple(Part(rows, cols, c, vl, w, ((ko, cols, None),)) for rows, cols, c, vl, w in parts[(op.q, ko)])
         else:
             sl = BlockSlices.of(call.case, seq)
             if call.slab is None:
@@ -86,8 +84,8 @@ def compute_calls(op: Compute, shape: MeshShape, position: int, causal: bool, se
                 cols = None
                 grads = tuple((ko, slice(p * m, (p + 1) * m), slice(at * m, (at + 1) * m))
                               for at, (ko, p) in enumerate(call.pieces))
-            parts = (Part(_whole(sl.q_rows, seq), cols, sl.causal, None, None, grads),)
-        out.append(Call(call.kvs, call.slab, keys, parts))
+            block = (Part(_whole(sl.q_rows, seq), cols, sl.causal, None, None, grads),)
+        out.append(Call(call.kvs, call.slab, keys, block))
     return tuple(out)
 
 

@@ -1,4 +1,4 @@
-"""The Ulysses all-to-all of ``a2a+mesh`` as pure tensor and integer math (docs/HYBRID.md).
+"""The Ulysses all-to-all of ``a2a+mesh`` as pure tensor and integer math (docs/hybrid.md).
 
 A Ulysses group is u consecutive CP ranks; rank ``G*u + j`` holds zigzag pieces ``G*u + j`` and
 ``2n-1-G*u-j``. The all-to-all over heads gives member j head group j of the whole group's tokens;

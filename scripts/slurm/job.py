@@ -11,22 +11,27 @@ previous stage's checkpoints as ${RUNS_DIR}/<stage>/checkpoints; this script exp
 Megatron stops and saves ``--exit-margin-min`` before the time limit (``--exit-duration-in-mins``)
 and on SIGTERM (``--exit-signal-handler``; SLURM sends it ``--signal-lead`` seconds before the
 limit, and torchrun's ``--shutdown-timeout`` gives the workers that long to save before it kills
-them, instead of its default 30 s). Before ``srun`` fans out, a preflight
+them, instead of its default 30 s). The job exits 0 only after such a planned stop (or the end of
+training), read from the launcher's summary (:func:`job_exit_code`), and non-zero on any failure, so
+``submit.sh --chain``'s afterok dependencies stop the chain there. Before ``srun`` fans out, a preflight
 (:mod:`megatron_mesh_cp.megatron.preflight`) runs on the first node and stops the job in seconds if
 the software, tokenizer, data or checkpoints are wrong. Launchers: ``torchrun`` (default: one agent
 per node, static rendezvous with node rank = SLURM node id, so global ranks follow the node order)
 or ``tasks`` (one task per GPU: RANK/LOCAL_RANK from SLURM, every task sees all the node's GPUs and
 binds GPU LOCAL_RANK, as Megatron does). Both pass ``--ntasks`` explicitly (the batch step's
 SLURM_NTASKS is the node count). Containers: ``--container-image``/``--container-mounts`` (pyxis)
-or $CONTAINER_IMAGE/$CONTAINER_MOUNTS. ``--dry-run`` prints the environment, commands and log files,
-runs the same preflight here (software and GPU checks only without a container image: they belong
-to the image otherwise) and the launcher's own dry run (layout, mesh shape, memory estimate), and
-exits 1 if a check failed.
+or $CONTAINER_IMAGE/$CONTAINER_MOUNTS; srun then runs the container's interpreter (``--container-python``,
+$CONTAINER_PYTHON, default ``python``), never this machine's ``--python``. ``--dry-run`` prints the
+environment, commands and log files, runs the same preflight here (the software checks only without a
+container image, whose software is checked at job start, and never Transformer Engine's import, a GPU
+package the compute node's preflight checks) and the launcher's own dry run (layout, mesh shape, memory
+estimate, simulated step time), and exits 1 if a check failed.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import shlex
@@ -75,7 +80,11 @@ def parse(argv):
     p.add_argument("--container-mounts", default=os.environ.get("CONTAINER_MOUNTS"))
     p.add_argument("--runs-dir", default=default_runs_dir(), help="default: $RUNS_DIR, $SCRATCH/mesh-cp-runs or "
                    "$HOME/mesh-cp-runs")
-    p.add_argument("--python", default=os.environ.get("PYTHON", "python3"), help="interpreter on the compute nodes")
+    p.add_argument("--python", default=os.environ.get("PYTHON", "python3"),
+                   help="interpreter on the compute nodes without a container, and for --dry-run's checks here")
+    p.add_argument("--container-python", default=os.environ.get("CONTAINER_PYTHON", "python"),
+                   help="interpreter inside --container-image (default $CONTAINER_PYTHON or python): srun runs it "
+                        "there, never --python, which is this machine's")
     p.add_argument("--dry-run", action="store_true")
     args, extra = p.parse_known_args(argv)
     if extra[:1] == ["--"]:
@@ -174,9 +183,10 @@ def build(args, extra):
              "--save", str(ckpt), "--load", str(ckpt), "--exit-duration-in-mins", str(exit_min),
              "--exit-signal-handler", *logging, "--summary-json", str(run / f"summary-{job}.json"), *extra]
     box = container_flags(args, run)
+    python = args.container_python if args.container_image else args.python  # what srun starts on the nodes
     shutdown = ["--torchrun-shutdown-timeout", str(args.signal_lead)] if args.launcher == "torchrun" else []
     preflight = ["srun", "--nodes=1", "--ntasks=1", "--nodelist=$FIRST_NODE", f"--gpus-per-node={args.gpus_per_node}",
-                 *box, args.python, "-m", "megatron_mesh_cp.megatron.preflight", "--config", str(cfg),
+                 *box, python, "-m", "megatron_mesh_cp.megatron.preflight", "--config", str(cfg),
                  "--gpus-per-node", str(args.gpus_per_node), "--save", str(ckpt), *shutdown, *logging, *extra]
     pattern, _ = log_files(args, logs, job)
     srun = ["srun", f"--nodes={args.nodes}", "--kill-on-bad-exit=1", f"--output={pattern}", *box]
@@ -184,7 +194,7 @@ def build(args, extra):
         # static rendezvous: node rank = SLURM node id, so the last node holds the last ranks (and their log lines);
         # --shutdown-timeout: SIGTERM reaches the workers and they get the signal lead to save (torchrun: 30 s)
         srun += [f"--ntasks={args.nodes}", "--ntasks-per-node=1", f"--gpus-per-node={args.gpus_per_node}"]
-        inner = [args.python, "-m", "torch.distributed.run", f"--nnodes={args.nodes}",
+        inner = [python, "-m", "torch.distributed.run", f"--nnodes={args.nodes}",
                  f"--nproc-per-node={args.gpus_per_node}", "--node-rank=$SLURM_NODEID", "--master-addr=$MASTER_ADDR",
                  f"--master-port={PORT}", f"--shutdown-timeout={args.signal_lead}"] + train
         cmd = srun + ["bash", "-c", " ".join(c if "=$" in c else shlex.quote(c) for c in inner)]
@@ -194,7 +204,7 @@ def build(args, extra):
                  "--gpu-bind=none", "--cpu-bind=none"]
         export = ("export RANK=$SLURM_PROCID WORLD_SIZE=$SLURM_NTASKS LOCAL_RANK=$SLURM_LOCALID "
                   f"LOCAL_WORLD_SIZE=$SLURM_NTASKS_PER_NODE MASTER_PORT={PORT}")
-        cmd = srun + ["bash", "-c", export + "; " + " ".join(shlex.quote(c) for c in [args.python] + train)]
+        cmd = srun + ["bash", "-c", export + "; " + " ".join(shlex.quote(c) for c in [python] + train)]
     return cfg, run, world, env, preflight, cmd, logging + extra
 
 
@@ -204,9 +214,11 @@ def local_checks(args, cfg: Path, run: Path, world: int, flags) -> int:
                RUNS_DIR=str(args.runs_dir))
     py = sys.executable if args.python == "python3" else args.python
     shutdown = ["--torchrun-shutdown-timeout", str(args.signal_lead)] if args.launcher == "torchrun" else []
+    # here is a login node: the software is the container's when there is one; without one this machine's, but
+    # Transformer Engine (a GPU package a login node need not import) is left to the compute node's preflight
     checks = [("preflight", [py, "-m", "megatron_mesh_cp.megatron.preflight", "--config", str(cfg),
                              "--save", str(run / "checkpoints"), *flags]
-               + (["--no-software"] if args.container_image else shutdown)),
+               + (["--no-software"] if args.container_image else ["--no-gpu-software", *shutdown])),
               ("launcher dry run", [py, str(ROOT / "scripts" / "pretrain_gpt_mesh.py"), "--config", str(cfg), "--dry-run", *flags])]
     failed = 0
     for name, command in checks:
@@ -254,7 +266,25 @@ def main(argv=None):
     if subprocess.run(check).returncode != 0:
         raise SystemExit(f"error: preflight failed on {nodes[0]}; nothing was started on the other nodes")
     print("command: " + " ".join(shlex.quote(c) for c in cmd), flush=True)
-    os.execvp(cmd[0], cmd)
+    summary = run / f"summary-{os.environ['SLURM_JOB_ID']}.json"
+    summary.unlink(missing_ok=True)  # a requeued job keeps its id: only this attempt's summary counts
+    return job_exit_code(subprocess.run(cmd).returncode, summary)
+
+
+def job_exit_code(rc: int, summary: Path) -> int:
+    """The job's exit code, which chained jobs wait on (afterok): srun's, except that a planned stop the launcher
+    recorded in the summary (Megatron saved and stopped) is 0 even when srun's is not -- on SIGTERM torchrun,
+    signalled itself, re-raises the signal after its workers saved and exited 0."""
+    if rc == 0:
+        return 0
+    try:
+        s = json.loads(summary.read_text())
+    except (OSError, ValueError):
+        return rc
+    if s.get("exit") and s.get("failed") is False:
+        print(f"job: srun exited {rc}, but the launcher stopped as planned: {s['exit']}; exiting 0", flush=True)
+        return 0
+    return rc
 
 
 if __name__ == "__main__":

@@ -16,12 +16,12 @@ from typing import Dict, Optional, Sequence, Tuple, Type, Union
 
 import torch
 
-from .base import BlockKernel, Varlen, lse_dtype
+from .base import BlockKernel, KernelNeeds, Varlen, lse_dtype
 from .flash import FlashKernel
 from .te import TEKernel
 from .torch_sdpa import TorchKernel
 
-__all__ = ["BlockKernel", "Varlen", "TorchKernel", "TEKernel", "FlashKernel", "get_kernel", "select_kernel", "input_spec",
+__all__ = ["BlockKernel", "KernelNeeds", "Varlen", "TorchKernel", "TEKernel", "FlashKernel", "get_kernel", "select_kernel", "input_spec",
            "available_kernels", "lse_dtype", "KERNELS"]
 
 log = logging.getLogger("megatron_mesh_cp")
@@ -83,25 +83,27 @@ def get_kernel(kernel: Union[str, BlockKernel, None] = "auto", device: Optional[
     return _instance(name, **_options(name, deterministic))
 
 
-def select_kernel(kernel: Union[str, BlockKernel, None], q: torch.Tensor, k: torch.Tensor,
-                  *, deterministic: bool = False, packed: bool = False, v=None) -> BlockKernel:
-    """The backend that will run blocks of ``q`` / ``k`` (sequence-major, [s, b, h, d], as the blocks
-    are: TE's selection reads the sequence length from dim 0), checked against them; raises
+def select_kernel(kernel: Union[str, BlockKernel, None], needs, k=None, *, deterministic: bool = False,
+                  packed: bool = False, v=None) -> BlockKernel:
+    """The backend that will run a call's blocks, checked against what they need; raises
     ``ValueError`` naming the fix.
 
-    ``auto`` takes the first backend (te, flash, torch) that is importable and accepts the inputs,
-    and logs the choice with the reason each earlier backend was skipped. ``packed``: the inputs
-    are packed sequences (THD), so the backend must also run varlen blocks (``check_varlen``).
-    ``v``: its head dim is checked too (MLA: it may differ from q/k's).
+    ``needs`` is a :class:`KernelNeeds` (or, as a shorthand, the block inputs ``q`` and ``k`` --
+    sequence-major ``[s, b, h, d]`` as the blocks are: TE's selection reads the sequence length from
+    dim 0 -- with ``deterministic``, ``packed`` (varlen blocks) and ``v`` (its head dim may differ
+    under MLA)). ``auto`` takes the first backend (te, flash, torch) that is importable and supports
+    the needs, and logs the choice with the reason each earlier backend was skipped.
     """
+    if not isinstance(needs, KernelNeeds):
+        needs = KernelNeeds(needs, k, v, deterministic=deterministic, varlen=packed)
+    q = needs.q
     if kernel not in (None, "auto"):
-        blk = get_kernel(kernel, q.device, deterministic=deterministic)
-        blk.check(q, k, v)
-        if packed:
-            blk.check_varlen(q, k, v)
+        blk = get_kernel(kernel, q.device, deterministic=needs.deterministic)
+        why = blk.unsupported(needs)
+        if why is not None:
+            raise ValueError(why)
         return blk
-    sig = (q.device.type, getattr(q.device, "index", None), q.dtype, tuple(q.shape[1:]), k.shape[2], bool(deterministic),
-           bool(packed), None if v is None else v.shape[-1])
+    sig = needs.key()
     if sig in _AUTO:
         return _AUTO[sig]
     order = list(_BACKENDS) if q.device.type == "cuda" else ["torch"]
@@ -110,19 +112,18 @@ def select_kernel(kernel: Union[str, BlockKernel, None], q: torch.Tensor, k: tor
         if not _BACKENDS[name].available():
             skipped.append(f"{name}: not importable here")
             continue
-        try:
-            blk = _instance(name, **_options(name, deterministic))
-            blk.check(q, k, v)
-            if packed:
-                blk.check_varlen(q, k, v)
-        except ValueError as exc:
-            skipped.append(f"{name}: {exc}")
+        blk = _instance(name, **_options(name, needs.deterministic))
+        why = blk.unsupported(needs)
+        if why is not None:
+            skipped.append(f"{name}: {why}")
             continue
-        why = (q.device.type, str(q.dtype), q.shape[-1], name, tuple(skipped))
-        if why not in _LOGGED:
-            _LOGGED.add(why)
+        logged = (q.device.type, str(q.dtype), q.shape[-1], name, tuple(skipped))
+        if logged not in _LOGGED:
+            _LOGGED.add(logged)
             log.info("mesh attention kernel: %s (auto, %s %s d=%d)%s", name, q.device.type, str(q.dtype)[6:],
                      q.shape[-1], "; skipped " + "; ".join(skipped) if skipped else "")
         _AUTO[sig] = blk
+        while len(_AUTO) > 64:  # bounded: new shapes every batch must not grow it
+            _AUTO.pop(next(iter(_AUTO)))
         return blk
     raise ValueError("no attention kernel can run these inputs: " + "; ".join(skipped))

@@ -14,7 +14,7 @@ from typing import Optional, Tuple
 
 import torch
 
-__all__ = ["BlockKernel", "Varlen", "lse_dtype", "check_cuda_half", "check_square"]
+__all__ = ["BlockKernel", "KernelNeeds", "Varlen", "lse_dtype", "check_cuda_half", "check_square"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -26,6 +26,33 @@ class Varlen:
     cu: torch.Tensor
     lens: Tuple[int, ...]
     max_len: int
+
+
+@dataclass(frozen=True, eq=False)
+class KernelNeeds:
+    """What a call asks of its block kernel: inputs like ``q``, ``k``, ``v`` (sequence-major
+    ``[s, b, h, d]`` tensors or ``kernels.input_spec`` namespaces, with the shapes the blocks run),
+    a deterministic backward, varlen calls (several documents per call: documents, chunks, packed
+    THD), sliding windows (``window_documents``: over documents, so windowed calls may have more
+    query rows than keys) and the max logit (``max_logit_packed``: of varlen calls)."""
+
+    q: object
+    k: object
+    v: object = None
+    deterministic: bool = False
+    varlen: bool = False
+    window: bool = False
+    window_documents: bool = False
+    max_logit: bool = False
+    max_logit_packed: bool = False
+
+    def key(self) -> tuple:
+        """What ``auto``'s choice depends on (it runs on every attention call); not the sequence
+        length, which may change every batch."""
+        q, k, v = self.q, self.k, self.v
+        return (q.device.type, getattr(q.device, "index", None), q.dtype, tuple(q.shape[1:]), k.shape[2],
+                None if v is None else v.shape[-1], self.deterministic, self.varlen, self.window,
+                self.window_documents, self.max_logit, self.max_logit_packed)
 
 
 def lse_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -135,6 +162,22 @@ class BlockKernel:
         raise ValueError(f"the {self.name} attention kernel has no sliding window; "
                          "on GPU only --mesh-kernel te runs them (Transformer Engine >= 2.12, without documents), "
                          "on CPU --mesh-kernel torch")
+
+    def unsupported(self, needs: KernelNeeds) -> Optional[str]:
+        """Why this backend cannot run a call with these ``needs`` (None: it can): its checks in the
+        order a call meets them -- inputs, varlen, window, max logit."""
+        q, k, v = needs.q, needs.k, needs.v
+        try:
+            self.check(q, k, v)
+            if needs.varlen:
+                self.check_varlen(q, k, v)
+            if needs.window:
+                self.check_window(q, k, v, documents=needs.window_documents)
+            if needs.max_logit:
+                self.check_max_logit(q, packed=needs.max_logit_packed)
+        except ValueError as exc:
+            return str(exc)
+        return None
 
     @classmethod
     def available(cls) -> bool:

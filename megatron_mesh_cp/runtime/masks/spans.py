@@ -1,10 +1,9 @@
-"""Document masking on Megatron's ordinary zigzag layout: which part of each block a document keeps.
+"""The block engine of span masks (documents, windows, chunks) on Megatron's zigzag layout.
 
-A batch's documents are global offsets ``cu`` (0 = cu[0] < cu[1] < ... < cu[-1] = S), of any
-length, over one sequence in the usual CP layout (mesh chunk c = pieces c and 2N-1-c of S/2N
-tokens; N = mesh chunks, the super-ranks under ``a2a+mesh``). Query i sees key j iff both lie in
-one document (and j <= i when causal). Because a chunk's tokens are in global order, every
-document's tokens in a chunk are one contiguous run of rows, so a block (Q chunk i, KV chunk j) is:
+Chunk c of N mesh chunks holds pieces c and 2N-1-c of m = S/2N tokens (the super-ranks under
+``a2a+mesh``). Query i sees key j iff both lie in one document of the span (and j <= i when causal,
+and within the window). Because a chunk's tokens are in global order, every document's tokens in a
+chunk are one contiguous run of rows, so a block (Q chunk i, KV chunk j) is:
 
 * **empty** when no document spans both chunks: not computed, and pruned from the plan
   (:mod:`~megatron_mesh_cp.runtime.prune`) together with every transfer nobody then needs;
@@ -14,10 +13,14 @@ document's tokens in a chunk are one contiguous run of rows, so a block (Q chunk
 * i == j (the rank's own block): one varlen call whose documents are the chunk's runs (square per
   document, causal inside each), or a plain call when one document covers the chunk.
 
-:class:`DocumentMask` describes every block on the host from the offsets alone (made once per
-batch); :meth:`DocumentMask.needed` is the set of tile blocks some rank must compute (the pruned
-plan keeps exactly those); :meth:`DocumentMask.rank_parts` gives one rank's kernel calls with the
-varlen offsets on the device (one small copy per batch, none per call).
+With a window a block is described piece pair by piece pair (the two pieces of a chunk lie far apart):
+a pair of one piece is one varlen call over the piece's documents with the window; a pair of two
+pieces keeps, per shared document, the tight rectangle of the band inside the document's rectangle.
+
+:class:`SpanBlocks` describes every block on the host from the offsets alone (made once per batch);
+:meth:`SpanBlocks.needed` is the set of tile blocks some rank must compute (the pruned plan keeps
+exactly those); :meth:`SpanBlocks.rank_parts` gives one rank's kernel calls with the varlen offsets
+on the device (one small copy per batch, none per call).
 """
 
 from __future__ import annotations
@@ -29,53 +32,54 @@ from typing import Dict, FrozenSet, List, NamedTuple, Optional, Tuple
 import numpy as np
 import torch
 
-from .kernels.base import Varlen
-from .topology import MeshShape
+from ..kernels.base import Varlen
+from ..topology import MeshShape
+from .base import Mask, Span, tighter
 
-__all__ = ["Documents", "documents_of", "SubBlock", "DocumentMask", "documents_from_eod", "check_window"]
-
-
-@dataclass(frozen=True)
-class Documents:
-    """One batch's document offsets as host ints (validated by :meth:`check`)."""
-
-    cu: Tuple[int, ...]
-
-    def check(self, total: int) -> None:
-        """``ValueError`` naming the fix unless ``cu`` splits a sequence of ``total`` tokens."""
-        cu = self.cu
-        if len(cu) < 2 or cu[0] != 0:
-            raise ValueError(f"cu_seqlens must start at 0 and hold documents + 1 offsets, got {list(cu)[:8]}")
-        if cu[-1] != total:
-            raise ValueError(f"cu_seqlens ends at {cu[-1]} but the sequence has {total} tokens (CP x local); "
-                             f"its last offset must be {total}")
-        for i in range(len(cu) - 1):
-            if cu[i + 1] <= cu[i]:
-                raise ValueError(f"cu_seqlens must be strictly increasing; document {i} has length "
-                                 f"{cu[i + 1] - cu[i]} (drop empty documents)")
-
-    @property
-    def count(self) -> int:
-        return len(self.cu) - 1
+__all__ = ["SubBlock", "SpanBlocks", "FullBlocks", "needed_blocks", "SpanMask", "Full", "FULL", "Intersection", "intersect", "as_mask",
+           "band_pairs", "band_rectangle"]
 
 
-def documents_of(cu_seqlens) -> Documents:
-    """:class:`Documents` from a 1-D int tensor (read to the host once per tensor) or a sequence."""
-    from .packed import _host
+def band_pairs(rows: int, keys: int, causal: bool, window) -> int:
+    """(row, key) pairs of a rows x keys call with ``key - row`` in the call's band (bottom-right aligned)."""
+    left, right = window if window is not None else (-1, -1)
+    if causal:
+        right = 0
+    shift = keys - rows  # bottom-right alignment
+    r = np.arange(rows)
+    lo = np.zeros(rows, dtype=np.int64) if left < 0 else np.maximum(r + shift - left, 0)
+    hi = np.full(rows, keys - 1, dtype=np.int64) if right < 0 else np.minimum(r + shift + right, keys - 1)
+    return int(np.clip(hi - lo + 1, 0, None).sum())
 
-    return Documents(_host(cu_seqlens, "cu_seqlens"))
+
+def band_rectangle(r0, r1, c0, c1, lo, hi, big):
+    """The tight rows x keys of rectangle [r0, r1) x [c0, c1) within the band lo <= c - r <= hi, and
+    its kernel window (bottom-right aligned; None when the band covers it); None when empty."""
+    a, b = max(r0, c0 - hi), min(r1, c1 - lo)
+    c, e = max(c0, r0 + lo), min(c1, r1 - 1 + hi + 1)
+    if a >= b or c >= e:
+        return None
+    rows, keys = b - a, e - c
+    shift = keys - rows
+    lo_loc, hi_loc = lo - (c - a), hi - (c - a)
+    left = -1 if lo <= -big // 2 or lo_loc <= -(rows - 1) else shift - lo_loc
+    right = -1 if hi >= big // 2 or hi_loc >= keys - 1 else hi_loc - shift
+    return (a, b), (c, e), None if left == -1 and right == -1 else (left, right)
 
 
-def documents_from_eod(tokens: torch.Tensor, eod: int) -> torch.Tensor:
-    """Megatron's document boundaries of a ``[s]`` token row: a document ends with (and includes)
-    each EOD token, as ``GPTDataset``'s ``reset_attention_mask`` masks (``_get_ltor_masks_and_position_ids``);
-    returns int32 offsets ``[documents + 1]`` on the tokens' device."""
-    if tokens.dim() != 1:
-        raise ValueError(f"tokens must be one [s] row, got shape {tuple(tokens.shape)}")
-    s = tokens.numel()
-    ends = torch.nonzero(tokens[:-1] == eod).flatten() + 1
-    edge = torch.tensor([0, s], dtype=ends.dtype, device=tokens.device)
-    return torch.cat([edge[:1], ends, edge[1:]]).to(torch.int32)
+def needed_blocks(nonempty: np.ndarray, shape: MeshShape) -> FrozenSet[Tuple[int, int]]:
+    """Tile blocks (Q offset, KV offset) of ``shape`` with a nonempty block on some rank."""
+    a, b = shape.a, shape.b
+    g = np.arange(shape.n)
+    r, c = g // a, g % a
+    keep = set()
+    for qo in range(a):
+        qi = r * a + (c - qo) % a
+        for ko in range(b):
+            kj = ((r - ko) % b) * a + c
+            if nonempty[qi, kj].any():
+                keep.add((qo, ko))
+    return frozenset(keep)
 
 
 class SubBlock(NamedTuple):
@@ -95,58 +99,24 @@ class SubBlock(NamedTuple):
         """Unmasked (query, key) pairs of this call."""
         r, c = self.rows.stop - self.rows.start, self.cols.stop - self.cols.start
         spans = [(r, c)] if self.lens is None else [(x, x) for x in self.lens]
-        return sum(_band_pairs(x, y, self.causal, self.window) for x, y in spans)
+        if self.window is None:  # squares (causal: triangles) and rectangles
+            return sum(x * (x + 1) // 2 if self.causal else x * y for x, y in spans)
+        return sum(band_pairs(x, y, self.causal, self.window) for x, y in spans)
 
 
-def _band_pairs(rows: int, keys: int, causal: bool, window) -> int:
-    """(row, key) pairs of a rows x keys call with ``key - row`` in the call's band."""
-    left, right = window if window is not None else (-1, -1)
-    if causal:
-        right = 0
-    shift = keys - rows  # bottom-right alignment
-    r = np.arange(rows)
-    lo = np.zeros(rows, dtype=np.int64) if left < 0 else np.maximum(r + shift - left, 0)
-    hi = np.full(rows, keys - 1, dtype=np.int64) if right < 0 else np.minimum(r + shift + right, keys - 1)
-    return int(np.clip(hi - lo + 1, 0, None).sum())
+class SpanBlocks:
+    """The blocks a span mask leaves on a mesh of ``chunks`` chunks (see the module docstring)."""
 
+    pruned = True
 
-def check_window(window, causal: bool) -> Optional[Tuple[int, int]]:
-    """``window`` as (left, right) ints >= -1 (-1: unbounded), None for none; ``ValueError`` otherwise.
-    Causal attention sees no key to the right: ``right`` must be 0 or -1 and becomes 0."""
-    if window is None:
-        return None
-    try:
-        left, right = window
-        ok = all(isinstance(x, (int, np.integer)) and not isinstance(x, bool) and x >= -1 for x in (left, right))
-    except (TypeError, ValueError):
-        ok = False
-    if not ok:
-        raise ValueError(f"window must be a pair of ints >= -1 (left, right; -1 = unbounded), got {window!r}")
-    left, right = int(left), int(right)
-    if causal:
-        if right > 0:
-            raise ValueError(f"window={window!r} with causal=True: a causal query sees no key to its right; pass "
-                             f"window=({left}, 0), or causal=False for keys on both sides")
-        right = 0
-    if left == -1 and right == -1 or (causal and left == -1):
-        return None  # no window beyond what the mask already is
-    return left, right
-
-
-class DocumentMask:
-    """The blocks a document mask (and, optionally, a sliding window) leaves on a mesh of ``chunks``
-    chunks (see the module docstring). ``docs`` None: one document; ``window``: (left, right) as
-    :func:`check_window` returns it -- query i sees key j iff i - left <= j <= i + right."""
-
-    def __init__(self, docs: Optional[Documents], chunks: int, causal: bool, window=None, total: int = None) -> None:
-        total = docs.cu[-1] if docs is not None else total
-        if total is None or total % (2 * chunks):
+    def __init__(self, span: Span, chunks: int, causal: bool) -> None:
+        total = span.total
+        if total % (2 * chunks):
             raise ValueError(f"sequence length {total} is not divisible by 2*CP = {2 * chunks}")
-        docs = docs if docs is not None else Documents((0, total))
-        self.docs, self.n, self.causal = docs, chunks, bool(causal)
-        self.window = check_window(window, causal)
+        self.span, self.n, self.causal = span, chunks, bool(causal)
+        self.window = span.window
         self.m = total // (2 * chunks)
-        self._cu = docs.cu
+        self._cu = span.offsets
         self._blocks: Dict[Tuple[int, int], Tuple[SubBlock, ...]] = {}
         self._nonempty: Optional[np.ndarray] = None
 
@@ -224,7 +194,7 @@ class DocumentMask:
                 keys = {d: (a, b) for d, a, b in self._piece_runs(kp * m)}
                 for d, r0, r1 in self._piece_runs(qp * m):
                     if d in keys:
-                        sub = _band_rectangle(r0, r1, *keys[d], lo, hi, big)
+                        sub = band_rectangle(r0, r1, *keys[d], lo, hi, big)
                         if sub is not None:
                             (a, b), (c, e), win = sub
                             out.append(SubBlock(slice(rbase + a, rbase + b), slice(cbase + c, cbase + e), False,
@@ -261,18 +231,7 @@ class DocumentMask:
         pruned plan computes them everywhere; a rank whose own block is empty runs no kernel)."""
         if shape.n != self.n:
             raise ValueError(f"the mask is for {self.n} mesh chunks, the mesh {shape} has {shape.n}")
-        ne = self.nonempty()
-        a, b = shape.a, shape.b
-        g = np.arange(shape.n)
-        r, c = g // a, g % a
-        keep = set()
-        for qo in range(a):
-            qi = r * a + (c - qo) % a
-            for ko in range(b):
-                kj = ((r - ko) % b) * a + c
-                if ne[qi, kj].any():
-                    keep.add((qo, ko))
-        return frozenset(keep)
+        return needed_blocks(self.nonempty(), shape)
 
     def rank_parts(self, shape: MeshShape, position: int, device) -> Dict[Tuple[int, int], tuple]:
         """Rank ``position``'s kernel calls per tile block (Q offset, KV offset): tuples of
@@ -292,16 +251,133 @@ class DocumentMask:
         return out
 
 
-def _band_rectangle(r0, r1, c0, c1, lo, hi, big):
-    """The tight rows x keys of rectangle [r0, r1) x [c0, c1) within the band lo <= c - r <= hi, and
-    its kernel window (bottom-right aligned; None when the band covers it); None when empty."""
-    a, b = max(r0, c0 - hi), min(r1, c1 - lo)
-    c, e = max(c0, r0 + lo), min(c1, r1 - 1 + hi + 1)
-    if a >= b or c >= e:
-        return None
-    rows, keys = b - a, e - c
-    shift = keys - rows
-    lo_loc, hi_loc = lo - (c - a), hi - (c - a)
-    left = -1 if lo <= -big // 2 or lo_loc <= -(rows - 1) else shift - lo_loc
-    right = -1 if hi >= big // 2 or hi_loc >= keys - 1 else hi_loc - shift
-    return (a, b), (c, e), None if left == -1 and right == -1 else (left, right)
+class SpanMask(Mask):
+    """A mask of documents and a band: it refines a :class:`Span`, composes with the other span
+    masks (``a & b``) and binds to the span engine (FullBlocks when it masks nothing)."""
+
+    def refine(self, span: Span, causal: bool) -> Span:
+        raise NotImplementedError
+
+    def bind(self, chunks: int, total: int, causal: bool):
+        span = self.span(total, causal)
+        return FullBlocks(chunks, total, causal) if span.unmasked else SpanBlocks(span, chunks, causal)
+
+    def __and__(self, other: Mask) -> Mask:
+        return intersect(self, other)
+
+
+@dataclass(frozen=True)
+class Full(SpanMask):
+    """No mask beyond the causal flag."""
+
+    name = "full"
+    order = 0
+
+    def refine(self, span: Span, causal: bool) -> Span:
+        return span
+
+    def agreement(self) -> dict:
+        return {"mask": "full"}
+
+
+FULL = Full()
+
+
+class FullBlocks:
+    """The engine of an unmasked layer: every block runs its whole zigzag case (DESIGN.md section 3)."""
+
+    pruned = False
+
+    def __init__(self, chunks: int, total: int, causal: bool) -> None:
+        self.n, self.total, self.causal = chunks, total, causal
+
+    def needed(self, shape):
+        return None  # every block: the full plans as they are
+
+    def rank_parts(self, shape, position: int, device):
+        return None  # the executor's unmasked path (prepared calls, grouped computes)
+
+
+@dataclass(frozen=True)
+class Intersection(SpanMask):
+    """Several span masks at once: a query sees a key iff every one of them lets it."""
+
+    parts: Tuple[Mask, ...]
+
+    @property
+    def name(self) -> str:  # type: ignore[override]
+        return " & ".join(p.name for p in self.parts)
+
+    @property
+    def per_batch(self) -> bool:  # type: ignore[override]
+        return any(p.per_batch for p in self.parts)
+
+    def refine(self, span: Span, causal: bool) -> Span:
+        for p in self.parts:
+            span = p.refine(span, causal)
+        return span
+
+    @property
+    def cuts_documents(self) -> bool:  # type: ignore[override]
+        return any(p.cuts_documents for p in self.parts)
+
+    @property
+    def has_window(self) -> bool:  # type: ignore[override]
+        return any(p.has_window for p in self.parts)
+
+    def check(self, total, chunks, causal, batch) -> None:
+        for p in self.parts:
+            p.check(total, chunks, causal, batch)
+
+    def check_batch(self, batch: int) -> None:
+        for p in self.parts:
+            p.check_batch(batch)
+
+    def agreement(self) -> dict:
+        out: dict = {}
+        for p in self.parts:
+            out.update(p.agreement())
+        return out
+
+    def arranged(self, chunks: int, causal: bool) -> Mask:
+        return Intersection(tuple(p.arranged(chunks, causal) for p in self.parts))
+
+    def band(self, causal: bool) -> Optional[Tuple[int, int]]:
+        out = None
+        for p in self.parts:
+            w = p.band(causal)
+            if w is not None:
+                out = w if out is None else (tighter(out[0], w[0]), tighter(out[1], w[1]))
+        return out
+
+    def simplified(self, causal: bool) -> Mask:
+        return intersect(*(p.simplified(causal) for p in self.parts))
+
+
+def intersect(*masks: Optional[Mask]) -> Mask:
+    """The mask that lets a query see a key iff every given mask does (None and FULL drop out).
+    Span masks apply in their ``order`` (documents first, then what refines them); a mask that is not
+    a span (packed documents) stands alone."""
+    parts = []
+    for m in masks:
+        if m is None or isinstance(m, Full):
+            continue
+        parts.extend(m.parts if isinstance(m, Intersection) else (m,))
+    if not parts:
+        return FULL
+    if len(parts) == 1:
+        return parts[0]
+    for p in parts:
+        if p.span_error:  # not a span: it cannot be intersected
+            raise ValueError(p.span_error)
+    return Intersection(tuple(sorted(parts, key=lambda p: p.order)))
+
+
+def as_mask(mask) -> Mask:
+    """``mask`` as a :class:`Mask` (None: :data:`FULL`); ``ValueError`` for anything else."""
+    if mask is None:
+        return FULL
+    if not isinstance(mask, Mask):
+        raise ValueError(f"mask must be a megatron_mesh_cp mask (Documents, Window, Chunked, ... or their '&'), "
+                         f"got {type(mask).__name__}")
+    return mask

@@ -1,0 +1,165 @@
+"""Token layouts (runtime/layouts.py) and the re-laid documents' mask (runtime/masks/arranged.py):
+every layout is a permutation whose chunks hold S/n tokens, its mask's blocks are the dense
+definition, and mesh / a2a+mesh run it exactly (float64 reference, fp32 <= 1e-5, bf16 near the
+single-device error) for every factorisation of n in {2, 4, 6, 8} and (2,1,2), (4,1,2): documents
+longer than S/2, one document over every rank, many tiny ones, lengths divisible by nothing; gloo
+runs and their bytes are in test_layouts_dist.py."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from megatron_mesh_cp import valid_shapes
+from megatron_mesh_cp.reference import packed_reference, relative_errors
+from megatron_mesh_cp.runtime.layout import zigzag_positions
+from megatron_mesh_cp.runtime.layouts import arrange
+from megatron_mesh_cp.runtime.masks import Documents
+from megatron_mesh_cp.virtual import virtual_mesh_attention
+
+
+def document_mixes(total, rng):
+    """Lengths summing to ``total``: a document longer than half, one document, many tiny ones, a
+    random mix of odd lengths, two long documents among short ones."""
+    def fill(lengths):
+        rest = total - sum(lengths)
+        return lengths + ([rest] if rest > 0 else [])
+    half = total // 2 + 3
+    mixes = [fill([half, 1, 5]), [total], fill([1, 2, 1, 3] * (total // 16)),
+             fill([rng.randint(1, total // 5) | 1 for _ in range(5)]),
+             fill([total // 3 + 1, total // 4 + 3] + [rng.randint(1, 9) for _ in range(6)])]
+    return [m for m in mixes if sum(m) == total and min(m) > 0]
+
+
+def laid_out(lengths, chunks, causal=True):
+    out = [arrange(lengths, chunks, "zigzag", causal=causal), arrange(lengths, chunks, "balanced", causal=causal)]
+    for k in (1, 2):
+        if k <= len(lengths):
+            try:
+                out.append(arrange(lengths, chunks, "split", split=k, causal=causal))
+            except ValueError:
+                pass
+    return out
+
+
+def dense_of(lengths, order):
+    """The definition on x' = x[order]: (query, key) kept iff one document and key not after query."""
+    cu = np.concatenate(([0], np.cumsum(lengths)))
+    doc = np.searchsorted(cu[1:], np.arange(cu[-1]), side="right")
+    o = np.arange(cu[-1]) if order is None else order
+    d, p = torch.from_numpy(doc[o]), torch.from_numpy(o)
+    return (d[:, None] == d[None, :]) & (p[None, :] <= p[:, None])
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_layouts_are_permutations_and_their_blocks_the_dense_mask(n):
+    """Each layout is a permutation of the tokens; its mask's kernel calls compute exactly the
+    definition's pairs, each once; its work per chunk is the mask's pair count; empty blocks are
+    exactly those without a pair."""
+    from test_documents import mask_of
+
+    total = 16 * n
+    for lengths in document_mixes(total, random.Random(n)):
+        for arr in laid_out(lengths, n):
+            order = np.arange(total) if arr.order is None else arr.order
+            assert sorted(order.tolist()) == list(range(total))
+            keep = dense_of(lengths, arr.order)
+            blocks = arr.mask.bind(n, total, True)
+            work = []
+            for i in range(n):
+                qi = zigzag_positions(total, n, i)
+                work.append(int(keep[qi].sum()))
+                for j in range(n):
+                    want = keep[qi][:, zigzag_positions(total, n, j)]
+                    hits = mask_of(blocks.block(i, j), want.shape[0])
+                    assert hits.max() <= 1 and torch.equal(hits.bool(), want), (lengths, arr.name, i, j)
+                    assert bool(blocks.nonempty()[i, j]) == bool(want.any())
+            assert np.allclose(arr.work, work), (lengths, arr.name, arr.work, work)
+
+
+def test_split_layout_balances_a_long_document():
+    """A document of 60% of the sequence among short ones: the zigzag's busiest chunk does ~1.5x the
+    mean; split, every chunk does about the same (the short documents balanced around it)."""
+    rng = random.Random(0)
+    total, n = 1 << 14, 16
+    lengths = [int(total * 0.6)]
+    while sum(lengths) < total:
+        lengths.append(min(rng.randint(20, 400), total - sum(lengths)))
+    zig, bal = arrange(lengths, n, "zigzag"), arrange(lengths, n, "balanced")
+    split = arrange(lengths, n, "split", split=1)
+    assert zig.balance > 1.4 and split.balance < 1.05 < bal.balance, (zig.balance, bal.balance, split.balance)
+    assert split.order is not None and len(set(split.order.tolist())) == total
+    again = arrange(lengths, n, "split", split=1)  # every rank computes the same layout
+    assert np.array_equal(again.order, split.order) and again.mask == split.mask
+
+
+def test_bad_layouts_are_refused():
+    with pytest.raises(ValueError, match="unknown layout 'diagonal'"):
+        arrange([8, 8], 2, "diagonal")
+    with pytest.raises(ValueError, match="cuts 1 .. 2 documents"):
+        arrange([8, 8], 2, "split", split=3)
+    with pytest.raises(ValueError, match="not a multiple of 2\\*2"):
+        arrange([8, 7], 2, "zigzag")
+    mask = arrange([20, 4], 2, "split", split=1).mask
+    with pytest.raises(ValueError, match="tile its positions"):
+        type(mask)(mask.cuts, mask.docs, (0,) * len(mask.docs)).check(24, 2)
+
+
+SHAPES = [s for n in (2, 4, 6, 8) for s in valid_shapes(n)] + [(2, 1, 2), (4, 1, 2)]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_layouts_exact_against_float64(shape):
+    """Every layout of every mix, mesh and a2a+mesh on virtual ranks, MHA and GQA: the re-laid
+    inputs give the reference's outputs and gradients re-laid, fp32 within 1e-5."""
+    n = math.prod(shape)
+    chunks = n // shape[0] if len(shape) == 3 else n
+    total = 8 * n
+    rng = random.Random(n)
+    for mi, lengths in enumerate(document_mixes(total, rng)[:4]):
+        h, hk = (4, 2) if mi % 2 else (4, 4)
+        g = torch.Generator().manual_seed(mi)
+        q, do = (torch.randn(total, h, 8, generator=g, dtype=torch.float64) for _ in range(2))
+        k, v = (torch.randn(total, hk, 8, generator=g, dtype=torch.float64) for _ in range(2))
+        ref = packed_reference(q, k, v, do, np.concatenate(([0], np.cumsum(lengths))).tolist())
+        for arr in laid_out(lengths, chunks):
+            order = torch.arange(total) if arr.order is None else torch.from_numpy(arr.order)
+            lay = lambda x: x.index_select(0, order).float()[None]  # noqa: E731
+            kw = ({"cu_seqlens": torch.tensor(arr.mask.cu, dtype=torch.int32)} if isinstance(arr.mask, Documents)
+                  else {"mask": arr.mask})
+            res = virtual_mesh_attention(lay(q), lay(k), lay(v), shape, dout=lay(do), kernel="torch", **kw)
+            got = {name: res[name][0] for name in ("out", "dq", "dk", "dv")}
+            want = {name: ref[name].index_select(0, order) for name in got}
+            got["lse"], want["lse"] = res["lse"][0], ref["lse"].index_select(1, order)
+            for name, err in relative_errors(got, want).items():
+                assert err <= 1e-5, (shape, lengths, arr.name, name, err)
+
+
+def test_split_layout_bf16_close_to_single_device_bf16():
+    """bf16 inputs through the split layout: the mesh's error vs float64 stays within 1.3x the
+    single-device bf16 error (one bf16 varlen call over the whole sequence)."""
+    from test_documents import single_device_bf16
+
+    total = 256
+    lengths = [total // 2 + 9, 3, 40, total // 2 - 52]
+    cu = np.concatenate(([0], np.cumsum(lengths))).tolist()
+    g = torch.Generator().manual_seed(3)
+    q, k, v, do = (torch.randn(total, h, 16, generator=g, dtype=torch.float64) for h in (4, 2, 2, 4))
+    ref = packed_reference(q, k, v, do, cu)
+    base = relative_errors(single_device_bf16(q, k, v, do, cu), ref)
+    for shape in ((2, 2), (1, 8), (2, 1, 2)):
+        chunks = 2 if len(shape) == 3 else math.prod(shape)
+        arr = arrange(lengths, chunks, "split", split=1)
+        order = torch.from_numpy(arr.order)
+        lay = lambda x: x.index_select(0, order).bfloat16()[None]  # noqa: E731
+        res = virtual_mesh_attention(lay(q), lay(k), lay(v), shape, dout=lay(do), kernel="torch", mask=arr.mask)
+        back = torch.argsort(order)  # x' -> x
+        got = {name: res[name][0].index_select(0, back) for name in ("out", "dq", "dk", "dv")}
+        got["lse"] = res["lse"][0].index_select(1, back)
+        got = relative_errors(got, ref)
+        for name in base:
+            assert got[name] <= 1.3 * base[name], (shape, name, got[name], base[name])

@@ -1,0 +1,76 @@
+"""The dry run's step estimate (megatron/step_estimate.py): micro-batches sampled as GPTDataset cuts sequences from
+weighted document-length sources, each simulated as the launcher runs it, and the lines it prints."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("megatron.training", reason="megatron-core >= 0.17 (Python 3.12) is needed")
+
+from megatron_mesh_cp.megatron import step_estimate as se  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_sequences_are_cut_from_the_sources_as_gptdataset_cuts_them():
+    seq = 4096
+    long = se.Source(0.5, np.array([3 * seq, 5 * seq]), "books")
+    short = se.Source(0.5, np.array([100, 200, 300]), "web")
+    drawn = se.sample_sequences([long, short], seq, 64, seed=1)
+    assert all(sum(s) == seq and min(s) >= 1 for s in drawn)
+    from_long = [s for s in drawn if len(s) <= 2]  # a window of documents longer than it holds one or two pieces
+    from_short = [s for s in drawn if len(s) > 2]
+    assert 16 < len(from_long) < 48 and len(from_long) + len(from_short) == 64
+    assert all(max(s) <= 300 for s in from_short)
+    assert drawn == se.sample_sequences([long, short], seq, 64, seed=1)  # seeded
+    assert se.parse_mix("0.5 S-4S, 0.5 1K-16K", seq) == [(0.5, seq, 4 * seq), (0.5, 1024, 16384)]
+    for bad in ("0.5 S-4S 0.5", "x 1K-2K", "1 4K-1K", "-1 1K-2K"):
+        with pytest.raises(ValueError, match="length mix"):
+            se.parse_mix(bad, seq)
+    text, warnings = se.describe_sources([long, short], seq)
+    assert "books, web (5 documents): 50% of the tokens in documents of at least the sequence length 4096" in text
+    assert not warnings
+    _, warnings = se.describe_sources([short], seq)
+    assert warnings and "the longest document has 300 tokens, under half the sequence length 4096" in warnings[0]
+
+
+def _resolve(name):
+    spec = importlib.util.spec_from_file_location("recipe_step_times", ROOT / "scripts" / "recipe_step_times.py")
+    steps = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(steps)
+    return steps.resolve(name)
+
+
+def test_the_estimate_prices_each_micro_batch_as_it_runs_and_prints_the_layout():
+    from megatron_mesh_cp.megatron.settings import SETTINGS
+    from megatron_mesh_cp.planning.cluster import load_cluster
+
+    args = _resolve("llama31_8b_cpt_s1_128k")  # a2a+mesh 8x1x4 on CP 32: the documents balanced over 4 chunks
+    s, cluster = args.seq_length, load_cluster("h100-ib400")
+    whole = se.estimate(args, 8, cluster, [(s,)])
+    short = se.estimate(args, 8, cluster, [tuple([s // 64] * 64)])
+    mixed = se.estimate(args, 8, cluster, [(s,), tuple([s // 64] * 64)])
+    assert short.step_s < mixed.step_s < whole.step_s <= whole.unmasked_step_s * 1.0001
+    assert mixed.step_s == pytest.approx((short.step_s + whole.step_s) / 2, rel=1e-9)  # the mean micro-batch
+    assert whole.layout.chunks == 4 and whole.algo == "a2a+mesh:8x1x4"
+    skewed = [tuple([s // 2] + [s // 512] * 256)]  # one long document among short ones
+    SETTINGS.document_order = "given"
+    given = se.estimate(args, 8, cluster, skewed)
+    SETTINGS.document_order = "balanced"
+    balanced = se.estimate(args, 8, cluster, skewed)
+    assert balanced.layout.busiest_over_mean < given.layout.busiest_over_mean
+    assert "documents reordered" in balanced.layout.name and "dataset's order" in given.layout.name
+    lines = dict((text.split(":")[0], (level, text)) for level, text in se.layout_lines(balanced, save_interval=50))
+    assert lines["layout"][1].startswith(f"layout: zigzag, documents reordered per micro-batch "
+                                         f"(--mesh-document-order balanced) over 4 chunks; busiest chunk "
+                                         f"{balanced.layout.busiest_over_mean:.2f}x the mean attention work "
+                                         "(simulated on the h100-ib400 preset, mean over 1 sampled micro-batches)")
+    assert "without document masking" in lines["step time (estimate"][1]
+    assert lines["save_interval 50"][1].endswith(f"would be save_interval {balanced.save_every()})")
+    unmasked = se.estimate(args, 8, cluster)  # no sequences: the unmasked layer
+    assert unmasked.step_s == unmasked.unmasked_step_s == whole.unmasked_step_s
+    assert unmasked.layout.busiest_over_mean is None
