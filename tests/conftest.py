@@ -81,6 +81,14 @@ def pools():
     p.close()
 
 
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory):
+    """(hf dir, Megatron checkpoint dir) of tests/hf_llama.py's model, converted once for the session."""
+    from hf_llama import convert
+
+    return convert(tmp_path_factory.mktemp("tiny_llama"))
+
+
 def pytest_terminal_summary(terminalreporter):
     for n, first, last, top in _POOL_STATS:
         if first is not None:

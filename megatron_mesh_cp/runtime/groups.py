@@ -272,8 +272,8 @@ class MeshGroups:
 
         Groups adopted by :meth:`from_groups` (and the CP group passed in) belong to the caller and stay
         untouched. Call it on every rank once it is done with the mesh (it does not communicate; a
-        peer still using the rings would see them closed). Idempotent; using the mesh afterwards raises
-        ``ValueError``.
+        peer still using the rings would see them closed). Idempotent; a call on the mesh afterwards raises
+        ``ValueError`` on every rank, as a bad input does.
         """
         if self._shape is None:
             return
