@@ -322,16 +322,6 @@ def test_launcher_help_lists_its_own_options_then_megatrons(work):
     assert "--mesh-check-finite" in out.stdout  # Megatron's help despite stray % in its strings (test_stock_megatron)
 
 
-def test_summary_is_written_when_megatron_exits_early(work):
-    """Megatron's early exits (--exit-duration-in-mins, the signal handler, --exit-interval) leave through
-    sys.exit inside pretrain(); the last rank still writes the summary, saying why it stopped."""
-    res = train(work, "early-exit", 2, extra=["--exit-interval", "3"], train_iters=6, context_parallel_size=2,
-                context_parallel_algo="mesh", mesh_shape="1x2")
-    assert [it for it, _ in res["losses"]] == [1, 2, 3]
-    assert res["exit"].startswith("Megatron exited early (code ") and "at iteration 3" in res["exit"]
-    assert res["attention_calls"] > 0 and "summary written to" in res["stdout"]
-
-
 _MOE_SPEC = r"""
 import torch
 from megatron_mesh_cp.megatron import cpu_compat
