@@ -3,11 +3,13 @@
 ``RankPool(n)`` starts n processes once (each joins one gloo world); ``pool.run("pkg.mod:func",
 *args)`` calls ``func(ctx, *args)`` on every rank and returns the per-rank results, re-raising a
 failure with every rank's error. ``ctx`` carries ``rank``, ``world_size`` and a per-process
-``cache`` (for example process groups built once and reused across calls).
+``cache`` (for example process groups built once and reused across calls). Each rank computes on
+``OMP_NUM_THREADS`` threads (default 1: n ranks on a few cores must not oversubscribe them).
 """
 
 from __future__ import annotations
 
+import gc
 import importlib
 import os
 import queue
@@ -60,7 +62,10 @@ def _worker(rank: int, world: int, port: int, tasks, results, timeout_s: float, 
     import torch
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
+    value = os.environ.get("OMP_NUM_THREADS", "1")
+    threads = int(value) if value.isdigit() and int(value) > 0 else 1  # torch came in before env did: pin here
+    torch.set_num_threads(threads)
+    torch.set_num_interop_threads(threads)
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
         timeout=timedelta(seconds=timeout_s),
@@ -76,6 +81,7 @@ def _worker(rank: int, world: int, port: int, tasks, results, timeout_s: float, 
         except BaseException as exc:  # report everything, the parent decides
             results.put((rank, False, (type(exc).__name__, str(exc), traceback.format_exc())))
     dist.destroy_process_group()
+    gc.freeze()  # exiting: the interpreter need not collect torch's objects (seconds per rank)
 
 
 class RankPool:

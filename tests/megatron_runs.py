@@ -1,11 +1,18 @@
-"""Helpers for tests that run the GPT launcher (Megatron's real training loop) on local gloo ranks."""
+"""Helpers for tests that run the GPT launcher (Megatron's real training loop) on local gloo ranks.
+
+Each launch costs far more than its iterations (a tiny model: importing torch and Megatron on every rank
+dominates), so a test module launches each configuration once and every assertion reads that run.
+"""
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Dict, List, Sequence
 
@@ -14,7 +21,8 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 LAUNCHER = ROOT / "scripts" / "pretrain_gpt_mesh.py"
 
-#: a tiny GPT with RoPE, GQA (4 heads, 2 groups), causal mask, no dropout, fp32
+#: a tiny GPT with RoPE, GQA (4 heads, 2 groups), causal mask, no dropout, fp32; Megatron's fused bias-GeLU and
+#: bias-dropout-add are off, as in configs/gpt_tiny_cpu.yaml (on CPU each run would torch.compile them)
 BASE = {
     "distributed_backend": "gloo", "transformer_impl": "local", "num_layers": 2, "hidden_size": 64,
     "ffn_hidden_size": 128, "num_attention_heads": 4, "group_query_attention": True, "num_query_groups": 2,
@@ -23,15 +31,36 @@ BASE = {
     "lr": 3.0e-3, "min_lr": 3.0e-4, "lr_decay_style": "cosine", "lr_warmup_iters": 2, "train_iters": 10,
     "weight_decay": 0.01, "clip_grad": 0.0, "seed": 1234, "log_interval": 1, "eval_iters": 0, "eval_interval": 1000,
     "no_gradient_accumulation_fusion": True, "no_masked_softmax_fusion": True, "no_persist_layer_norm": True,
-    "rerun_mode": "disabled",
+    "rerun_mode": "disabled", "no_bias_gelu_fusion": True, "no_bias_dropout_fusion": True,
 }
+#: optional packages Megatron imports whenever they are installed (megatron/training/training.py: modelopt;
+#: megatron/core/tokenizers/text/libraries: transformers) that no run here uses: the runs see an install of
+#: megatron-core without them (each costs every rank seconds of CPU at start-up); ``env(full=True)`` keeps them
+HIDDEN = ("modelopt", "transformers")
+_HIDDEN_DIR = None
 
 
-def env(tmp: Path) -> Dict[str, str]:
+def _hidden_dir() -> str:
+    """A directory whose packages stand for HIDDEN and raise ModuleNotFoundError, as absent packages do."""
+    global _HIDDEN_DIR
+    if _HIDDEN_DIR is None:
+        root = Path(tempfile.mkdtemp(prefix="mesh-cp-minimal-"))
+        for name in HIDDEN:
+            (root / name).mkdir()
+            (root / name / "__init__.py").write_text(
+                f"raise ModuleNotFoundError('{name} is hidden from the launcher test runs (tests/megatron_runs.py)', "
+                f"name='{name}')\n")
+        _HIDDEN_DIR = str(root)
+        atexit.register(shutil.rmtree, _HIDDEN_DIR, True)
+    return _HIDDEN_DIR
+
+
+def env(tmp: Path, full: bool = False) -> Dict[str, str]:
+    """The launcher's environment: one thread per rank, the corpus under ``tmp``, HIDDEN hidden unless ``full``."""
     e = dict(os.environ)
+    paths = ([] if full else [_hidden_dir()]) + [str(ROOT / "tests"), e.get("PYTHONPATH", "")]
     e.update(CUDA_DEVICE_MAX_CONNECTIONS="1", PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1",
-             MESH_CP_DATA_DIR=str(tmp / "data"),
-             PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), e.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+             MESH_CP_DATA_DIR=str(tmp / "data"), PYTHONPATH=os.pathsep.join(paths).rstrip(os.pathsep))
     return e
 
 

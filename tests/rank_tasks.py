@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from megatron_mesh_cp import MeshGroups, mesh_attention, zigzag_shard
 from megatron_mesh_cp.reference import reference_attention
+from rank_groups import released_groups
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
 QUANTITIES = ("out", "lse", "dq", "dk", "dv")
@@ -153,16 +154,18 @@ def bad_input(ctx, what):
         return MeshGroups.create((3, world))
     elif what == "group_sizes":
         # a row group of 2 and a column group of 1 cannot tile a world of 4
-        rows = [dist.new_group([r, r + 1]) for r in range(0, world, 2)]
-        singles = [dist.new_group([r]) for r in range(world)]
-        me = dist.get_rank()
-        return MeshGroups.from_groups(None, rows[me // 2], singles[me])
+        with released_groups():
+            rows = [dist.new_group([r, r + 1]) for r in range(0, world, 2)]
+            singles = [dist.new_group([r]) for r in range(world)]
+            me = dist.get_rank()
+            return MeshGroups.from_groups(None, rows[me // 2], singles[me])
     elif what == "group_members":
         # the column rings passed as row rings
-        cols = [dist.new_group([c, c + 2]) for c in range(2)]
-        rows = [dist.new_group([r, r + 1]) for r in range(0, world, 2)]
-        me = dist.get_rank()
-        return MeshGroups.from_groups(None, cols[me % 2], rows[me // 2])
+        with released_groups():
+            cols = [dist.new_group([c, c + 2]) for c in range(2)]
+            rows = [dist.new_group([r, r + 1]) for r in range(0, world, 2)]
+            me = dist.get_rank()
+            return MeshGroups.from_groups(None, cols[me % 2], rows[me // 2])
     else:
         raise AssertionError(f"unknown case {what}")
     return mesh_attention(q, k, v, mesh)

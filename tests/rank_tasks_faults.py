@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from megatron_mesh_cp import MeshGroups, mesh_attention
 from megatron_mesh_cp.runtime.kernels import TorchKernel
+from rank_groups import megatron_task, released_groups
 
 
 def _mesh(ctx, shape=(2, 2)):
@@ -69,13 +70,14 @@ def create_shape(ctx, odd_rank=2):
 
 def from_groups_one_bad(ctx, odd_rank=3):
     """Correct rings everywhere except one rank, which passes its column ring as its row ring."""
-    rows = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-    cols = [dist.new_group([0, 2]), dist.new_group([1, 3])]
-    me = dist.get_rank()
-    row, col = rows[me // 2], cols[me % 2]
-    if me == odd_rank:
-        row, col = col, row
-    return _outcome(lambda: MeshGroups.from_groups(None, row, col))
+    with released_groups():
+        rows = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+        cols = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+        me = dist.get_rank()
+        row, col = rows[me // 2], cols[me % 2]
+        if me == odd_rank:
+            row, col = col, row
+        return _outcome(lambda: MeshGroups.from_groups(None, row, col))
 
 
 class FlakyKernel(TorchKernel):
@@ -132,10 +134,11 @@ def timeouts(ctx, explicit_s=None):
     from megatron_mesh_cp.runtime.groups import group_timeout
 
     kw = {} if explicit_s is None else {"timeout": timedelta(seconds=explicit_s)}
-    mesh = MeshGroups.create((2, 2), **kw)
-    return [t.total_seconds() for t in (mesh.timeout, group_timeout(mesh.row_group), group_timeout(mesh.col_group))]
+    with MeshGroups.create((2, 2), **kw) as mesh:
+        return [t.total_seconds() for t in (mesh.timeout, group_timeout(mesh.row_group), group_timeout(mesh.col_group))]
 
 
+@megatron_task
 def megatron_timeout(ctx, minutes=3):
     """The rings Megatron builds for mesh CP keep --distributed-timeout-minutes."""
     from megatron.core import parallel_state

@@ -6,6 +6,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_mesh_cp import MeshGroups, mesh_attention, zigzag_shard
+from rank_groups import megatron_task, released_groups
 from rank_tasks import DTYPES, QUANTITIES, _sq, make_inputs, reference, single_device_errors
 
 
@@ -70,6 +71,7 @@ def exactness(ctx, shapes, cases, seed=0):
     return results
 
 
+@megatron_task
 def megatron_groups(ctx, sizes):
     """Megatron's hierarchical CP groups for ``sizes`` = [u, a, b], adopted by MeshGroups.from_groups
     (which checks their membership); returns the rank lists of (Ulysses, row, column) groups."""
@@ -98,10 +100,11 @@ def bad_input(ctx, what):
         return MeshGroups.create((2, 2), ulysses=2)
     if what == "ulysses_group":
         # Ulysses groups of stride 2 instead of consecutive ranks
-        pairs = [dist.new_group([0, 2]), dist.new_group([1, 3])]
-        singles = [dist.new_group([r]) for r in range(world)]
-        me = dist.get_rank()
-        return MeshGroups.from_groups(None, singles[me], pairs[me % 2], ulysses_group=pairs[me % 2])
+        with released_groups():
+            pairs = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+            singles = [dist.new_group([r]) for r in range(world)]
+            me = dist.get_rank()
+            return MeshGroups.from_groups(None, singles[me], pairs[me % 2], ulysses_group=pairs[me % 2])
     mesh = hybrid_mesh(ctx, (2, 1, world // 2))
     if what == "heads":  # u = 2 does not divide 3 query heads
         q, k = torch.randn(b, s, 3, d), torch.randn(b, s, 1, d)

@@ -6,8 +6,10 @@ import torch
 import torch.distributed as dist
 
 from megatron_mesh_cp import zigzag_shard
+from rank_groups import megatron_task
 
 
+@megatron_task
 def gpt_direct(ctx, cp, shape, seed=0, seq=64, batch=2, vocab=128, **config_kw):
     """Build a tiny GPT (RoPE, GQA) with the mesh spec, run one forward/backward on this rank's share.
 
@@ -96,6 +98,7 @@ def cuda_rng_under_checkpoint(ctx):
     return {"roundtrip": roundtrip, "same_noise": same_noise, "grad_err": grad_err}
 
 
+@megatron_task
 def llama_from_checkpoint(ctx, ckpt_dir, tokens, shape=(2, 2), iteration=0, **llama):
     """Load a converted Llama checkpoint into a GPTModel built as the launcher builds it (mesh spec), under
     mesh CP = a*b; return (rank 0) the full-sequence logits and the state-dict keys of this model and of a

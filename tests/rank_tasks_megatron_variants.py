@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_mesh_cp import zigzag_gather, zigzag_shard
+from rank_groups import megatron_task
 
 #: a tiny MLA: q/k head dim 16 + 8 (RoPE part), value head dim 16 (= kv_channels, which
 #: Megatron's local DotProductAttention uses for its output at CP = 1)
@@ -65,6 +66,7 @@ def _batch(cp, seed, seq, batch, vocab):
     return inputs, labels, positions, mask
 
 
+@megatron_task
 def gpt_variants(ctx, cp, shape, seed=0, seq=64, batch=2, vocab=128, mla=False, steps=1, **config_kw):
     """Build a tiny GPT with the mesh spec and attention variants (``config_kw``: window_size,
     window_attn_skip_freq, softmax_type, qk_clip...; ``mla``: the MLA above), run ``steps``
@@ -129,6 +131,7 @@ def gpt_variants(ctx, cp, shape, seed=0, seq=64, batch=2, vocab=128, mla=False, 
             [{"max_logits": p["max_logits"], "window": p["window"], "bytes": p["bytes"]} for p in per_layer]}
 
 
+@megatron_task
 def qk_clip_consumes_max_logits(ctx, shape, seed=0, seq=64, batch=2, vocab=128, **config_kw):
     """One forward/backward with ``qk_clip`` under mesh CP, then Megatron's own ``clip_qk`` (the
     optimizer hook: MAX all-reduce over DP x CP, then each layer's Attention.clip_qk). Returns the

@@ -1,11 +1,12 @@
 """Hugging Face weights back out of a run, and the long-context check on them.
 
-A tiny random Llama-3.1-style ``transformers`` model (tests/test_hf_import.py's) is converted as the README
+A tiny random Llama-3.1-style ``transformers`` model (tests/hf_llama.py's) is converted as the README
 says (``bridge_cpu``), trained 2 iterations through the launcher under mesh CP 2x2 on 4 ranks with the RoPE
 base raised as stage 2 raises it, and exported (``hf_export``, Megatron-Bridge's exporter): the export's
 ``transformers`` logits equal Megatron's of the trained checkpoint (fp32, <= 1e-5 relative) and differ from
-the untrained model's, and the passkey-retrieval script runs on the export. One conversion, one training run
-and one export feed every test; the input checks of both directions run without them.
+the untrained model's, and the passkey-retrieval script runs on the export. The session's one conversion
+(shared with test_hf_import.py), one training run and one export feed every test; the input checks of both
+directions run without them.
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ import torch
 
 pytest.importorskip("megatron.training", reason="megatron-core >= 0.17 (Python 3.12) is needed")
 
+from hf_llama import LAUNCH, LLAMA  # noqa: E402
 from megatron_runs import ROOT, train  # noqa: E402
-from test_hf_import import LAUNCH, LLAMA, _save_tiny_llama  # noqa: E402
 
 STAGE2_BASE = 1011063  # the 8B recipe's stage 2 RoPE base (the HF model's is 500000)
 
@@ -35,13 +36,9 @@ def _python(*args, timeout=900):
 
 
 @pytest.fixture(scope="module")
-def exported(tmp_path_factory):
+def exported(tiny_llama, tmp_path_factory):
     work = tmp_path_factory.mktemp("hf_export")
-    hf, ckpt, run, out = work / "hf", work / "mcore", work / "run", work / "exported"
-    _save_tiny_llama(hf)
-    rc, text = _python("-m", "megatron_mesh_cp.megatron.bridge_cpu", "--hf-model", str(hf),
-                       "--megatron-path", str(ckpt))
-    assert rc == 0, f"conversion failed:\n{text[-5000:]}"
+    (hf, ckpt), run, out = tiny_llama, work / "run", work / "exported"
     kw = dict(LAUNCH, context_parallel_algo="mesh", mesh_shape="2x2", save=str(run), load=str(run),
               pretrained_checkpoint=str(ckpt), train_iters=2, lr_warmup_iters=1, save_interval=2,
               rotary_base=STAGE2_BASE)

@@ -293,7 +293,7 @@ def test_main_job_config_trains_and_plots(work):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--master_port", str(_port()),
            str(LAUNCHER), "--config", str(ROOT / "configs" / "gpt_tiny_cpu.yaml"), "--train-iters", "6",
            "--plot-loss", str(png)]
-    out = subprocess.run(cmd, env=env(work), capture_output=True, text=True, timeout=600, cwd=ROOT)
+    out = subprocess.run(cmd, env=env(work, full=True), capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-4000:]
     assert "iteration        6/       6" in out.stdout and "lm loss:" in out.stdout
     assert "[mesh-cp] final lm loss" in out.stdout and "(CP=4, mesh 2x2)" in out.stdout
@@ -319,16 +319,7 @@ def test_launcher_help_lists_its_own_options_then_megatrons(work):
                  "--gpu-memory-gib", "--data-cache-dir"):
         assert flag in ours, flag
     assert "--context-parallel-algo" in megatron and "--mesh-shape" in megatron and "--seq-length" in megatron
-
-
-def test_summary_is_written_when_megatron_exits_early(work):
-    """Megatron's early exits (--exit-duration-in-mins, the signal handler, --exit-interval) leave through
-    sys.exit inside pretrain(); the last rank still writes the summary, saying why it stopped."""
-    res = train(work, "early-exit", 2, extra=["--exit-interval", "3"], train_iters=6, context_parallel_size=2,
-                context_parallel_algo="mesh", mesh_shape="1x2")
-    assert [it for it, _ in res["losses"]] == [1, 2, 3]
-    assert res["exit"].startswith("Megatron exited early (code ") and "at iteration 3" in res["exit"]
-    assert res["attention_calls"] > 0 and "summary written to" in res["stdout"]
+    assert "--mesh-check-finite" in out.stdout  # Megatron's help despite stray % in its strings (test_stock_megatron)
 
 
 _MOE_SPEC = r"""

@@ -5,6 +5,8 @@
 [a, b] are exactly these, DESIGN.md section 2) after checking their membership on every rank and
 sharing the verdict over the CP group, so a wrong group on one rank fails on all of them.
 The rings' timeout is the default group's (or ``timeout=``); adopted groups keep their own.
+``mesh.destroy()`` (or ``with MeshGroups.create(...) as mesh:``) releases the groups ``create``
+made (each gloo group holds three threads until released); adopted groups stay their owner's.
 With a Ulysses degree u > 1 (``a2a+mesh``, docs/hybrid.md) there is a third level: the Ulysses
 group of u consecutive CP ranks, and the rings join the ranks of the same Ulysses slot across
 groups (Megatron's hierarchical CP groups for sizes [u, a, b]).
@@ -101,12 +103,14 @@ class MeshGroups:
     ``col_group``, ``cp_ranks`` (global ranks in CP order), ``traffic`` (bytes this rank moved),
     ``plan_options`` (what its plans are tuned for: :class:`~megatron_mesh_cp.runtime.mesh.PlanOptions`)
     and ``calls`` (the calls its CP group agreed on). It implements the mesh protocol (runtime/mesh.py).
+    A context manager: ``with MeshGroups.create(shape) as mesh:`` calls :meth:`destroy` on exit.
     """
 
     def __init__(self, shape: MeshShape, cp_group, row_group, col_group, cp_ranks: List[int],
                  timeout: Optional[timedelta] = None, ulysses_group=None, ulysses: int = 1,
                  plan_options: Optional[PlanOptions] = None) -> None:
-        self.shape = shape
+        self._shape = shape
+        self._owned: List[object] = []  # the groups create() made for this rank (destroy() releases them)
         self.timeout = timeout  # what a stalled peer costs: the rings' process-group timeout
         self.cp_group, self.row_group, self.col_group = cp_group, row_group, col_group
         self.ulysses_group, self.ulysses = ulysses_group, ulysses
@@ -184,8 +188,10 @@ class MeshGroups:
                 for ring in mesh_shape.col_rings():
                     new_group("col", [members[i] for i in ring])
         cp_group = group if group is not None else dist.group.WORLD
-        return cls(mesh_shape, cp_group, mine.get("row"), mine.get("col"), cp_ranks, timeout=timeout,
+        mesh = cls(mesh_shape, cp_group, mine.get("row"), mine.get("col"), cp_ranks, timeout=timeout,
                    ulysses_group=mine.get("ulysses"), ulysses=u, plan_options=plan_options)
+        mesh._owned = list(mine.values())
+        return mesh
 
     @classmethod
     def from_groups(cls, cp_group, row_group, col_group, ulysses_group=None, *,
@@ -253,6 +259,41 @@ class MeshGroups:
             )
         return shape
 
+    # --- release -----------------------------------------------------------------------------
+    @property
+    def shape(self) -> MeshShape:
+        if self._shape is None:
+            raise ValueError("this MeshGroups was destroyed (mesh.destroy()); build a new one with "
+                             "MeshGroups.create(...) or MeshGroups.from_groups(...)")
+        return self._shape
+
+    def destroy(self) -> None:
+        """Release the process groups :meth:`create` made for this rank (``dist.destroy_process_group``).
+
+        Groups adopted by :meth:`from_groups` (and the CP group passed in) belong to the caller and stay
+        untouched. Call it on every rank once it is done with the mesh (it does not communicate; a
+        peer still using the rings would see them closed). Idempotent; a call on the mesh afterwards raises
+        ``ValueError`` on every rank, as a bad input does.
+        """
+        if self._shape is None:
+            return
+        registered = dist.distributed_c10d._world.pg_map if dist.is_initialized() else {}
+        for pg in self._owned:
+            if pg in registered:
+                dist.destroy_process_group(pg)
+        self._owned = []
+        self._shape = None
+        self.row_group = self.col_group = self.ulysses_group = None
+        self._comm = None
+        self.calls.clear()
+        self.buffers = BufferPool()
+
+    def __enter__(self) -> "MeshGroups":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.destroy()
+
     # --- transport ---------------------------------------------------------------------------
     def ring(self, name: str) -> Tuple[object, Dict[int, int]]:
         """(process group, {+1: next global rank, -1: previous global rank}) of a ring."""
@@ -270,4 +311,5 @@ class MeshGroups:
 
     def __repr__(self) -> str:
         u = f"ulysses={self.ulysses}, " if self.ulysses > 1 else ""
-        return f"MeshGroups({self.shape}, {u}position={self.position}, cp_ranks={self.cp_ranks})"
+        shape = self._shape if self._shape is not None else "destroyed"
+        return f"MeshGroups({shape}, {u}position={self.position}, cp_ranks={self.cp_ranks})"
