@@ -7,9 +7,11 @@ Several features share one run to keep CI short (a run is launched only when a t
 * TP 2 x CP 2, mesh 2x1, selective recompute (core attention re-run, with its communication, in
   the backward); GQA with 4 heads / 2 kv groups, so each TP rank holds one kv head; saving at
   iteration 5, then 5 + load + 5 against the 10 straight iterations (identical losses);
-* TP 2 x CP 2, mesh 1x2, sequence parallel (SP-aware norm, see ``sp_norm_spec``);
+* TP 2 x CP 2, mesh 1x2, sequence parallel (SP-aware norm, see ``sp_norm_spec``), ``--mesh-layout
+  split`` (documents cut into pieces over the chunks, RoPE at each token's own position);
 * PP 2 x VPP 2 x CP 2, mesh 2x1, full recompute (uniform, 1 layer);
-* PP 2 x CP 2, mesh 1x2 (the non-interleaved 1F1B schedule);
+* PP 2 x CP 2, mesh 1x2 (the non-interleaved 1F1B schedule), ``--mesh-layout split`` (every stage
+  lays the micro-batch out the same);
 * DP 2 x CP 2, mesh 2x1, distributed optimizer + overlapped grad reduce.
 
 Every run masks documents (Megatron's ``--reset-attention-mask --reset-position-ids --eod-mask-loss``
@@ -54,11 +56,11 @@ SP = dict(sequence_parallel=True, spec=["sp_norm_spec", "gpt_mesh_sp_spec"])
 RUNS: Dict[str, tuple] = {
     "tp2": (2, TP2),
     "tp2_cp2_sel": (4, dict(TP2, **MESH, mesh_shape="2x1", **SELECTIVE, save_interval=5)),
-    "tp2_cp2_sp": (4, dict(TP2, **MESH, mesh_shape="1x2", **SP)),
+    "tp2_cp2_sp": (4, dict(TP2, **MESH, mesh_shape="1x2", mesh_layout="split", **SP)),
     "pp2vpp2": (2, VPP),
     "pp2vpp2_cp2_full": (4, dict(VPP, **MESH, mesh_shape="2x1", **FULL)),
     "pp2": (2, PP2),
-    "pp2_cp2": (4, dict(PP2, **MESH, mesh_shape="1x2")),
+    "pp2_cp2": (4, dict(PP2, **MESH, mesh_shape="1x2", mesh_layout="split")),
     "dp2": (2, DP2),
     "dp2_cp2_distopt": (4, dict(DP2, **MESH, mesh_shape="2x1")),
 }
@@ -116,6 +118,8 @@ def test_mesh_composes_with_megatron_feature(runs, name):
     assert dl <= 1e-5 and dg <= 1e-5, (name, dl, dg)
     assert got["attention_calls"] > 0 and got["mesh_shape"] == RUNS[name][1]["mesh_shape"]
     assert got["packed_attention_calls"] == got["attention_calls"]  # every call masked documents
+    if RUNS[name][1].get("mesh_layout") == "split":  # the documents ran cut into pieces
+        assert any(k.startswith("split:") for k in got["layouts"]["micro_batches"]), got["layouts"]
     assert ref["losses"][-1][1] < ref["losses"][0][1]  # it learns
 
 

@@ -1,13 +1,15 @@
 """Megatron's --reset-attention-mask under mesh CP, through Megatron's real training loop.
 
-The stdlib corpus cut into documents of 12 bytes (about ten per 128-token sequence), with
-``--reset-attention-mask --reset-position-ids --eod-mask-loss``: CP = 4 mesh 2x2 and a2a+mesh 2x1x2
-take each micro-batch's documents from its EOD tokens (unpadded, pruned plans, no dense mask),
-CP = 1 runs Megatron's own local attention on the dataloader's dense mask. Per-iteration lm loss
-over 10 iterations and every first-step gradient agree to 1e-5, with the documents of each
-micro-batch reordered to balance the zigzag chunks (the default --mesh-document-order balanced). The same runs composed with TP
-(and sequence parallel), PP, DP, the distributed optimizer and recompute are in
-test_megatron_composition.py. Refusals (a mask a path would drop) exit before training.
+The stdlib corpus cut into a few long documents among many short ones (a cycle of 60, 30 and
+4-byte documents, 128-token sequences), with ``--reset-attention-mask --reset-position-ids
+--eod-mask-loss``: CP = 4 mesh 2x2 and a2a+mesh 2x1x2 take each micro-batch's documents from its EOD
+tokens (unpadded, pruned plans, no dense mask), CP = 1 runs Megatron's own local attention on the
+dataloader's dense mask. Per-iteration lm loss over 10 iterations and every first-step gradient
+agree to 1e-5: the mesh run with ``--mesh-layout split`` (the long documents cut into pieces over
+every chunk, RoPE at each token's own position), the a2a+mesh run with the default ``auto`` (the
+layout the cost model picks per micro-batch). The same runs composed with TP (and sequence
+parallel), PP, DP, the distributed optimizer and recompute are in test_megatron_composition.py.
+Refusals (a mask a path would drop) exit before training.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from megatron_mesh_cp.megatron.arguments import MeshArgumentError, apply_mesh_ar
 from megatron_mesh_cp.megatron.settings import options  # noqa: E402
 
 MESH4 = dict(DOCS, context_parallel_size=4, create_attention_mask_in_dataloader=False, train_iters=ITERS)
-DOC_DATA = ["--stdlib-doc-bytes", "12"]
+#: a few long documents among many short ones: longer than a CP chunk (32 tokens at CP = 4) and short
+DOC_DATA = ["--stdlib-doc-bytes", "60,4,4,4,4,4,4,30,4,4,4,4"]
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +34,8 @@ def runs(tmp_path_factory):
     work = tmp_path_factory.mktemp("documents")
     return {
         "cp1": train(work, "cp1", 1, extra=DOC_DATA, **dict(DOCS, train_iters=ITERS)),
-        "mesh2x2": train(work, "mesh2x2", 4, extra=DOC_DATA, **dict(MESH4, context_parallel_algo="mesh", mesh_shape="2x2")),
+        "mesh2x2": train(work, "mesh2x2", 4, extra=DOC_DATA,
+                         **dict(MESH4, context_parallel_algo="mesh", mesh_shape="2x2", mesh_layout="split")),
         "a2a2x1x2": train(work, "a2a2x1x2", 4, extra=DOC_DATA,
                           **dict(MESH4, context_parallel_algo="a2a+mesh", mesh_shape="2x1x2")),
     }
@@ -45,8 +49,13 @@ def test_document_masking_matches_megatrons_dense_mask(runs, name):
           f"{got['attention_bytes_sent_per_rank']} attention bytes per rank (Ring: {got['ring_bytes_per_rank']})")
     assert len(got["losses"]) == ITERS and dl <= 1e-5 and dg <= 1e-5, (name, dl, dg)
     assert got["packed_attention_calls"] == got["attention_calls"] > 0  # every call masked documents
-    # the documents ran reordered (balanced for the mesh's chunks): the loss is still CP = 1's
-    assert got["document_order"] == "balanced" and got["document_batches_reordered"] > 0, got
+    # the documents ran re-laid (split: cut into pieces; auto: what the cost model chose): the loss is CP = 1's
+    ran = got["layouts"]["micro_batches"]
+    assert got["layout"] == {"mesh2x2": "split", "a2a2x1x2": "auto"}[name] and got["document_batches_reordered"] > 0, got
+    assert sum(ran.values()) == 2 * ITERS, ran  # every micro-batch laid out once (2 per iteration)
+    if name == "mesh2x2":
+        assert all(k.startswith("split:") for k in ran), ran
+    assert 1.0 <= got["layouts"]["busiest_over_mean_mean"] <= got["layouts"]["busiest_over_mean_max"], got["layouts"]
     assert ref["losses"][-1][1] < ref["losses"][0][1]  # it learns
 
 
@@ -103,5 +112,5 @@ def test_dry_run_states_the_masking(tmp_path):
                          text=True, timeout=300, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "document masking: from EOD (--reset-attention-mask), unpadded" in out.stdout + out.stderr
-    assert "documents reordered per micro-batch to balance the zigzag chunks" in out.stdout + out.stderr
+    assert "each micro-batch's token layout chosen by the cost model (--mesh-layout auto" in out.stdout + out.stderr
     assert "vocabulary assumed" not in out.stdout + out.stderr  # the stdlib's byte-level vocabulary, as the job trains

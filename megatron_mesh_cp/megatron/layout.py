@@ -19,10 +19,14 @@ batch's ``PackedSeqParams`` (:class:`LaidOutParams`).
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
+
+log = logging.getLogger("megatron_mesh_cp")
 
 __all__ = ["LAYOUT_CHOICES", "LaidOutParams", "BatchLayout", "CURRENT", "lay_out", "install_rotary"]
 
@@ -105,32 +109,40 @@ def choose(lengths, args):
 def lay_out(batch: dict, params, args):
     """The micro-batch re-laid by its layout (before the CP split): ``(batch, params)`` with the tokens,
     labels, loss mask and position ids in the layout's order and the attention's documents."""
+    t0 = time.perf_counter()
+    batch, params, arr, choice = _lay_out(batch, params, args)
+    from .settings import COUNTERS
+
+    if COUNTERS.note_layout(arr, choice, time.perf_counter() - t0):  # the first micro-batch: what runs
+        log.info("mesh layout of the first micro-batch: %s", choice.describe() if choice else arr.describe())
+    return batch, params
+
+
+def _lay_out(batch: dict, params, args):
     global LaidOutParams
     from dataclasses import fields
 
     from ..runtime import Documents
-    from .settings import COUNTERS
 
     cu = params.cu_seqlens_q
     lengths = (cu[1:] - cu[:-1]).tolist()
     arr, choice = choose(lengths, args)
-    COUNTERS.note_layout(arr, choice)
     CURRENT.positions, CURRENT.name = None, arr.name
     if arr.order is None:
-        return batch, params
+        return batch, params, arr, choice
     index = torch.from_numpy(arr.order).to(cu.device)
     batch = {k: (v.index_select(1, index.to(v.device)) if v is not None else None) for k, v in batch.items()}
     if isinstance(arr.mask, Documents):  # whole documents in a new order: new offsets, RoPE as it is
         new = torch.tensor(arr.mask.cu, dtype=cu.dtype, device=cu.device)
         return batch, type(params)(**{f.name: getattr(params, f.name) for f in fields(params)} | {
-            "cu_seqlens_q": new, "cu_seqlens_kv": new})
+            "cu_seqlens_q": new, "cu_seqlens_kv": new}), arr, choice
     if LaidOutParams is None:
         LaidOutParams = _params_class()
     CURRENT.positions = index
     cuts = torch.tensor(arr.mask.cuts, dtype=cu.dtype, device=cu.device)
     kw = {f.name: getattr(params, f.name) for f in fields(params)}
     kw.update(cu_seqlens_q=cuts, cu_seqlens_kv=cuts, mesh_mask=arr.mask)
-    return batch, LaidOutParams(**kw)
+    return batch, LaidOutParams(**kw), arr, choice
 
 
 def install_rotary() -> None:

@@ -486,6 +486,12 @@ def _print_summary(s: Dict) -> None:
         log.info(f"attention bytes sent by this rank: {mesh / 2**20:.2f} MiB over {s['attention_calls']} "
                  f"layer calls; Ring (1x{n}){every} would have sent {ring / 2**20:.2f} MiB "
                  f"({(1 - mesh / ring) if ring else 0:.1%} less with mesh)")
+    lay = s.get("layouts")
+    if lay:
+        ran = ", ".join(f"{name} x {count}" for name, count in sorted(lay["micro_batches"].items()))
+        log.info(f"token layouts (--mesh-layout {s['layout']}): {ran}; busiest / mean chunk work "
+                 f"{lay['busiest_over_mean_mean']:.2f} on average (max {lay['busiest_over_mean_max']:.2f}); "
+                 f"{lay['host_ms_mean']:.1f} ms host time per micro-batch (max {lay['host_ms_max']:.1f})")
     log.info(f"done in {s['seconds']:.1f} s")
 
 

@@ -45,6 +45,8 @@ class MeshCounters:
     layouts: Counter = field(default_factory=Counter)  # layout name -> micro-batches
     balance_sum: float = 0.0  # busiest / mean chunk work, summed over the micro-batches laid out
     balance_max: float = 0.0
+    host_sum: float = 0.0  # seconds the launcher spent laying micro-batches out (choice + re-laying)
+    host_max: float = 0.0
 
     def count_call(self, query: torch.Tensor, key: torch.Tensor, n: int, training: bool, packed: bool = False,
                    v_head_dim: Optional[int] = None) -> None:
@@ -58,20 +60,26 @@ class MeshCounters:
         self.calls += 1
         self.packed_calls += int(packed)
 
-    def note_layout(self, arrangement, choice=None) -> None:
-        """One micro-batch laid out (runtime.layouts.Arrangement; ``choice``: auto's report)."""
+    def note_layout(self, arrangement, choice=None, seconds: float = 0.0) -> bool:
+        """One micro-batch laid out (runtime.layouts.Arrangement; ``choice``: auto's report) in
+        ``seconds`` of host time; True for the run's first."""
         name = f"split:{arrangement.split}" if arrangement.split else arrangement.name
+        first = not self.layouts
         self.layouts[name] += 1
+        self.host_sum += seconds
+        self.host_max = max(self.host_max, seconds)
         self.relaid += int(arrangement.order is not None)
         self.balance_sum += arrangement.balance
         self.balance_max = max(self.balance_max, arrangement.balance)
+        return first
 
     def layout_summary(self) -> Optional[dict]:
         total = sum(self.layouts.values())
         if not total:
             return None
         return {"micro_batches": dict(self.layouts), "busiest_over_mean_mean": round(self.balance_sum / total, 4),
-                "busiest_over_mean_max": round(self.balance_max, 4), "relaid": self.relaid}
+                "busiest_over_mean_max": round(self.balance_max, 4), "relaid": self.relaid,
+                "host_ms_mean": round(1e3 * self.host_sum / total, 3), "host_ms_max": round(1e3 * self.host_max, 3)}
 
 
 @lru_cache(maxsize=64)
