@@ -36,6 +36,19 @@ def _parse_window(text: str):
         raise argparse.ArgumentTypeError(f"--window takes LEFT,RIGHT (ints >= -1, e.g. 128,0 or 4K,4K), got {text!r}")
 
 
+def parse_layouts(text: str) -> list:
+    """``--layout``'s comma list, each checked."""
+    from .planning import UnpaddedDocuments
+
+    out = []
+    for name in (x.strip() for x in str(text).split(",") if x.strip()):
+        UnpaddedDocuments((2,)).with_layout(name)  # ValueError naming the choices
+        out.append(name)
+    if not out:
+        raise ValueError("--layout needs at least one of auto, zigzag, balanced, split:K")
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m megatron_mesh_cp.simulate",
@@ -81,10 +94,12 @@ def main(argv=None) -> int:
     pk.add_argument("--doc-dist", choices=DISTRIBUTIONS, default="loguniform",
                     help="distribution for --docs (powerlaw: heavy-tailed, P(length > x) ~ x^-1/2 on LO..HI)")
     pk.add_argument("--doc-seed", type=int, default=0, help="random seed for --docs")
-    pk.add_argument("--doc-order", choices=("balanced", "given"), default="balanced",
-                    help="the order ours run the documents in: balanced (default, as the launcher's "
-                         "--mesh-document-order): reordered per mesh size so the zigzag chunks carry near-equal work "
-                         "(runtime/balance.py); given: as drawn or read. TE's THD partition balances every order")
+    pk.add_argument("--layout", default="auto", metavar="LAYOUT[,LAYOUT...]",
+                    help="the token layout(s) ours run the documents in, one row each, as the launcher's "
+                         "--mesh-layout: auto (default: per mesh the one the cost model picks), zigzag (as drawn or "
+                         "read), balanced (whole documents reordered so the zigzag chunks carry near-equal work), "
+                         "or split:K (the K longest documents cut into pieces over every chunk). "
+                         "TE's THD partition balances every order")
     pk.add_argument("--kernel-tile", type=int, default=0, metavar="T",
                     help="price document blocks in whole TxT kernel tiles per document segment (flash-style); "
                          "0 (default): exact unmasked pairs")
@@ -115,7 +130,7 @@ def main(argv=None) -> int:
             packing, documents = document_sets(args.seq, args.cp, path=args.doc_lengths, dist=args.doc_dist,
                                                lo_hi=parse_doc_range(args.docs) if args.docs else None,
                                                seed=args.doc_seed, tile=args.kernel_tile)
-            documents = documents.with_balance(args.doc_order == "balanced")
+            layouts = parse_layouts(args.layout)
             if args.doc_layout == "padded":
                 documents = None
             elif args.batch != 1:
@@ -136,7 +151,7 @@ def main(argv=None) -> int:
         results = unpacked
         if documents is not None:
             results = compare_documents(algos, args.cp, cluster, w, packing, documents, tp=args.tp,
-                                        max_live=args.max_live)
+                                        max_live=args.max_live, layouts=layouts)
         elif packing is not None:
             results = compare(algos, args.cp, cluster, replace(w, mask=packing), tp=args.tp, max_live=args.max_live)
     except ValueError as exc:
@@ -157,7 +172,8 @@ def main(argv=None) -> int:
                   "\nthe same layer without the window:")
             print(format_table(unpacked))
     elif documents is not None:
-        print(f"documents, unpadded (mesh family): {documents.describe()}")
+        print(f"documents, unpadded (mesh family): {documents.with_layout('zigzag').describe()}; token layouts "
+              f"{', '.join(layouts)} (the documents column says which ran)")
         print(f"documents, padded THD (TE's ring and usp): {packing.describe()}")
         caption += f"  documents: {len(documents.lengths)} ({documents.label}), unpadded+pruned vs TE padded"
         print(format_documents_table(results, packing, documents))

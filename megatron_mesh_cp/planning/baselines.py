@@ -44,6 +44,7 @@ from typing import Dict, List, Optional, Tuple
 from .layouts import resolve_layout
 from .autoshape import choose_hybrid_shape, choose_shape, ulysses_degrees
 from .cluster import Cluster, Workload
+from .documents import UnpaddedDocuments
 from .costs import (collective_time, monolithic_time, plan_peak_bytes, te_ring_peak_bytes, ulysses_a2a_steps,
                     ulysses_buffer_bytes, ulysses_inner, whole_sequence_pairs)
 from ..runtime.layout import BlockCase
@@ -76,6 +77,7 @@ class SimResult:
     time_by_phase: Dict[str, float] = field(default_factory=dict)  # forward / backward, seconds
     peak_bytes: float = 0.0  # attention memory a rank holds at its peak (buffers beyond q, k, v, out)
     host_bound: Tuple[str, ...] = ()  # phases whose replay the host paced (PhaseResult.host_bound)
+    layout: str = ""  # unpadded documents: the token layout they ran in (auto: the one chosen for the mesh)
 
     @property
     def exposed(self) -> float:
@@ -110,7 +112,13 @@ def _plan_algo(algo, a, b, cluster, w, stride, planner="greedy", chains="auto", 
     res = _from_phases(algo, replay(fwd, cluster, w, stride=stride), replay(bwd, cluster, w, stride=stride),
                        f"{a}x{b}", note)
     res.peak_bytes = te_ring_peak_bytes(w) if algo == "ring" else plan_peak_bytes(fwd, bwd, w)
+    res.layout = _layout_of(w)
     return res
+
+
+def _layout_of(w: Workload) -> str:
+    """The token layout of ``w``'s unpadded documents ('' for other masks)."""
+    return w.mask.layout if isinstance(w.mask, UnpaddedDocuments) else ""
 
 
 def _phased(algo, steps: List[Tuple[str, str, float, float, float]], shape="", note="") -> SimResult:
@@ -196,6 +204,7 @@ def _ulysses_around(u: int, inner: Optional[SimResult], cluster: Cluster, w: Wor
     res.compute = inner.compute
     res.peak_bytes = inner.peak_bytes + ulysses_buffer_bytes(u, w)
     res.host_bound = inner.host_bound
+    res.layout = inner.layout
     return res
 
 

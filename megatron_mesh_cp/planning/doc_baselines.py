@@ -13,7 +13,7 @@ padding leaves it fewer real tokens, reported beside the step times. ``ring-prun
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import List, Optional, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 from .baselines import PRUNED, SimResult, check_algorithms, simulate_algorithm
 from .cluster import Cluster, Workload
@@ -42,13 +42,23 @@ def document_sets(seq: int, cp: int, *, lo_hi: Optional[Tuple[int, int]] = None,
 
 
 def compare_documents(algos: List[str], n: int, cluster: Cluster, w: Workload, packing: Packing,
-                      documents: UnpaddedDocuments, *, tp: int = 1, max_live=None) -> List[SimResult]:
-    """Each algorithm on the documents as it runs them; TE's Ring first, our pruned Ring second."""
+                      documents: UnpaddedDocuments, *, tp: int = 1, max_live=None,
+                      layouts: Optional[Sequence[str]] = None) -> List[SimResult]:
+    """Each algorithm on the documents as it runs them; TE's Ring first, our pruned Ring second. Ours
+    run once per token layout in ``layouts`` (``UnpaddedDocuments.with_layout`` names; None: the
+    documents' own), TE's once (its THD partition balances every order)."""
     names = ["ring", "ring-pruned"] + [a for a in algos if a not in ("ring", "ring-pruned")]
     check_algorithms(names)
-    padded, unpadded = replace(w, mask=packing), replace(w, mask=documents)
-    return [simulate_algorithm(a, n, cluster, unpadded if runs_unpadded(a) else padded, tp=tp, max_live=max_live)
-            for a in names]
+    padded = replace(w, mask=packing)
+    variants = [documents] if layouts is None else [documents.with_layout(x) for x in layouts]
+    out = []
+    for a in names:
+        for docs in (variants if runs_unpadded(a) else [None]):
+            out.append(simulate_algorithm(a, n, cluster, padded if docs is None else replace(w, mask=docs), tp=tp,
+                                          max_live=max_live))
+            if docs is not None and docs.auto:
+                out[-1].layout = f"auto: {out[-1].layout}"
+    return out
 
 
 def format_documents_table(results: List[SimResult], packing: Packing, documents: UnpaddedDocuments) -> str:
@@ -56,14 +66,16 @@ def format_documents_table(results: List[SimResult], packing: Packing, documents
     the real tokens each algorithm's step holds (TE's padding takes some)."""
     ring = results[0]
     usp = next((r for r in results if r.algo.startswith("usp")), None)
-    head = (f"{'algorithm':<17}{'shape':<18}{'documents':<18}{'time ms':>9}{'vs ring':>9}{'vs usp':>8}"
+    width = max([18] + [len(f"unpadded, {r.layout}") + 1 for r in results if runs_unpadded(r.algo)])
+    head = (f"{'algorithm':<17}{'shape':<18}{'documents':<{width}}{'time ms':>9}{'vs ring':>9}{'vs usp':>8}"
             f"{'MiB/rank':>10}{'exposed ms (share)':>20}{'real tokens':>13}")
     lines = [head, "-" * len(head)]
     for r in results:
         mine = runs_unpadded(r.algo)
         vs_usp = f"{usp.time / r.time:>7.2f}x" if usp else f"{'-':>8}"
+        docs = (f"unpadded, {r.layout}" if r.layout else "unpadded, pruned") if mine else "padded THD (TE)"
         lines.append(
-            f"{r.algo:<16} {r.shape:<17} {'unpadded, pruned' if mine else 'padded THD (TE)':<17} {r.time * 1e3:>9.2f}"
+            f"{r.algo:<16} {r.shape:<17} {docs:<{width - 1}} {r.time * 1e3:>9.2f}"
             f"{ring.time / r.time:>8.2f}x{vs_usp}{r.bytes_sent / 2**20:>10.1f}"
             f"{r.exposed * 1e3:>12.2f} ({r.exposed / r.time:>4.0%})"
             f"{documents.total if mine else packing.real:>13}"
