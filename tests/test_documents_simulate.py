@@ -201,7 +201,7 @@ def test_te_baselines_stay_padded_and_send_every_chunk():
     assert table[0].split()[:3] == ["algorithm", "shape", "documents"]
     rows = {ln.split()[0]: ln for ln in table[2:]}
     assert "padded THD (TE)" in rows["usp"] and "1.00x" in rows["usp"] and str(packing.real) in rows["usp"]
-    assert "unpadded, pruned" in rows["ring-pruned"] and rows["ring-pruned"].rstrip().endswith(str(seq))
+    assert "unpadded, zigzag" in rows["ring-pruned"] and rows["ring-pruned"].rstrip().endswith(str(seq))
 
 
 def test_sampling_documents():
@@ -221,7 +221,7 @@ def test_cli_prices_documents_unpadded_and_te_padded(capsys):
     assert "documents, unpadded (mesh family)" in out and "documents, padded THD (TE's ring and usp)" in out
     rows = {ln.split()[0]: ln for ln in out.split("real tokens")[1].split("\n\n")[0].splitlines()[2:]}
     assert list(rows) == ["ring", "ring-pruned", "usp", "mesh", "a2a+mesh"]
-    assert all(("unpadded, pruned" in rows[a]) == (a not in ("ring", "usp")) for a in rows)
+    assert all(("unpadded, auto: " in rows[a]) == (a not in ("ring", "usp")) for a in rows)  # auto names its choice
     assert "without documents" in out
     for argv, match in ((["--doc-layout", "padded"], "give --docs"), (["--docs", "1K-8K", "--batch", "2"], "--batch 1"),
                         (["--algos", "ring-pruned"], "give documents"),

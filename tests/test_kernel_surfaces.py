@@ -43,8 +43,12 @@ def test_flash_attn_2_surfaces_through_the_executor(monkeypatch, fa2, shape, cau
 
 def test_flash_attn_older_than_2_6_is_refused_by_version(monkeypatch):
     fake_kernels.pretend_cuda(monkeypatch, te=None, flash="2.5")
-    with pytest.raises(ValueError, match=r"flash-attn 2\.5\.9\.post1 is older than 2\.6.*--mesh-kernel te / torch"):
+    with pytest.raises(ValueError, match=r"flash-attn 2\.5\.9\.post1 is older than 2\.6"):
         K.FlashKernel()
+    # forced, the refusal names what runs instead: the registry answers (te is absent here)
+    with pytest.raises(ValueError, match=r"older than 2\.6.*; kernels that run these inputs here: torch \(kernel='torch'; "
+                                         r"Megatron: --mesh-kernel torch\)$"):
+        K.select_kernel("flash", *([torch.empty(4, 1, 2, 16)] * 2))
     assert K.select_kernel("auto", *([torch.empty(4, 1, 2, 16)] * 2)).name == "torch"
 
 
@@ -64,7 +68,7 @@ def test_flash_attn_3_surfaces_through_the_executor(monkeypatch, fa3, shape, cau
 def test_flash_attn_3_on_sm80_runs_where_the_build_can_else_fa2(monkeypatch, fa3, label):
     """The first FA3 builds are sm90-only (the kernel then uses FA2); builds since 2025-01 run on sm80."""
     fake_kernels.pretend_cuda(monkeypatch, capability=(8, 0), te=None, flash=None, fa3="2024-07")
-    with pytest.raises(ValueError, match=r"flash kernel \(flash-attn 3\) needs sm90\+.*or install flash-attn 2"):
+    with pytest.raises(ValueError, match=r"flash kernel \(flash-attn 3\) needs sm90\+.*; install flash-attn 2"):
         K.get_kernel("flash", "cuda").check(K.input_spec((8, 1, 2, 16), torch.float16, "cuda"), None)
     monkeypatch.setattr(K, "_INSTANCES", {})
     fake_kernels.pretend_cuda(monkeypatch, capability=(8, 0), te=None, flash="2.8", fa3=fa3)
@@ -92,7 +96,7 @@ def _spec(d=128, dtype=torch.bfloat16, h=8, hk=2):
 @pytest.mark.parametrize("capability,cudnn,d,deterministic,error", [
     ((9, 0), (9, 10, 0), 128, False, None),
     ((9, 0), (9, 10, 0), 256, False, None),
-    ((9, 0), (9, 4, 0), 256, False, "no fused-attention backend .*head dim 256.*--mesh-kernel flash or torch"),
+    ((9, 0), (9, 4, 0), 256, False, "no fused-attention backend .*head dim 256.*; kernels that run these inputs here: torch \\(kernel='torch'"),
     ((8, 0), (9, 10, 0), 192, False, "no fused-attention backend .*head dim 192, training on sm80"),
     ((10, 0), (9, 10, 0), 128, False, None),
     ((9, 0), (9, 10, 0), 128, True, None),
@@ -124,8 +128,11 @@ def test_te_older_than_2_is_refused(monkeypatch):
         raise AssertionError("not called")
 
     monkeypatch.setattr(fa, "fused_attn_fwd", old_fwd)
-    with pytest.raises(ValueError, match="Transformer Engine < 2.0 is not supported.*--mesh-kernel flash / torch"):
+    with pytest.raises(ValueError, match="Transformer Engine < 2.0 is not supported by the te kernel; upgrade TE$"):
         K.TEKernel()
+    q = K.input_spec((8, 1, 2, 16), torch.float16, "cuda")  # forced: the registry names what runs instead
+    with pytest.raises(ValueError, match=r"upgrade TE; kernels that run these inputs here: torch \(kernel='torch'"):
+        K.select_kernel("te", q, q)
 
 
 def test_deterministic_reaches_the_kernel_from_the_public_api(monkeypatch, caplog):
@@ -174,7 +181,8 @@ def test_megatron_start_up_checks_the_kernel_for_the_model(monkeypatch):
     args = _megatron_args
 
     with pytest.raises(MeshArgumentError, match=r"--mesh-kernel te: .*no fused-attention backend for bfloat16, 8 heads "
-                                                r"\(2 kv\), head dim 256, training on sm80.*--mesh-kernel flash or torch"):
+                                                r"\(2 kv\), head dim 256, training on sm80.*; kernels that run these inputs here: torch "
+                                                r"\(kernel='torch'; Megatron: --mesh-kernel torch\)"):
         apply_mesh_args(args(), argv=[])
     apply_mesh_args(args(mesh_kernel="auto"), argv=[])  # auto takes torch here
     apply_mesh_args(args(kv_channels=128), argv=[])
@@ -222,7 +230,8 @@ def test_flash_varlen_needs_a_build_with_varlen_entry_points(monkeypatch):
     monkeypatch.setattr(K, "_INSTANCES", {})
     fake_kernels.pretend_cuda(monkeypatch, te=None, flash=None, fa3="2024-07")
     q = K.input_spec((8, 1, 2, 16), torch.float16, "cuda")
-    with pytest.raises(ValueError, match="flash kernel cannot run packed sequences .*no varlen entry points.*--mesh-kernel te"):
+    with pytest.raises(ValueError, match="flash kernel cannot run packed sequences .*no varlen entry points.*; no other attention kernel here "
+                                         "runs these inputs$"):
         K.select_kernel("flash", q, q, packed=True)
 
 
@@ -544,18 +553,24 @@ def test_flash_attn_3_mla_is_hopper_only_and_trains_up_to_256(monkeypatch, capab
 
 def test_window_refusals_name_the_kernel_that_runs_windows(monkeypatch):
     """Review finding 6: the flash kernel has no sliding window, so no refusal may send users to it;
-    the refusals name te (TE >= 2.12, without documents) on GPU and torch on CPU."""
-    fake_kernels.pretend_cuda(monkeypatch, te="2.15", flash="2.8")
+    a forced kernel's refusal names, from the registry, the kernels that run windows here (te on GPU
+    where cuDNN has a windowed backend, none otherwise)."""
+    fake_kernels.pretend_cuda(monkeypatch, te="2.16", flash="2.8")
     spec = K.input_spec((64, 1, 4, 16), torch.float16, "cuda")
-    with pytest.raises(ValueError, match=r"flash attention kernel has no sliding window; on GPU only --mesh-kernel te "
-                                         r"runs them \(Transformer Engine >= 2\.12, without documents\)") as flash:
-        K.get_kernel("flash", "cuda").check_window(spec)
+    windowed = K.KernelNeeds(spec, spec, window=True)
+    with pytest.raises(ValueError, match=r"^the flash attention kernel has no sliding window; kernels that run these "
+                                         r"inputs here: te \(kernel='te'; Megatron: --mesh-kernel te\)$") as flash:
+        K.select_kernel("flash", windowed)
+    with pytest.raises(ValueError, match=r"runs sliding windows on CPU only.*; kernels that run these inputs here: te "):
+        K.select_kernel("torch", windowed)
+    assert K.select_kernel("auto", windowed).name == "te"
     monkeypatch.setitem(fake_kernels.CUDNN, "version", (9, 5, 0))
-    with pytest.raises(ValueError, match=r"no fused-attention backend for sliding windows.*cuDNN >= 9\.6") as te:
-        K.get_kernel("te", "cuda").check_window(spec)
-    with pytest.raises(ValueError, match="runs sliding windows on CPU only; on GPU use --mesh-kernel te") as cpu:
-        K.get_kernel("torch", "cuda").check_window(spec)
-    assert not any("kernel flash" in str(e.value) for e in (flash, te, cpu))
+    monkeypatch.setattr(K, "_AUTO", {})
+    monkeypatch.setattr(K, "_INSTANCES", {})  # TE caches its selection's answers per instance
+    with pytest.raises(ValueError, match=r"no fused-attention backend for sliding windows.*cuDNN >= 9\.6.*; no other "
+                                         r"attention kernel here runs these inputs$") as te:
+        K.select_kernel("te", windowed)
+    assert not any("kernel flash" in str(e.value) for e in (flash, te))
 
 
 def test_te_window_and_thd_checks_ask_with_mlas_value_head_dim(monkeypatch):
@@ -607,5 +622,5 @@ def test_flash_varlen_refuses_mla_where_its_varlen_build_takes_one_head_dim(monk
     blk = K.get_kernel("flash", "cuda")
     q, v = (K.input_spec((128, 1, 4, d), torch.bfloat16, "cuda") for d in (192, 128))
     blk.check_varlen(q, q, q)  # one head dim: FA2's varlen runs it
-    with pytest.raises(ValueError, match="not MLA's 192/128; use --mesh-kernel te"):
+    with pytest.raises(ValueError, match="takes one head dim, not MLA's 192/128$"):
         blk.check_varlen(q, q, v)

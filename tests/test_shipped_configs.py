@@ -92,8 +92,9 @@ def test_every_shipped_config_dry_runs_at_its_jobs_world_size(tmp_path):
         if name.startswith("llama31_"):
             assert not any("exceeds the GPU" in line for line in r["lines"]), (name, memory)
             masked = not name.endswith("_nodocmask")
-            layout = [line for line in r["lines"] if line.startswith("layout: zigzag")]
+            layout = [line for line in r["lines"] if line.startswith("layout: ")]
             assert layout and ("busiest chunk" in layout[0]) == masked, (name, layout)
+            assert layout[0].startswith("layout: --mesh-layout " if masked else "layout: zigzag"), (name, layout)
             step = [line for line in r["lines"] if line.startswith("step time (estimate: attention simulated")]
             assert step and ("without document masking" in step[0]) == masked, (name, step)
             assert any(line.startswith(f"save_interval {_parsed(name)['save_interval']}: a save every ")

@@ -188,12 +188,12 @@ def _ulysses_around(u: int, inner: Optional[SimResult], cluster: Cluster, w: Wor
     """All-to-all in, the inner CP algorithm over the n/u Ulysses groups (or one call), all-to-all out."""
     before, after_fwd, before_bwd, after_bwd, kv_heads = ulysses_a2a_steps(u, cluster, w, stride)
     if inner is None:  # one Ulysses group: a single kernel call per phase
-        iw = ulysses_inner(u, w)
+        iw = resolve_layout(ulysses_inner(u, w), 1, 1, cluster, stride * u)  # one chunk: any layout's work
         pairs = whole_sequence_pairs(iw, 1)
         fwd = monolithic_time(cluster, iw, iw.seq_local, iw.seq_local, iw.heads, False, pairs)
         bwd = monolithic_time(cluster, iw, iw.seq_local, iw.seq_local, iw.heads, True, pairs)
         inner = SimResult("compute", fwd + bwd, fwd + bwd, 0.0, 0.0, time_by_phase={"forward": fwd, "backward": bwd},
-                          bytes_by_phase={"forward": 0.0, "backward": 0.0})
+                          bytes_by_phase={"forward": 0.0, "backward": 0.0}, layout=_layout_of(iw))
     lane = inner.algo
     steps = (before + [("forward", lane, inner.time_by_phase["forward"], inner.bytes_by_phase["forward"], 0)]
              + after_fwd + before_bwd

@@ -83,6 +83,29 @@ def get_kernel(kernel: Union[str, BlockKernel, None] = "auto", device: Optional[
     return _instance(name, **_options(name, deterministic))
 
 
+def _why_not(name: str, needs: KernelNeeds) -> Optional[str]:
+    """Why backend ``name`` cannot run ``needs`` here (absent, refused at construction, or by its
+    needs check), or None."""
+    if not _BACKENDS[name].available():
+        return "not importable here"
+    try:
+        blk = _instance(name, **_options(name, needs.deterministic))
+    except ValueError as exc:  # e.g. a library version the backend refuses
+        return str(exc)
+    return blk.unsupported(needs)
+
+
+def _alternatives(needs: KernelNeeds, refused: str) -> str:
+    """The other registered kernels that run ``needs`` here, as a hint (the registry answers, not the
+    message that refused)."""
+    order = list(_BACKENDS) if needs.q.device.type == "cuda" else ["torch"]
+    ok = [name for name in order if name != refused and _why_not(name, needs) is None]
+    if not ok:
+        return "no other attention kernel here runs these inputs"
+    return "kernels that run these inputs here: " + ", ".join(f"{x} (kernel={x!r}; Megatron: --mesh-kernel {x})"
+                                                              for x in ok)
+
+
 def select_kernel(kernel: Union[str, BlockKernel, None], needs, k=None, *, deterministic: bool = False,
                   packed: bool = False, v=None) -> BlockKernel:
     """The backend that will run a call's blocks, checked against what they need; raises
@@ -98,10 +121,15 @@ def select_kernel(kernel: Union[str, BlockKernel, None], needs, k=None, *, deter
         needs = KernelNeeds(needs, k, v, deterministic=deterministic, varlen=packed)
     q = needs.q
     if kernel not in (None, "auto"):
-        blk = get_kernel(kernel, q.device, deterministic=needs.deterministic)
+        try:
+            blk = get_kernel(kernel, q.device, deterministic=needs.deterministic)
+        except ValueError as exc:  # unknown or absent names list the choices; a refused version gets them here
+            if kernel not in KERNELS or not _BACKENDS[kernel].available():
+                raise
+            raise ValueError(f"{exc}; {_alternatives(needs, kernel)}") from None
         why = blk.unsupported(needs)
         if why is not None:
-            raise ValueError(why)
+            raise ValueError(f"{why}; {_alternatives(needs, blk.name)}")
         return blk
     sig = needs.key()
     if sig in _AUTO:
@@ -109,14 +137,11 @@ def select_kernel(kernel: Union[str, BlockKernel, None], needs, k=None, *, deter
     order = list(_BACKENDS) if q.device.type == "cuda" else ["torch"]
     skipped = []
     for name in order:
-        if not _BACKENDS[name].available():
-            skipped.append(f"{name}: not importable here")
-            continue
-        blk = _instance(name, **_options(name, needs.deterministic))
-        why = blk.unsupported(needs)
+        why = _why_not(name, needs)
         if why is not None:
             skipped.append(f"{name}: {why}")
             continue
+        blk = _instance(name, **_options(name, needs.deterministic))
         logged = (q.device.type, str(q.dtype), q.shape[-1], name, tuple(skipped))
         if logged not in _LOGGED:
             _LOGGED.add(logged)

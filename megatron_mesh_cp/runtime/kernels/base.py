@@ -62,17 +62,17 @@ def lse_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def check_cuda_half(what: str, q, min_sm: int, hint: str = "") -> None:
     """The common limits of the fused GPU kernels: CUDA tensors, fp16/bf16, head dim <= 256 and a
-    multiple of 8, compute capability >= ``min_sm`` (major); each error names ``--mesh-kernel torch``."""
+    multiple of 8, compute capability >= ``min_sm`` (major); ``select_kernel`` appends the kernels that can."""
     if q.device.type != "cuda":
-        raise ValueError(f"{what} needs CUDA tensors; on CPU use --mesh-kernel torch")
+        raise ValueError(f"{what} needs CUDA tensors")
     if q.dtype not in (torch.float16, torch.bfloat16):
-        raise ValueError(f"{what} takes fp16/bf16, not {q.dtype}; use --mesh-kernel torch for {q.dtype}")
+        raise ValueError(f"{what} takes fp16/bf16, not {q.dtype}")
     d = q.shape[-1]
     if d > 256 or d % 8:
-        raise ValueError(f"{what} needs a head dim <= 256 and a multiple of 8 (got {d}); use --mesh-kernel torch")
+        raise ValueError(f"{what} needs a head dim <= 256 and a multiple of 8 (got {d})")
     major, _ = torch.cuda.get_device_capability(q.device)
     if major < min_sm:
-        raise ValueError(f"{what} needs sm{min_sm}0+ (this GPU is sm{major}x); use --mesh-kernel torch{hint}")
+        raise ValueError(f"{what} needs sm{min_sm}0+ (this GPU is sm{major}x){hint}")
 
 
 def check_square(q: torch.Tensor, k: torch.Tensor, causal: bool) -> None:
@@ -139,29 +139,25 @@ class BlockKernel:
         return lse_sbh.permute(1, 2, 0)
 
     def check(self, q: torch.Tensor, k: torch.Tensor, v: Optional[torch.Tensor] = None) -> None:
-        """Raise ``ValueError`` (naming an alternative) if this backend cannot run these inputs
+        """Raise ``ValueError`` (saying why) if this backend cannot run these inputs
         (``v`` given: its head dim too, which may differ from q/k's under MLA)."""
 
     def check_varlen(self, q: torch.Tensor, k: Optional[torch.Tensor] = None, v: Optional[torch.Tensor] = None) -> None:
-        """Raise ``ValueError`` (naming an alternative) unless this backend runs packed (THD)
+        """Raise ``ValueError`` (saying what is missing) unless this backend runs packed (THD)
         blocks of inputs like ``q`` / ``k`` (None: as many kv heads as heads); backends that can override it."""
-        raise ValueError(f"the {self.name} attention kernel cannot run packed sequences (THD, varlen); "
-                         "use --mesh-kernel te or flash on GPU, torch on CPU")
+        raise ValueError(f"the {self.name} attention kernel cannot run document (varlen) calls")
 
     def check_max_logit(self, q: torch.Tensor, *, packed: bool = False) -> None:
-        """Raise ``ValueError`` (naming an alternative) unless this backend's forward can return the
+        """Raise ``ValueError`` (saying what is missing) unless this backend's forward can return the
         max logit (``return_max_logit=True``) for inputs like ``q`` (``packed``: of packed/THD blocks)."""
-        raise ValueError(f"the {self.name} attention kernel cannot return the max logit; use --mesh-kernel te "
-                         "(Transformer Engine >= 2.9) on GPU, torch on CPU")
+        raise ValueError(f"the {self.name} attention kernel cannot return the max logit")
 
     def check_window(self, q: torch.Tensor, k: Optional[torch.Tensor] = None, v: Optional[torch.Tensor] = None, *,
                      documents: bool = False) -> None:
-        """Raise ``ValueError`` (naming an alternative) unless this backend runs sliding-window
+        """Raise ``ValueError`` (saying why) unless this backend runs sliding-window
         blocks (``window=``) of inputs like ``q`` / ``k`` / ``v`` (``documents``: over documents, whose
         windowed blocks can have more query rows than keys); backends that can override it."""
-        raise ValueError(f"the {self.name} attention kernel has no sliding window; "
-                         "on GPU only --mesh-kernel te runs them (Transformer Engine >= 2.12, without documents), "
-                         "on CPU --mesh-kernel torch")
+        raise ValueError(f"the {self.name} attention kernel has no sliding window")
 
     def unsupported(self, needs: KernelNeeds) -> Optional[str]:
         """Why this backend cannot run a call with these ``needs`` (None: it can): its checks in the

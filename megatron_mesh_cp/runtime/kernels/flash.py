@@ -206,12 +206,12 @@ def _fa2_surface() -> _Surface:
     v = _version_tuple(version)
     if v < (2, 6):
         raise ValueError(f"flash-attn {version} is older than 2.6, which the flash kernel needs; "
-                         "upgrade it or use --mesh-kernel te / torch")
+                         "upgrade it")
     six = v < (2, 7)  # 2.6.x: 8-tuple forward with the lse at index 5
     s = _Surface(f"flash-attn {version}", mod, 8, 5 if six else 1, True)
     if six != ("window_size" in s.fwd_sig.parameters):
         raise ValueError(f"flash-attn {version}'s _flash_attn_forward{s.fwd_sig} is not the {version[:3]} call form; "
-                         "reinstall flash-attn or use --mesh-kernel te / torch")
+                         "reinstall flash-attn")
     s.check_known()
     return s
 
@@ -264,10 +264,10 @@ class FlashKernel(BlockKernel):
         if s is None:
             why = "; ".join(x.varlen_error or f"{x.label} cannot run here" for x in self._surfaces)
             raise ValueError(f"the flash kernel cannot run packed sequences (THD) here: {why}; "
-                             "use --mesh-kernel te, or install flash-attn >= 2.6")
+                             "install flash-attn >= 2.6")
         if v is not None and v.shape[-1] != q.shape[-1] and not (s.label == "flash-attn 3" and s.min_sm == 8):
             raise ValueError(f"the flash kernel runs packed sequences (THD) here with {s.label}, which takes one head "
-                             f"dim, not MLA's {q.shape[-1]}/{v.shape[-1]}; use --mesh-kernel te")
+                             f"dim, not MLA's {q.shape[-1]}/{v.shape[-1]}")
         check_cuda_half(f"the flash kernel ({s.label}, varlen)", q, s.min_sm)
 
     def check(self, q: torch.Tensor, k: torch.Tensor, v=None) -> None:
@@ -282,20 +282,19 @@ class FlashKernel(BlockKernel):
             ranges = 128 < d <= 192 and 96 < dv <= 128 or d <= 64 and dv <= 256
             if not fa3 or not ranges or dv % 8:
                 raise ValueError(f"{s.label} cannot run a value head dim {dv} with query/key head dim {d} (MLA; FA3 "
-                                 "trains 128 < d <= 192 with 96 < dv <= 128, or d <= 64 with dv <= 256); use "
-                                 "--mesh-kernel te")
+                                 "trains 128 < d <= 192 with 96 < dv <= 128, or d <= 64 with dv <= 256)")
             major, minor = torch.cuda.get_device_capability(q.device)
             if major != 9:
                 raise ValueError(f"flash-attn 3 runs a value head dim of its own (MLA, {d}/{dv}) on Hopper (sm90) only, "
-                                 f"not sm{major}{minor}; use --mesh-kernel te")
+                                 f"not sm{major}{minor}")
         if self.deterministic and not s.deterministic_for(max(d, dv)):
             if s.deterministic_ok:  # FA3: hopper/flash_api.cpp refuses a deterministic backward for hdim 256
                 raise ValueError(f"{s.label} has no deterministic backward for head dim {max(d, dv)} (> {s.det_head_dim}; "
                                  "hopper/flash_api.cpp refuses head dims rounded up to 256); install flash-attn 2, "
-                                 "drop deterministic mode or use --mesh-kernel te / torch")
-            raise ValueError(f"{s.label} has no deterministic backward; drop deterministic mode or use --mesh-kernel torch")
+                                 "or drop deterministic mode")
+            raise ValueError(f"{s.label} has no deterministic backward; drop deterministic mode")
         check_cuda_half(f"the flash kernel ({s.label})", q, s.min_sm,
-                        " or install flash-attn 2" if s.label == "flash-attn 3" else "")
+                        "; install flash-attn 2" if s.label == "flash-attn 3" else "")
 
     def forward(self, q, k, v, *, causal: bool, scale: float, varlen: Optional[Varlen] = None, window=None):
         check_square(q, k, causal)

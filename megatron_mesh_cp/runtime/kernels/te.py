@@ -62,7 +62,7 @@ def _selection():
         if hasattr(mod, "get_attention_backend") and hasattr(mod, "AttentionParams"):
             return mod.get_attention_backend, mod.AttentionParams
     raise ValueError("this Transformer Engine has no get_attention_backend (TE >= 2.0 has one); "
-                     "upgrade TE or use --mesh-kernel flash / torch")
+                     "upgrade TE")
 
 
 def _window(causal: bool) -> Tuple[int, int]:
@@ -130,8 +130,7 @@ class TEKernel(BlockKernel):
         self._bwd_params = set(inspect.signature(self._bwd).parameters)
         if "fake_dtype" not in self._fwd_params:
             raise ValueError(
-                "Transformer Engine < 2.0 is not supported by the te kernel; upgrade TE or use "
-                "--mesh-kernel flash / torch"
+                "Transformer Engine < 2.0 is not supported by the te kernel; upgrade TE"
             )
         self._select, self._params = _selection()
         self._dqkv_dtype = "dqkv_dtype" in self._bwd_params  # 2.0-2.14: positional, before aux_ctx_tensors
@@ -185,11 +184,10 @@ class TEKernel(BlockKernel):
                         + (f" (value head dim {dv})" if dv not in (None, q.shape[-1]) else "") + ", training")
                 if self.deterministic and self._supported(q, k, True, False, dv=dv):
                     why = (f"Transformer Engine has no deterministic fused-attention backward for {what} on "
-                           f"sm{major}{minor} with this cuDNN; drop deterministic mode (--deterministic-mode) "
-                           "or use --mesh-kernel torch")
+                           f"sm{major}{minor} with this cuDNN; drop deterministic mode (--deterministic-mode)")
                 else:
                     why = (f"Transformer Engine has no fused-attention backend for {what} on sm{major}{minor} "
-                           "with this cuDNN (head dim > 128 needs sm90 and cuDNN >= 9.5); use --mesh-kernel flash or torch")
+                           "with this cuDNN (head dim > 128 needs sm90 and cuDNN >= 9.5)")
             self._checked[key] = why
         if self._checked[key]:
             raise ValueError(self._checked[key])
@@ -205,13 +203,11 @@ class TEKernel(BlockKernel):
         if documents:
             raise ValueError("the te kernel cannot run a sliding window over documents: their windowed blocks can have "
                              "more query rows than keys, which Transformer Engine's fused attention refuses for a "
-                             "window (it needs max_seqlen_q <= max_seqlen_kv); no GPU kernel runs this combination "
-                             "yet: drop the window or the document mask (cu_seqlens / --reset-attention-mask), or run "
-                             "it on CPU with --mesh-kernel torch")
+                             "window (it needs max_seqlen_q <= max_seqlen_kv); drop the window or the document "
+                             "mask (cu_seqlens / --reset-attention-mask)")
         if not {"bottom_right_diagonal"} <= self._fwd_params & self._bwd_params:
             raise ValueError("this Transformer Engine cannot align a sliding window to the bottom-right corner "
-                             "(bottom_right_diagonal: TE >= 2.12); upgrade TE (no other GPU kernel runs sliding "
-                             "windows; on CPU --mesh-kernel torch does)")
+                             "(bottom_right_diagonal: TE >= 2.12); upgrade TE")
         k = q if k is None else k
         dv = v.shape[-1] if v is not None and v.shape[-1] != q.shape[-1] else None  # MLA: the value head dim
         major, minor = torch.cuda.get_device_capability(q.device)
@@ -222,7 +218,7 @@ class TEKernel(BlockKernel):
             self._checked[key] = "" if ok else (
                 f"Transformer Engine has no fused-attention backend for sliding windows with {str(q.dtype)[6:]}, head "
                 f"dim {q.shape[-1]} on sm{major}{minor} with this cuDNN (windows need cuDNN >= 9.6); upgrade cuDNN or drop "
-                "the window (no other GPU kernel runs sliding windows; on CPU --mesh-kernel torch does)")
+                "the window")
         if self._checked[key]:
             raise ValueError(self._checked[key])
 
@@ -268,10 +264,10 @@ class TEKernel(BlockKernel):
                        f"with {str(q.dtype)[6:]}, {q.shape[2]} heads ({k.shape[2]} kv), head dim {q.shape[-1]} on "
                        f"sm{major}{minor} with this cuDNN (thd needs sm90+ and cuDNN 9.1 or >= 9.6 -- TE has no "
                        "padding-mask backend with cuDNN 9.2-9.5 -- and as many heads as kv heads below cuDNN 9.6); "
-                       "use --mesh-kernel flash, or upgrade cuDNN")
+                       "upgrade cuDNN")
             elif (major, minor) == (12, 0) and _te_version() < (2, 18):
                 why = ("Transformer Engine 2.14-2.17 allocate sm120's dense thd softmax stats as [t, h, 1], smaller "
-                       "than the [b, h, max_seqlen, 1] cuDNN writes; upgrade TE to 2.18+ or use --mesh-kernel flash")
+                       "than the [b, h, max_seqlen, 1] cuDNN writes; upgrade TE to 2.18+")
             self._checked[key] = why
         if self._checked[key]:
             raise ValueError(self._checked[key])
@@ -307,7 +303,7 @@ class TEKernel(BlockKernel):
         else:  # [b, h, max_seqlen, 1]
             if stats.dim() != 4:
                 raise ValueError(f"Transformer Engine returned thd softmax stats {tuple(stats.shape)} where this GPU "
-                                 "uses the dense [b, h, max_seqlen, 1] layout; upgrade TE to 2.18+ or use --mesh-kernel flash")
+                                 "uses the dense [b, h, max_seqlen, 1] layout; upgrade TE to 2.18+")
             doc, off = self._row_index(varlen)
             lse = stats[doc, :, off, 0].T
         if top:

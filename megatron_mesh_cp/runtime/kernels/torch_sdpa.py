@@ -78,7 +78,7 @@ class TorchKernel(BlockKernel):
             raise ValueError(f"the torch kernel runs on cpu or cuda, not {q.device.type}")
         if v is not None and v.shape[-1] != q.shape[-1] and q.device.type != "cpu":
             raise ValueError(f"the torch kernel runs a value head dim ({v.shape[-1]}) other than the query/key head dim "
-                             f"({q.shape[-1]}, MLA) on CPU only; use --mesh-kernel te on GPU")
+                             f"({q.shape[-1]}, MLA) on CPU only")
         if q.device.type == "cuda" and cuda_path(q) == "efficient":
             sm80 = torch.cuda.get_device_capability(q.device)[0] >= 8
             if q.dtype not in ((torch.float16, torch.bfloat16, torch.float32) if sm80 else (torch.float16, torch.float32)):
@@ -88,19 +88,16 @@ class TorchKernel(BlockKernel):
 
     def check_varlen(self, q: torch.Tensor, k: Optional[torch.Tensor] = None, v: Optional[torch.Tensor] = None) -> None:
         if q.device.type != "cpu":
-            raise ValueError("the torch attention kernel runs document (varlen) calls -- packed THD or cu_seqlens -- on CPU only; "
-                             "use --mesh-kernel te or flash on GPU")
+            raise ValueError("the torch attention kernel runs document (varlen) calls -- packed THD or cu_seqlens -- on CPU only")
 
     def check_window(self, q: torch.Tensor, k: Optional[torch.Tensor] = None, v: Optional[torch.Tensor] = None, *,
                      documents: bool = False) -> None:
         if q.device.type != "cpu":
-            raise ValueError("the torch attention kernel runs sliding windows on CPU only; on GPU use --mesh-kernel te "
-                             "(Transformer Engine >= 2.12, without documents)")
+            raise ValueError("the torch attention kernel runs sliding windows on CPU only")
 
     def check_max_logit(self, q: torch.Tensor, *, packed: bool = False) -> None:
         if q.device.type != "cpu":
-            raise ValueError("the torch attention kernel returns the max logit on CPU only; use --mesh-kernel te "
-                             "(Transformer Engine >= 2.9) on GPU")
+            raise ValueError("the torch attention kernel returns the max logit on CPU only")
 
     def _max_logit(self, q, k, scale, causal, mask) -> torch.Tensor:
         """fp32 ``[h]``: the largest ``scale * q.k`` of every head over the call's unmasked pairs
