@@ -5,7 +5,7 @@ GPTDataset cuts them (documents shuffled, one contiguous window per sequence).
 For every mesh shape of CP = 4 and 8 (and a2a+mesh shapes) it prints the bytes the pruned plans
 move as a share of the full plans' bytes (forward + backward, bf16 inputs, fp32 partials), the
 blocks kept, and the host time to prepare one batch (mask, kept blocks, pruning, the pool layout,
-one rank's kernel calls) at CP = 256, and the launcher's document reordering (--mesh-document-order
+one rank's kernel calls) at CP = 256, and the launcher's document reordering (--mesh-layout
 balanced, runtime/balance.py: bytes are shown in both orders, and its host time). Plan bytes are exact (plan_traffic, which the executor's
 counters equal); nothing here is simulated.
 
@@ -133,7 +133,7 @@ def main() -> None:
         t0 = time.perf_counter()
         reordered(docs, chunks)
         print(f"host time to reorder one batch's {docs.count} documents at 1M tokens for {chunks} chunks "
-              f"(--mesh-document-order balanced): {(time.perf_counter() - t0) * 1e3:.1f} ms")
+              f"(--mesh-layout balanced): {(time.perf_counter() - t0) * 1e3:.1f} ms")
 
 
 if __name__ == "__main__":

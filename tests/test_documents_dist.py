@@ -37,7 +37,8 @@ BAD = {
     "disagree": "disagree on documents",
     "warm": "disagree on documents",  # one rank's new documents on a warm cache: no hang, the same error
     "batch": "takes one sequence per call, got batch 2",
-    "kernel": "the dense-only attention kernel cannot run packed sequences",
+    "kernel": ("the dense-only attention kernel cannot run document (varlen) calls; kernels that run these inputs "
+               "here: torch"),
 }
 
 

@@ -14,6 +14,8 @@ Refusals (a mask a path would drop) exit before training.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 pytest.importorskip("megatron.training", reason="megatron-core >= 0.17 (Python 3.12) is needed")
@@ -97,6 +99,34 @@ def test_stock_pretrain_gpt_refuses_documents_it_cannot_pass():
         apply_mesh_args(args, [], launcher=False)
     apply_mesh_args(args, [])
     assert options().documents == "eod"
+
+
+def test_layouts_the_model_cannot_re_lay_are_refused_or_narrowed_with_the_reason():
+    """--mesh-layout split cuts documents into pieces: refused where the model cannot follow the pieces
+    (a sliding window, MLA's own rotary, other position embeddings), naming why; auto there keeps
+    documents whole and says so; layouts without --reset-attention-mask are refused; the older
+    --mesh-document-order must agree with --mesh-layout."""
+    from test_megatron_integration import _flat
+
+    from megatron_mesh_cp.megatron.pretrain import _masking
+
+    base = dict(context_parallel_algo="mesh", mesh_shape="2x2", context_parallel_size=4, reset_attention_mask=True,
+                create_attention_mask_in_dataloader=False)
+    for extra, why in ((dict(window_size=(127, 0)), "a sliding window (--window-size)"),
+                       (dict(position_embedding_type="yarn"), "--position-embedding-type yarn does not follow")):
+        with pytest.raises(MeshArgumentError, match=r"--mesh-layout split cuts documents into pieces, which "
+                                                    + re.escape(why)):
+            apply_mesh_args(_flat(**{**base, **extra}, mesh_layout="split"), [])
+        apply_mesh_args(_flat(**{**base, **extra}), [])
+        assert options().layout == "balanced" and why in options().layout_note
+        assert "(--mesh-layout auto keeps documents whole (balanced): splitting them " in _masking(_flat())
+    apply_mesh_args(_flat(**base), [])
+    assert options().layout == "auto" and options().layout_note == ""
+    with pytest.raises(MeshArgumentError, match="--mesh-layout lays out the documents of --reset-attention-mask"):
+        apply_mesh_args(_flat(**dict(base, reset_attention_mask=False), mesh_layout="zigzag"), [])
+    with pytest.raises(MeshArgumentError, match="--mesh-document-order given is --mesh-layout zigzag, which "
+                                                "contradicts --mesh-layout split"):
+        apply_mesh_args(_flat(**base, mesh_layout="split", mesh_document_order="given"), [])
 
 
 def test_dry_run_states_the_masking(tmp_path):

@@ -31,7 +31,8 @@ def test_packed_exact_on_process_groups(pools, shape, heads):
 BAD = {
     "unpadded": "document 0 has padded length 6, not a multiple of 2*CP = 8; pad every document",
     "disagree": "disagree on cu_seqlens_padded",
-    "kernel": "the dense-only attention kernel cannot run packed sequences (THD, varlen)",
+    "kernel": ("the dense-only attention kernel cannot run document (varlen) calls; kernels that run these inputs "
+               "here: torch"),
     "noncausal": "packed sequences (THD) need causal=True",
     "layout": "takes layout='thd'",
 }

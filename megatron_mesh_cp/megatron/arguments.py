@@ -159,6 +159,8 @@ def _check_document_masking(args, launcher: bool, opts: dict) -> None:
             raise MeshArgumentError(f"--mesh-layout split cuts documents into pieces, which {cuts}; use --mesh-layout "
                                     "auto, balanced or zigzag (auto then keeps documents whole)")
         opts["layout"] = "balanced" if layout == "auto" and cuts else layout
+        if layout == "auto" and cuts:  # said in the dry run and the log: auto keeps documents whole here
+            opts["layout_note"] = f"--mesh-layout auto keeps documents whole (balanced): splitting them {cuts}"
     else:
         opts["layout"] = "zigzag"
 

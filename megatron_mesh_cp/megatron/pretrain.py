@@ -463,7 +463,8 @@ def _masking(args) -> str:
         layout = {
             "auto": "; each micro-batch's token layout chosen by the cost model (--mesh-layout auto: zigzag, balanced "
                     "document order, or the longest documents split over every chunk)",
-            "balanced": "; documents reordered per micro-batch to balance the zigzag chunks (--mesh-layout balanced)",
+            "balanced": "; documents reordered per micro-batch to balance the zigzag chunks ("
+                        + (options().layout_note or "--mesh-layout balanced") + ")",
             "split": "; the longest documents split over every chunk, the others reordered around them (--mesh-layout "
                      "split)",
             "zigzag": "; documents in the dataset's order (--mesh-layout zigzag)",

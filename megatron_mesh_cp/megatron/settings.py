@@ -32,6 +32,7 @@ class MeshOptions:
     max_live: Optional[int] = None  # live-chunk limit of the plans mesh_shape=auto chose to fit its memory budget
     documents: str = ""  # "eod": --reset-attention-mask under mesh CP, boundaries from each micro-batch's EOD tokens
     layout: str = "auto"  # --mesh-layout: each micro-batch's token layout (megatron/layout.py)
+    layout_note: str = ""  # why auto was narrowed to whole documents (the model cannot re-lay pieces)
 
 
 @dataclass
