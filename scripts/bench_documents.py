@@ -224,7 +224,7 @@ def documents_page():
     cmds = [f"    python -m megatron_mesh_cp.simulate --cp {N} --seq 1M --heads 32 --kv-heads KV --partial-dtype bf16 "
             f"--cluster {CLUSTER} {flags} --algos ring,usp,mesh,a2a+mesh --layout auto,{','.join(LAYOUTS)}"
             for _, _, flags in sets]
-    balances = [(title, layout, d["max"] / d["mean"]) for title, _, algo, layout, d in all_diags
+    balances = [(title, heads, layout, d["max"] / d["mean"]) for title, heads, algo, layout, d in all_diags
                 if algo == "a2a+mesh" and layout.startswith("auto")]
     head = [
         "# Documents (attention masked at document boundaries): simulated",
@@ -285,8 +285,8 @@ def documents_page():
         "",
         "Busiest / mean rank block work of a2a+mesh in auto's layout (goal <= "
         f"{BALANCE_GOAL:g} on every set): " + "; ".join(
-            f"{title.split(' documents')[0]}, {layout}: {b:.2f} ({'met' if b <= BALANCE_GOAL else 'not met'})"
-            for title, layout, b in balances) + ".",
+            f"{title.split(' documents')[0]} {heads}, {layout}: {b:.2f} ({'met' if b <= BALANCE_GOAL else 'not met'})"
+            for title, heads, layout, b in balances) + ".",
         "",
         "Host time of auto's choice per micro-batch on the machine that generated this page (a2a+mesh, "
         "its shape for the set; candidates built and priced, `planning/layouts.py`): " + "; ".join(
