@@ -72,19 +72,62 @@ def write_config(tmp: Path, name: str, **overrides) -> Path:
 
 
 def train(tmp: Path, name: str, nproc: int, extra: Sequence[str] = (), timeout: int = 600, **overrides) -> Dict:
-    """Run the launcher under torchrun; return its summary JSON (and the grads file path)."""
+    """Run the launcher on ``nproc`` local ranks (forked from tests/zygote.py, as torchrun would start them;
+    ``MESH_CP_TEST_TORCHRUN=1``: under torchrun itself); return its summary JSON (and the grads file path)."""
     cfg = write_config(tmp, name, **overrides)
     summary = tmp / f"{name}.json"
     grads = tmp / f"{name}.grads.pt"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", str(_port()),
-           str(LAUNCHER), "--config", str(cfg), "--summary-json", str(summary), "--dump-grads", str(grads), *extra]
-    out = subprocess.run(cmd, env=env(tmp), capture_output=True, text=True, timeout=timeout, cwd=ROOT)
-    if out.returncode != 0 or not summary.exists():  # Megatron exits 0 on some failures (sys.exit())
-        raise AssertionError(f"{name} failed ({out.returncode}):\n{out.stdout[-4000:]}\n{out.stderr[-6000:]}")
+    argv = [str(LAUNCHER), "--config", str(cfg), "--summary-json", str(summary), "--dump-grads", str(grads), *extra]
+    if os.environ.get("MESH_CP_TEST_TORCHRUN") == "1":
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
+               str(_port()), *argv]
+        out = subprocess.run(cmd, env=env(tmp), capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+        code, stdout, stderr = out.returncode, out.stdout, out.stderr
+    else:
+        code, stdout, stderr = _forked(tmp, name, nproc, argv[1:], timeout)
+    if code != 0 or not summary.exists():  # Megatron exits 0 on some failures (sys.exit())
+        raise AssertionError(f"{name} failed ({code}):\n{stdout[-4000:]}\n{stderr[-6000:]}")
     result = json.loads(summary.read_text())
     result["grads_path"] = str(grads)
-    result["stdout"] = out.stdout
+    result["stdout"] = stdout
     return result
+
+
+_ZYGOTE = None
+
+
+def _zygote(tmp: Path) -> subprocess.Popen:
+    """The session's fork server (started on first use, with the runs' environment; stopped at exit)."""
+    global _ZYGOTE
+    if _ZYGOTE is None or _ZYGOTE.poll() is not None:
+        log = open(Path(tempfile.mkdtemp(prefix="mesh-cp-zygote-")) / "zygote.log", "w")
+        _ZYGOTE = subprocess.Popen([sys.executable, str(ROOT / "tests" / "zygote.py"), str(LAUNCHER)],
+                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True, env=env(tmp),
+                                   cwd=ROOT)
+        _ZYGOTE.log_path = log.name
+        if not _ZYGOTE.stdout.readline():
+            raise AssertionError(f"the fork server did not start: {Path(log.name).read_text()[-4000:]}")
+        atexit.register(_ZYGOTE.kill)
+    return _ZYGOTE
+
+
+def _forked(tmp: Path, name: str, nproc: int, argv: List[str], timeout: int):
+    """(exit code as torchrun's: 0 when every rank exited 0, stdout, stderr) of one run forked by the server."""
+    z = _zygote(tmp)
+    out, err = tmp / f"{name}.stdout", tmp / f"{name}.stderr"
+    for f in (out, err):
+        f.write_text("")
+    req = dict(argv=argv, env=env(tmp), cwd=str(ROOT), nproc=nproc, port=_port(), stdout=str(out), stderr=str(err),
+               timeout=timeout)
+    z.stdin.write(json.dumps(req) + "\n")
+    z.stdin.flush()
+    line = z.stdout.readline()
+    if not line:
+        raise AssertionError(f"the fork server died during {name}: {Path(z.log_path).read_text()[-4000:]}")
+    reply = json.loads(line)
+    if reply["timed_out"]:
+        raise subprocess.TimeoutExpired(name, timeout, out.read_text(), err.read_text())
+    return (0 if not any(reply["codes"]) else 1), out.read_text(), err.read_text()
 
 
 def _port() -> int:
