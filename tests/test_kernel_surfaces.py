@@ -135,6 +135,25 @@ def test_te_older_than_2_is_refused(monkeypatch):
         K.select_kernel("te", q, q)
 
 
+def test_a_forced_kernels_refusal_survives_an_alternative_that_fails(monkeypatch):
+    """A forced kernel's refusal ends with the kernels that run the inputs here, which the registry finds
+    by asking the other backends; one that fails otherwise than by refusing (here TE's selection raising
+    a RuntimeError, as a library error would) is left out of that hint instead of replacing the refusal."""
+    fake_kernels.pretend_cuda(monkeypatch, te="2.15", flash="2.8")
+
+    def broken(params):
+        raise RuntimeError("cuDNN Error: CUDNN_STATUS_NOT_INITIALIZED")
+
+    sel = sys.modules["transformer_engine.pytorch.attention.dot_product_attention.utils"]
+    monkeypatch.setattr(sel, "get_attention_backend", broken)
+    q, v = (K.input_spec((8, 1, 2, d), torch.bfloat16, "cuda") for d in (128, 64))  # MLA: FA2 takes one head dim
+    with pytest.raises(ValueError, match=r"cannot run a value head dim 64 with query/key head dim 128 .*; no other "
+                                         r"attention kernel here runs these inputs$"):
+        K.select_kernel("flash", q, q, v=v)
+    with pytest.raises(RuntimeError, match="CUDNN_STATUS_NOT_INITIALIZED"):  # asked itself, TE's error is its own
+        K.select_kernel("te", q, q, v=v)
+
+
 def test_deterministic_reaches_the_kernel_from_the_public_api(monkeypatch, caplog):
     """``virtual_mesh_attention`` / ``mesh_attention(deterministic=...)`` build a deterministic kernel;
     the default is not deterministic (as in Megatron without --deterministic-mode)."""

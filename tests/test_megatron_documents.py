@@ -101,6 +101,20 @@ def test_stock_pretrain_gpt_refuses_documents_it_cannot_pass():
     assert options().documents == "eod"
 
 
+def test_multi_token_prediction_over_documents_is_refused():
+    """Megatron's MTP shifts its targets per document of the batch's PackedSeqParams as THD sequences split
+    per document over the CP ranks; mesh CP's documents split the whole sequence: refused, naming the fix."""
+    from test_megatron_integration import _flat
+
+    base = dict(context_parallel_algo="mesh", mesh_shape="2x2", context_parallel_size=4, reset_attention_mask=True,
+                create_attention_mask_in_dataloader=False)
+    with pytest.raises(MeshArgumentError, match="--mtp-num-layers with --reset-attention-mask under mesh CP.*drop "
+                                                "--mtp-num-layers or --reset-attention-mask"):
+        apply_mesh_args(_flat(**base, mtp_num_layers=1), [])
+    apply_mesh_args(_flat(**base, mtp_num_layers=None), [])
+    apply_mesh_args(_flat(**dict(base, reset_attention_mask=False), mtp_num_layers=1), [])  # no documents: fine
+
+
 def test_layouts_the_model_cannot_re_lay_are_refused_or_narrowed_with_the_reason():
     """--mesh-layout split cuts documents into pieces: refused where the model cannot follow the pieces
     (a sliding window, MLA's own rotary, other position embeddings), naming why; auto there keeps

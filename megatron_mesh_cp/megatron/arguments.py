@@ -146,6 +146,14 @@ def _check_document_masking(args, launcher: bool, opts: dict) -> None:
     dense mask); refused wherever it would be dropped, as are ``--mesh-layout`` / ``--mesh-document-order``
     without it."""
     _check_documents(args, launcher, opts)
+    if opts["documents"] == "eod" and int(_get(args, "mtp_num_layers", 0) or 0) > 0:
+        # megatron/core/transformer/multi_token_prediction.py (core_v0.19.0): roll_tensor takes the
+        # packed-sequence path whenever packed_seq_params is given, slicing each rank's tokens at cu_seqlens // CP
+        raise MeshArgumentError(
+            "--mtp-num-layers with --reset-attention-mask under mesh CP: Megatron's multi-token prediction shifts "
+            "tokens, labels and loss mask per document of the batch's packed-sequence parameters as if each document "
+            "were split over the CP ranks on its own (THD), while mesh CP splits the whole (re-laid) sequence, so the "
+            "MTP targets would be wrong; drop --mtp-num-layers or --reset-attention-mask")
     layout = _layout(args)
     given = _get(args, "mesh_layout") is not None or _get(args, "mesh_document_order") is not None
     if given and opts["documents"] != "eod":

@@ -99,7 +99,13 @@ def _alternatives(needs: KernelNeeds, refused: str) -> str:
     """The other registered kernels that run ``needs`` here, as a hint (the registry answers, not the
     message that refused)."""
     order = list(_BACKENDS) if needs.q.device.type == "cuda" else ["torch"]
-    ok = [name for name in order if name != refused and _why_not(name, needs) is None]
+    ok = []
+    for name in order:
+        try:
+            if name != refused and _why_not(name, needs) is None:
+                ok.append(name)
+        except Exception:  # noqa: BLE001 -- a hint only: a backend failing otherwise (a library's RuntimeError,
+            continue  # KeyError, ...) is left out of it and must not replace the refusal being explained
     if not ok:
         return "no other attention kernel here runs these inputs"
     return "kernels that run these inputs here: " + ", ".join(f"{x} (kernel={x!r}; Megatron: --mesh-kernel {x})"
