@@ -8,10 +8,10 @@ The configs' document masking is priced on sampled micro-batches of a document l
 (``megatron_mesh_cp/megatron/step_estimate.py``, the dry run's estimate): by default the recipe's
 assumed mix, ``RECIPE_MIX`` (half the tokens from documents at least the stage's length, half from
 1K-16K ones; README, "Long-context recipe"); ``--docs LO-HI`` prices one log-uniform range instead,
-``--no-docs`` the unmasked step. Ours (mesh, a2a+mesh) run the documents unpadded with pruned plans in
-balanced order, as the launcher does; configs without document masking are priced unmasked. The
-configs' save intervals come from the recipe mix's figure (a save about every 30 minutes, at most the
-stage's length).
+``--no-docs`` the unmasked step. Ours (mesh, a2a+mesh) run the documents unpadded with pruned plans in the
+token layout ``--mesh-layout`` picks for each micro-batch (auto by default), as the launcher does; configs
+without document masking are priced unmasked. The configs' save intervals come from the recipe mix's
+figure (a save about every 30 minutes, at most the stage's length).
 """
 
 from __future__ import annotations

@@ -60,6 +60,8 @@ def window_backend(mask: str, window: Tuple[int, int], sq: int, skv: int, fmt: s
     or dropout (fused_attn.cpp@v2.15 L445-L479, @v2.16 L412-L447: the same but for ``NVTE_NO_MASK``
     in the 9.6 list). ``fmt``: "sbhd" or "thd"."""
     left, right = window
+    if cudnn == (9, 14, 0) and skv > 1024 and left != -1 and mask not in ("causal", "causal_bottom_right"):
+        return False  # fused_attn.cpp@v2.12-v2.18: no non-causal windowed backend past 1024 keys on cuDNN 9.14.0
     if cudnn < (9, 2, 0):
         return left == -1 and right in (-1, 0)
     if left == -1 and right == -1 and mask == "no_mask":

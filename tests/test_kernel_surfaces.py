@@ -592,6 +592,19 @@ def test_window_refusals_name_the_kernel_that_runs_windows(monkeypatch):
     assert not any("kernel flash" in str(e.value) for e in (flash, te))
 
 
+def test_auto_asks_again_when_a_windows_keys_pass_1024_on_cudnn_9_14_0(monkeypatch):
+    """cuDNN 9.14.0 has no non-causal windowed backend past 1024 keys (fused_attn.cpp@v2.12-v2.18): auto's
+    cached choice and TE's cached answer must not carry a short sequence's "te" over to a longer one."""
+    fake_kernels.pretend_cuda(monkeypatch, te="2.16", flash=None)
+    monkeypatch.setitem(fake_kernels.CUDNN, "version", (9, 14, 0))
+    short, long = (K.input_spec((s, 1, 4, 64), torch.bfloat16, "cuda") for s in (512, 2048))
+    assert K.select_kernel("auto", K.KernelNeeds(short, short, window=True)).name == "te"
+    with pytest.raises(ValueError, match="te: Transformer Engine has no fused-attention backend for sliding windows"):
+        K.select_kernel("auto", K.KernelNeeds(long, long, window=True))
+    with pytest.raises(ValueError, match="no fused-attention backend for sliding windows"):
+        K.select_kernel("te", K.KernelNeeds(long, long, window=True))
+
+
 def test_te_window_and_thd_checks_ask_with_mlas_value_head_dim(monkeypatch):
     """Review finding 7: on sm100 TE trains q/k 192 with v 128 (MLA) but not 192/192; the window and
     THD checks must ask TE's selection with the real value head dim and kv heads, not q's."""

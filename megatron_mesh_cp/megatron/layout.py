@@ -159,11 +159,11 @@ def install_rotary() -> None:
         positions = CURRENT.positions
         if positions is None or packed_seq:
             return inner(self, max_seq_len, offset, packed_seq, cp_group)
-        emb = self.get_emb(max_seq_len, offset).index_select(0, positions.to(self.inv_freq.device))
         group = cp_group if cp_group is not None else self.cp_group
-        if group is not None and group.size() > 1:
-            emb = rope.get_pos_emb_on_this_cp_rank(emb, 0, group)
-        return emb
+        mine = positions.to(self.inv_freq.device)
+        if group is not None and group.size() > 1:  # this rank's positions first: the gather is 1/CP of the sequence
+            mine = rope.get_pos_emb_on_this_cp_rank(mine, 0, group)
+        return self.get_emb(max_seq_len, offset).index_select(0, mine)
 
     cls._mesh_layout_forward = inner
     cls.forward = forward

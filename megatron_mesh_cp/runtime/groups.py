@@ -103,7 +103,8 @@ class MeshGroups:
     ``col_group``, ``cp_ranks`` (global ranks in CP order), ``traffic`` (bytes this rank moved),
     ``plan_options`` (what its plans are tuned for: :class:`~megatron_mesh_cp.runtime.mesh.PlanOptions`)
     and ``calls`` (the calls its CP group agreed on). It implements the mesh protocol (runtime/mesh.py).
-    A context manager: ``with MeshGroups.create(shape) as mesh:`` calls :meth:`destroy` on exit.
+    A context manager: ``with MeshGroups.create(shape) as mesh:`` calls :meth:`destroy` when the block
+    ends (when it raises, only for gloo groups: NCCL's shutdown may wait for peers that failed).
     """
 
     def __init__(self, shape: MeshShape, cp_group, row_group, col_group, cp_ranks: List[int],
@@ -271,8 +272,8 @@ class MeshGroups:
         """Release the process groups :meth:`create` made for this rank (``dist.destroy_process_group``).
 
         Groups adopted by :meth:`from_groups` (and the CP group passed in) belong to the caller and stay
-        untouched. Call it on every rank once it is done with the mesh (it does not communicate; a
-        peer still using the rings would see them closed). Idempotent; a call on the mesh afterwards raises
+        untouched. Call it on every rank once it is done with the mesh (gloo does not communicate here;
+        NCCL's shutdown of a group may wait for its peers, so every rank of the mesh must call it). Idempotent; a call on the mesh afterwards raises
         ``ValueError`` on every rank, as a bad input does.
         """
         if self._shape is None:
@@ -291,8 +292,11 @@ class MeshGroups:
     def __enter__(self) -> "MeshGroups":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.destroy()
+    def __exit__(self, exc_type, exc, tb) -> None:
+        # on an error only gloo groups are released here: NCCL's shutdown of a group may wait for peers a failed
+        # rank never meets again (ProcessGroupNCCL), so those are left to the process's end
+        if exc_type is None or all(dist.get_backend(pg) == "gloo" for pg in self._owned):
+            self.destroy()
 
     # --- transport ---------------------------------------------------------------------------
     def ring(self, name: str) -> Tuple[object, Dict[int, int]]:

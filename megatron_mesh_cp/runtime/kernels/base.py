@@ -48,11 +48,12 @@ class KernelNeeds:
 
     def key(self) -> tuple:
         """What ``auto``'s choice depends on (it runs on every attention call); not the sequence
-        length, which may change every batch."""
+        length, which may change every batch, except whether a window's keys pass 1024 (cuDNN 9.14.0
+        has no non-causal windowed backend past it: fused_attn.cpp, TE v2.12-v2.18)."""
         q, k, v = self.q, self.k, self.v
         return (q.device.type, getattr(q.device, "index", None), q.dtype, tuple(q.shape[1:]), k.shape[2],
                 None if v is None else v.shape[-1], self.deterministic, self.varlen, self.window,
-                self.window_documents, self.max_logit, self.max_logit_packed)
+                self.window and k.shape[0] > 1024, self.window_documents, self.max_logit, self.max_logit_packed)
 
 
 def lse_dtype(dtype: torch.dtype) -> torch.dtype:

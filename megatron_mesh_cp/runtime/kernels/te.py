@@ -211,7 +211,7 @@ class TEKernel(BlockKernel):
         k = q if k is None else k
         dv = v.shape[-1] if v is not None and v.shape[-1] != q.shape[-1] else None  # MLA: the value head dim
         major, minor = torch.cuda.get_device_capability(q.device)
-        key = ("window", q.dtype, tuple(q.shape[1:]), k.shape[2], dv, major, minor)
+        key = ("window", q.dtype, tuple(q.shape[1:]), k.shape[2], dv, major, minor, k.shape[0] > 1024)  # cuDNN 9.14.0
         if key not in self._checked:
             ok = self._supported(q, k, True, self.deterministic, dv=dv, window=(64, 0)) and \
                 self._supported(q, k, False, self.deterministic, dv=dv, window=(64, 64), mask=self._window_mask())
