@@ -3,7 +3,7 @@ every layout is a permutation whose chunks hold S/n tokens, its mask's blocks ar
 definition, and mesh / a2a+mesh run it exactly (float64 reference, fp32 <= 1e-5, bf16 near the
 single-device error) for every factorisation of n in {2, 4, 6, 8} and (2,1,2), (4,1,2): documents
 longer than S/2, one document over every rank, many tiny ones, lengths divisible by nothing; gloo
-runs and their bytes are in test_layouts_dist.py."""
+runs and their bytes: tests/test_layouts_dist.py."""
 
 from __future__ import annotations
 
