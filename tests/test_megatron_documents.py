@@ -68,7 +68,7 @@ BAD = [
     (["--reset-attention-mask", "--no-create-attention-mask-in-dataloader", "--mesh-packed-data",
       "--calculate-per-token-loss"], "two ways to mask documents"),
     (["--eod-mask-loss"], "--eod-mask-loss with CP > 1 needs --calculate-per-token-loss"),
-    (["--mesh-document-order", "given"], "there are none here: drop it"),
+    (["--mesh-document-order", "given"], "there are none to lay out in this run"),
 ]
 
 
@@ -133,7 +133,8 @@ def test_layouts_the_model_cannot_re_lay_are_refused_or_narrowed_with_the_reason
             apply_mesh_args(_flat(**{**base, **extra}, mesh_layout="split"), [])
         apply_mesh_args(_flat(**{**base, **extra}), [])
         assert options().layout == "balanced" and why in options().layout_note
-        assert "(--mesh-layout auto keeps documents whole (balanced): splitting them " in _masking(_flat())
+        assert "(--mesh-layout auto keeps documents whole (balanced): split cuts them into pieces, which " \
+            in _masking(_flat())
     apply_mesh_args(_flat(**base), [])
     assert options().layout == "auto" and options().layout_note == ""
     with pytest.raises(MeshArgumentError, match="--mesh-layout lays out the documents of --reset-attention-mask"):

@@ -160,7 +160,8 @@ def _check_document_masking(args, launcher: bool, opts: dict) -> None:
         flag = "--mesh-layout" if _get(args, "mesh_layout") is not None else "--mesh-document-order"
         raise MeshArgumentError(
             f"{flag} lays out the documents of --reset-attention-mask under mesh CP (CP > 1, this launcher); there are "
-            "none here: drop it")
+            "none to lay out in this run (--mesh-packed-data, or CP = 1 with Megatron's dense mask, lay out their "
+            "own): drop it")
     if opts["documents"] == "eod":
         cuts = _why_not_split(args)
         if layout == "split" and cuts:
@@ -168,7 +169,8 @@ def _check_document_masking(args, launcher: bool, opts: dict) -> None:
                                     "auto, balanced or zigzag (auto then keeps documents whole)")
         opts["layout"] = "balanced" if layout == "auto" and cuts else layout
         if layout == "auto" and cuts:  # said in the dry run and the log: auto keeps documents whole here
-            opts["layout_note"] = f"--mesh-layout auto keeps documents whole (balanced): splitting them {cuts}"
+            opts["layout_note"] = (f"--mesh-layout auto keeps documents whole (balanced): split cuts them into pieces, "
+                                   f"which {cuts}")
     else:
         opts["layout"] = "zigzag"
 
