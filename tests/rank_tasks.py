@@ -20,6 +20,21 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
 QUANTITIES = ("out", "lse", "dq", "dk", "dv")
 
 
+def expected_bytes(plans, u, t, n, heads, kv_heads, d=8, dv=None):
+    """(bytes a rank's call sends by its forward and backward plans, plus a2a+mesh's all-to-all, fp32; the
+    inner chunk dims the plans run on): what ``mesh.traffic.sent`` must equal, exactly."""
+    from megatron_mesh_cp.runtime.plan import ChunkDims, plan_traffic
+    from megatron_mesh_cp.runtime.ulysses import kv_repeats, ulysses_traffic
+
+    r = kv_repeats(heads, kv_heads, u) if u > 1 else 1
+    inner = ChunkDims(1, u * (t // n), heads // u, kv_heads * r // u, d, torch.float32, v_head_dim=dv)
+    want = {**plan_traffic(plans[0], inner), **plan_traffic(plans[1], inner)}
+    local = ChunkDims(1, t // n, heads, kv_heads, d, torch.float32, v_head_dim=dv)
+    want.update(ulysses_traffic(u, local, "forward", return_lse=True))
+    want.update(ulysses_traffic(u, local, "backward"))
+    return want, inner
+
+
 def get_mesh(ctx, shape) -> MeshGroups:
     """MeshGroups for ``shape`` over the whole world, built once per process (same order on all ranks)."""
     key = ("mesh", tuple(shape))

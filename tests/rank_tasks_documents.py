@@ -11,10 +11,8 @@ from megatron_mesh_cp import mesh_attention, zigzag_shard
 from megatron_mesh_cp.runtime.kernels import BlockKernel
 from megatron_mesh_cp.runtime.masks import Documents
 from megatron_mesh_cp.runtime.memory import peak_live_bytes
-from megatron_mesh_cp.runtime.plan import ChunkDims, plan_traffic
-from megatron_mesh_cp.runtime.ulysses import ulysses_traffic
 from megatron_mesh_cp.reference import packed_reference
-from rank_tasks import _sq
+from rank_tasks import _sq, expected_bytes
 from rank_tasks_packed import _counting_agree, _mesh
 
 QUANTITIES = ("out", "lse", "dq", "dk", "dv")
@@ -52,12 +50,7 @@ def exactness(ctx, shape, cu, heads, kv_heads, seed=0):
     agreed_batch = count[0] - before - agreed
     mesh.calls.agreed_batch = None
     u = mesh.ulysses
-    inner = ChunkDims(1, u * (t // n), heads // u, kv_heads * (u // torch.gcd(torch.tensor(kv_heads), torch.tensor(u)).item()) // u,
-                      8, torch.float32)
-    want = {**plan_traffic(plans[0], inner), **plan_traffic(plans[1], inner)}
-    local = ChunkDims(1, t // n, heads, kv_heads, 8, torch.float32)
-    want.update(ulysses_traffic(u, local, "forward", return_lse=True))
-    want.update(ulysses_traffic(u, local, "backward"))
+    want, inner = expected_bytes(plans, u, t, n, heads, kv_heads)
     got = [out[0].detach(), lse[0], lq.grad[0], lk.grad[0], lv.grad[0]]
     return {"errors": {name: _sq(a, b) for name, a, b in zip(QUANTITIES, got, local_refs)}, "sent": sent,
             "want": want, "pool": pool, "peak": max(peak_live_bytes(p, inner) for p in plans),

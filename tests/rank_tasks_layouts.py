@@ -10,9 +10,7 @@ from megatron_mesh_cp import mesh_attention, zigzag_shard
 from megatron_mesh_cp.reference import packed_reference
 from megatron_mesh_cp.runtime.layouts import arrange
 from megatron_mesh_cp.runtime.masks import Documents
-from megatron_mesh_cp.runtime.plan import ChunkDims, plan_traffic
-from megatron_mesh_cp.runtime.ulysses import ulysses_traffic
-from rank_tasks import _sq
+from rank_tasks import _sq, expected_bytes
 from rank_tasks_documents import QUANTITIES
 from rank_tasks_packed import _mesh
 
@@ -39,12 +37,7 @@ def relaid_exactness(ctx, shape, lengths, layout, split, heads, kv_heads, seed=0
     out.backward(ldo)
     sent = dict(mesh.traffic.sent)
     plans = mesh.calls.last().call.plans
-    rep = u // int(np.gcd(kv_heads, u))
-    inner = ChunkDims(1, u * (t // n), heads // u, kv_heads * rep // u, 8, torch.float32)
-    want = {**plan_traffic(plans[0], inner), **plan_traffic(plans[1], inner)}
-    local = ChunkDims(1, t // n, heads, kv_heads, 8, torch.float32)
-    want.update(ulysses_traffic(u, local, "forward", return_lse=True))
-    want.update(ulysses_traffic(u, local, "backward"))
+    want, _ = expected_bytes(plans, u, t, n, heads, kv_heads)
     got = [out[0].detach(), lse[0], lq.grad[0], lk.grad[0], lv.grad[0]]
     return {"errors": {name: _sq(a, b) for name, a, b in zip(QUANTITIES, got, local_refs)}, "sent": sent,
             "want": want, "name": arr.name, "split": arr.split}

@@ -9,10 +9,8 @@ import torch
 import megatron_mesh_cp.attention as attention
 from megatron_mesh_cp import mesh_attention, zigzag_shard
 from megatron_mesh_cp.runtime.kernels import BlockKernel
-from megatron_mesh_cp.runtime.plan import ChunkDims, plan_traffic
-from megatron_mesh_cp.runtime.ulysses import kv_repeats, ulysses_traffic
 from megatron_mesh_cp.reference import variant_reference
-from rank_tasks import _sq
+from rank_tasks import _sq, expected_bytes
 from rank_tasks_packed import _mesh
 
 QUANTITIES = ("out", "lse", "dq", "dk", "dv")
@@ -40,12 +38,7 @@ def exactness(ctx, shape, causal, window, heads, kv_heads, d, dv, seed=0):
                                    return_max_logit=True)
     out.backward(ldo)
     plans = mesh.calls.last().call.plans
-    r = kv_repeats(heads, kv_heads, u) if u > 1 else 1
-    inner = ChunkDims(1, u * (t // n), heads // u, kv_heads * r // u, d, torch.float32, v_head_dim=dv)
-    want = {**plan_traffic(plans[0], inner), **plan_traffic(plans[1], inner)}
-    local = ChunkDims(1, t // n, heads, kv_heads, d, torch.float32, v_head_dim=dv)
-    want.update(ulysses_traffic(u, local, "forward", return_lse=True))
-    want.update(ulysses_traffic(u, local, "backward"))
+    want, _ = expected_bytes(plans, u, t, n, heads, kv_heads, d, dv)
     got = [out[0].detach(), lse[0], lq.grad[0], lk.grad[0], lv.grad[0]]
     return {"errors": {name: _sq(a, b) for name, a, b in zip(QUANTITIES, got, local_refs)},
             "dsink": s.grad.double(), "dsink_ref": ref["dsink"], "max_logit": top.double(),
@@ -102,12 +95,7 @@ def chunked(ctx, shape, seed=0):
                               return_lse=True)
     out.backward(ldo)
     plans = mesh.calls.last().call.plans
-    r = kv_repeats(heads, kv_heads, u) if u > 1 else 1
-    inner = ChunkDims(1, u * (t // n), heads // u, kv_heads * r // u, 8, torch.float32)
-    want = {**plan_traffic(plans[0], inner), **plan_traffic(plans[1], inner)}
-    local = ChunkDims(1, t // n, heads, kv_heads, 8, torch.float32)
-    want.update(ulysses_traffic(u, local, "forward", return_lse=True))
-    want.update(ulysses_traffic(u, local, "backward"))
+    want, _ = expected_bytes(plans, u, t, n, heads, kv_heads)
     got = [out[0].detach(), lse[0], lq.grad[0], lk.grad[0], lv.grad[0]]
     errors = {name: _sq(a, b) for name, a, b in zip(QUANTITIES, got, local_refs)}
     nonzero = lambda d: {key: val for key, val in d.items() if val}  # noqa: E731
