@@ -328,11 +328,15 @@ class TEKernel(BlockKernel):
 
     def _backward_thd(self, dout, q, k, v, out, stats, causal: bool, scale: float, varlen: Varlen, window=None):
         cu, m = varlen.cu, varlen.max_len
-        args = [m, m, cu, cu, q[:, 0], k[:, 0], v[:, 0], out[:, 0], dout[:, 0], q.dtype]
+        return self._thd_backward(dout, q, k, v, out, stats, causal, scale, window, (m, m), (cu, cu))
+
+    def _thd_backward(self, dout, q, k, v, out, stats, causal: bool, scale: float, window, max_len, cu):
+        """One THD backward call: ``max_len`` and ``cu`` are (q, kv) pairs, the offsets also as padded ones."""
+        args = [*max_len, *cu, q[:, 0], k[:, 0], v[:, 0], out[:, 0], dout[:, 0], q.dtype]
         if self._dqkv_dtype:
             args.append(self._dtype[q.dtype])
         args += [[stats, self._rng_state(q.device)], self._backend]
-        grads = self._bwd(*args, cu_seqlens_q_padded=cu, cu_seqlens_kv_padded=cu,
+        grads = self._bwd(*args, cu_seqlens_q_padded=cu[0], cu_seqlens_kv_padded=cu[1],
                           **self._thd_common(causal, scale, self._bwd_params, window))
         return grads[0].unsqueeze(1), grads[1].unsqueeze(1), grads[2].unsqueeze(1)
 
@@ -401,13 +405,7 @@ class TEKernel(BlockKernel):
     def _backward_one(self, dout, q, k, v, out, stats, causal: bool, scale: float, window=None):
         sq, sk = q.shape[0], k.shape[0]
         cq, ck = self._cu_seqlens(1, sq, q.device), self._cu_seqlens(1, sk, q.device)
-        args = [sq, sk, cq, ck, q[:, 0], k[:, 0], v[:, 0], out[:, 0], dout[:, 0], q.dtype]
-        if self._dqkv_dtype:
-            args.append(self._dtype[q.dtype])
-        args += [[stats, self._rng_state(q.device)], self._backend]
-        grads = self._bwd(*args, cu_seqlens_q_padded=cq, cu_seqlens_kv_padded=ck,
-                          **self._thd_common(causal, scale, self._bwd_params, window))
-        return grads[0].unsqueeze(1), grads[1].unsqueeze(1), grads[2].unsqueeze(1)
+        return self._thd_backward(dout, q, k, v, out, stats, causal, scale, window, (sq, sk), (cq, ck))
 
     def forward(self, q, k, v, *, causal: bool, scale: float, varlen: Optional[Varlen] = None, window=None,
                 return_max_logit: bool = False):
