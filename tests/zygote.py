@@ -115,8 +115,7 @@ def _run(req: dict, launcher: str) -> dict:
         codes[pid] = os.waitstatus_to_exitcode(status)
         if codes[pid] != 0:  # as torchrun: one failed rank ends the run
             _stop([p for p in pids if p not in codes])
-    for pid in pids:  # whatever the ranks started (a sub-launch) goes with them
-        _stop([pid])
+    _stop(pids)  # whatever the ranks started (a sub-launch) goes with them
     return {"codes": [codes[p] for p in pids], "timed_out": timed_out}
 
 

@@ -167,8 +167,9 @@ def _check_document_masking(args, launcher: bool, opts: dict) -> None:
         if layout == "split" and cuts:
             raise MeshArgumentError(f"--mesh-layout split cuts documents into pieces, which {cuts}; use --mesh-layout "
                                     "auto, balanced or zigzag (auto then keeps documents whole)")
-        opts["layout"] = "balanced" if layout == "auto" and cuts else layout
+        opts["layout"] = layout
         if layout == "auto" and cuts:  # said in the dry run and the log: auto keeps documents whole here
+            opts["layout"] = "balanced"
             opts["layout_note"] = (f"--mesh-layout auto keeps documents whole (balanced): split cuts them into pieces, "
                                    f"which {cuts}")
     else:
