@@ -144,6 +144,24 @@ def test_layouts_the_model_cannot_re_lay_are_refused_or_narrowed_with_the_reason
         apply_mesh_args(_flat(**base, mesh_layout="split", mesh_document_order="given"), [])
 
 
+def test_the_summary_names_the_layout_that_ran_and_why_auto_kept_documents_whole(caplog):
+    """The closing summary's layout line says --mesh-layout auto's narrowing (not a flag nobody passed)."""
+    import logging
+
+    from megatron_mesh_cp.megatron.pretrain import _print_summary
+
+    lay = {"micro_batches": {"balanced": 3}, "busiest_over_mean_mean": 1.1, "busiest_over_mean_max": 1.2,
+           "host_ms_mean": 2.0, "host_ms_max": 3.0}
+    base = dict(losses=[], attention_calls=0, seconds=1.0, layouts=lay, layout="balanced")
+    for note, says in ((None, "token layouts (--mesh-layout balanced): balanced x 3"),
+                       ("--mesh-layout auto keeps documents whole (balanced): split cuts them into pieces, which a "
+                        "sliding window", "token layouts (--mesh-layout auto keeps documents whole (balanced): split")):
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="megatron_mesh_cp"):
+            _print_summary(dict(base, layout_note=note))
+        assert says in caplog.text
+
+
 def test_dry_run_states_the_masking(tmp_path):
     import subprocess
     import sys

@@ -85,3 +85,15 @@ def test_the_estimate_prices_each_micro_batch_as_it_runs_and_prints_the_layout()
     unmasked = se.estimate(args, 8, cluster)  # no sequences: the unmasked layer
     assert unmasked.step_s == unmasked.unmasked_step_s == whole.unmasked_step_s
     assert unmasked.layout.busiest_over_mean is None
+
+
+def test_at_cp_1_the_dry_run_says_megatron_masks_the_documents():
+    """CP = 1 with --reset-attention-mask runs Megatron's dense document mask: the layout line says so, not
+    "no document masking"."""
+    args = _resolve("llama31_8b_cpt_s1_128k")
+    args.context_parallel_size, args.hierarchical_context_parallel_sizes = 1, None
+    args.reset_attention_mask, args.data_parallel_size = True, 8
+    lines = [text for _, text in se.layout_lines(se.dry_run_estimate(args))]
+    assert lines[0] == ("layout: one rank over 1 CP ranks (documents masked by Megatron's dense mask "
+                        "(--reset-attention-mask, CP = 1))"), lines
+    assert lines[1].startswith("step time (estimate: attention at CP = 1 not simulated; GEMMs at 450 TFLOP/s"), lines

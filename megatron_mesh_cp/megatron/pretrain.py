@@ -403,6 +403,7 @@ def _summary(args, opts, started: float) -> Dict:
         "packed_attention_calls": COUNTERS.packed_calls,
         "packed_documents_per_sequence": _documents_per_sequence(),
         "layout": options().layout if options().documents == "eod" else None,
+        "layout_note": options().layout_note or None,  # why auto ran as balanced
         "layouts": COUNTERS.layout_summary(),
         "document_batches_reordered": COUNTERS.relaid,
         "seconds": time.time() - started,
@@ -490,7 +491,8 @@ def _print_summary(s: Dict) -> None:
     lay = s.get("layouts")
     if lay:
         ran = ", ".join(f"{name} x {count}" for name, count in sorted(lay["micro_batches"].items()))
-        log.info(f"token layouts (--mesh-layout {s['layout']}): {ran}; busiest / mean chunk work "
+        flag = s.get("layout_note") or f"--mesh-layout {s['layout']}"
+        log.info(f"token layouts ({flag}): {ran}; busiest / mean chunk work "
                  f"{lay['busiest_over_mean_mean']:.2f} on average (max {lay['busiest_over_mean_max']:.2f}); "
                  f"{lay['host_ms_mean']:.1f} ms host time per micro-batch (max {lay['host_ms_max']:.1f})")
     log.info(f"done in {s['seconds']:.1f} s")

@@ -256,7 +256,9 @@ def layout_lines(e: StepEstimate, save_interval: Optional[int] = None) -> List[T
     else:
         lines.append(f"layout: {e.layout.name} over {e.layout.chunks} CP ranks ({e.data})")
     masked = e.sequences > 0
-    lines.append(f"step time (estimate: attention {sim}, {e.attention_ms:.1f} ms per layer fwd+bwd, + GEMMs at "
+    attention = (f"attention {sim}, {e.attention_ms:.1f} ms per layer fwd+bwd, +" if e.algo != "none" else
+                 "attention at CP = 1 not simulated;")
+    lines.append(f"step time (estimate: {attention} GEMMs at "
                  f"{e.gemm_tflops:.0f} TFLOP/s; TP/PP/DP communication not modelled): {e.step_s:.1f} s per step of "
                  f"{e.micro_batches} micro-batches" + (f"; {e.unmasked_step_s:.1f} s without document masking"
                                                       if masked else ""))
@@ -279,6 +281,9 @@ def dry_run_estimate(args, sequences: int = 8, seed: int = 0) -> StepEstimate:
     name = getattr(args, "mesh_cluster", None)
     cluster = options().cluster or (load_cluster(name) if name else default_cluster())
     dp = int(args.data_parallel_size)
+    if args.context_parallel_size <= 1 and getattr(args, "reset_attention_mask", False):
+        return estimate(args, dp, cluster, data="documents masked by Megatron's dense mask (--reset-attention-mask, "
+                                                "CP = 1)")
     if options().documents != "eod" or args.context_parallel_size <= 1:
         return estimate(args, dp, cluster)
     if not (args.data_path or args.train_data_path) or args.mock_data:
