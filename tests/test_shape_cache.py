@@ -127,10 +127,14 @@ def test_the_preflight_resolves_auto_once_and_fills_the_cache_the_ranks_read(mon
     monkeypatch.setenv("MESH_CP_CACHE_DIR", str(tmp_path / "shapes"))
     cfg = write_config(tmp_path, "auto16", context_parallel_size=16, context_parallel_algo="mesh", mesh_shape="auto",
                        seq_length=16 * 4096, max_position_embeddings=16 * 4096, mock_data=True)
-    (check,) = [c for c in run_checks(str(cfg), software=False) if c.name == "mesh shape"]
+    (check,) = [c for c in run_checks(str(cfg), software=False) if c.name == "mesh settings"]
     assert check.ok and check.detail.startswith("mesh ") and "auto" in check.detail and str(tmp_path) in check.detail
     assert len(list((tmp_path / "shapes").glob("*.json"))) == 1
     bad = write_config(tmp_path, "bad", context_parallel_size=16, context_parallel_algo="mesh", mesh_shape="3x3",
                        mock_data=True)
-    (check,) = [c for c in run_checks(str(bad), software=False) if c.name == "mesh shape"]
+    (check,) = [c for c in run_checks(str(bad), software=False) if c.name == "mesh settings"]
     assert not check.ok and "3x3" in check.detail
+    lay = write_config(tmp_path, "lay", context_parallel_size=4, context_parallel_algo="mesh", mesh_shape="2x2",
+                       mesh_layout="zigzag", mock_data=True)  # every --mesh-* flag is checked, not only the shape
+    (check,) = [c for c in run_checks(str(lay), software=False) if c.name == "mesh settings"]
+    assert not check.ok and "--mesh-layout lays out the documents" in check.detail

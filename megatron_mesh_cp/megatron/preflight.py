@@ -203,7 +203,7 @@ def _gpus(expected: int) -> List[Check]:
                   ("" if ok else f"; the job starts {expected} ranks per node, each binding GPU LOCAL_RANK"))]
 
 
-def _mesh_shape(args, argv: List[str]) -> List[Check]:
+def _mesh_settings(args, argv: List[str]) -> List[Check]:
     """The mesh settings resolved as every rank will resolve them: ``mesh_shape: auto`` plans here, once, and
     fills the shape cache (``$MESH_CP_CACHE_DIR``) the job's ranks then read instead of each planning."""
     import copy
@@ -217,7 +217,7 @@ def _mesh_shape(args, argv: List[str]) -> List[Check]:
     try:
         resolved = apply_mesh_args(copy.copy(args), argv)
     except MeshArgumentError as exc:
-        return [Check("mesh shape", False, str(exc))]
+        return [Check("mesh settings", False, str(exc))]
     if getattr(resolved, "context_parallel_algo", None) not in ("mesh", "a2a+mesh"):
         return []
     detail = f"{resolved.context_parallel_algo} {resolved.mesh_shape}"
@@ -225,7 +225,7 @@ def _mesh_shape(args, argv: List[str]) -> List[Check]:
         where = cache_dir()
         detail += (f" (auto, {time.perf_counter() - start:.1f} s; shape cache {where})" if where else
                    f" (auto, {time.perf_counter() - start:.1f} s; shape cache off: every rank plans it again)")
-    return [Check("mesh shape", True, detail)]
+    return [Check("mesh settings", True, detail)]
 
 
 def run_checks(config: str, *, gpus_per_node: int = 0, save: Optional[str] = None, software: bool = True,
@@ -247,7 +247,7 @@ def run_checks(config: str, *, gpus_per_node: int = 0, save: Optional[str] = Non
         "data": lambda: _data(args),
         "checkpoints": lambda: _checkpoints(save or args.save, args, found.get("vocab")),
         "gpus": lambda: _gpus(gpus_per_node) if gpus_per_node else [],
-        "mesh shape": lambda: _mesh_shape(args, argv),
+        "mesh settings": lambda: _mesh_settings(args, argv),
     }
     for name, step in steps.items():
         try:
