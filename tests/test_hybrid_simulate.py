@@ -92,6 +92,19 @@ def test_rows_at_256_mesh_family_vs_usp_and_ring():
     assert out[(128 * 1024, 8)][0] >= 1.3  # 128K GQA: >= 1.3x USP
 
 
+def test_a_default_budget_nothing_fits_is_said_once_and_auto_goes_without(caplog, monkeypatch):
+    """The default budget is ours: when no shape fits it auto chooses without one, and says so once per process
+    however many times the shape is asked for (the launcher, the dry run's estimate, each workload)."""
+    from megatron_mesh_cp.planning import autoshape
+
+    monkeypatch.setattr(autoshape, "default_budget", lambda w: 1.0)
+    autoshape._warn_once.cache_clear()
+    caplog.set_level("INFO", logger="megatron_mesh_cp")
+    for seq in (2048, 4096):  # two workloads: choose_shape's own cache does not hide the second
+        assert choose_shape(4, H100, _w(seq, 4)).budget == float("inf")
+    assert caplog.text.count("no mesh shape for CP=4 fits the default budget of 0 MiB") == 1, caplog.text
+
+
 def test_auto_honours_the_memory_budget(caplog):
     """Default budget: 4x TE Ring's peak; shapes over it are replanned within fewer live chunks or
     skipped with a line saying so; the choice's log line gives its peak."""

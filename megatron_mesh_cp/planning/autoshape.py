@@ -146,6 +146,13 @@ def _within_budget(a, b, cluster, w, stride, max_live, budget, extra=0) -> Tuple
     return _mesh_time(a, b, cluster, w, stride, max_live), peak, max_live
 
 
+@lru_cache(maxsize=64)
+def _warn_once(message: str) -> None:
+    """Log ``message`` once per process (the launcher, the dry run's estimate and its documents' workloads each ask
+    for a shape)."""
+    log.warning(message)
+
+
 @lru_cache(maxsize=128)
 def choose_shape(
     n: int, cluster: Cluster, workload: Workload, *, stride: int = 1, max_live: Optional[int] = None,
@@ -161,8 +168,8 @@ def choose_shape(
     timed = sorted((t, s) for s, t, _ in rows if t is not None)
     if not timed:
         if memory_budget is None:  # the default budget is ours, not the user's: say so and go without
-            log.warning("mesh_shape=auto: no mesh shape for CP=%d fits the default budget of %.0f MiB per rank "
-                        "(%gx TE Ring's); choosing without a budget", n, budget / 2**20, BUDGET_X_RING)
+            _warn_once(f"mesh_shape=auto: no mesh shape for CP={n} fits the default budget of {budget / 2**20:.0f} "
+                       f"MiB per rank ({BUDGET_X_RING:g}x TE Ring's); choosing without a budget")
             return choose_shape(n, cluster, workload, stride=stride, max_live=max_live, memory_budget=float("inf"))
         raise ValueError(f"no mesh shape for CP={n} fits the memory budget ({budget / 2**20:.0f} MiB per rank, "
                          f"max_live={max_live}); raise memory_budget")
@@ -216,8 +223,8 @@ def choose_hybrid_shape(
     timed = sorted((t, s) for s, t, _ in rows if t is not None)
     if not timed:
         if memory_budget is None:
-            log.warning("mesh_shape=auto (a2a+mesh): no shape for CP=%d fits the default budget of %.0f MiB per "
-                        "rank (%gx TE Ring's); choosing without a budget", n, budget / 2**20, BUDGET_X_RING)
+            _warn_once(f"mesh_shape=auto (a2a+mesh): no shape for CP={n} fits the default budget of "
+                       f"{budget / 2**20:.0f} MiB per rank ({BUDGET_X_RING:g}x TE Ring's); choosing without a budget")
             return choose_hybrid_shape(n, cluster, workload, stride=stride, max_live=max_live,
                                        memory_budget=float("inf"))
         raise ValueError(f"no a2a+mesh shape for CP={n} fits the memory budget ({budget / 2**20:.0f} MiB per rank, "
