@@ -48,7 +48,7 @@ def _cluster_named(name: str) -> Cluster:
     return load_cluster(name)  # read once: plans are looked up on every attention call
 
 
-@lru_cache(maxsize=None)
+@lru_cache(maxsize=256)  # keyed by mesh shape and phase, not per batch; bounded all the same
 def in_order_plan(a: int, b: int, phase: str = FORWARD) -> Plan:
     """The naive overlapped plan: pipelined ring gathers, then in-order reductions."""
     ops: List[Op] = []
