@@ -147,32 +147,39 @@ def _run(searches: List[_Search], chunks: int, causal: bool, iters: int, patienc
     cols = np.arange(width)
 
     def score(orders: np.ndarray, prob: np.ndarray):
-        """Busiest chunk work, sum of squares, busiest chunk and prefix lengths of each order [R, width]
-        of problem ``prob`` [R] (balance_order's arithmetic, row for row)."""
+        """Busiest chunk work, sum of squares and busiest chunk of each order [R, width] of problem
+        ``prob`` [R] (balance_order's arithmetic, row for row), and the rows' prefix lengths: one
+        running sum over all rows (exact: whole numbers far below 2**53), each row's its own minus
+        its start."""
         rows = len(orders)
-        lens = xs[orders]
-        cu = np.zeros((rows, width + 1))
-        np.cumsum(lens, axis=1, out=cu[:, 1:])
+        start = np.arange(rows) * (width + 1)
+        lens = np.zeros((rows, width + 1))
+        lens[:, 1:] = xs[orders]
+        cu = np.cumsum(lens.ravel())
         acc = np.zeros((rows, width + 1))
-        np.cumsum(whole_all[orders], axis=1, out=acc[:, 1:])
+        acc[:, 1:] = whole_all[orders]
+        acc = np.cumsum(acc.ravel())
+        base, acc_base = cu[start][:, None], acc[start][:, None]
         bounds = bounds_all[prob]
         # d[r, p]: the document holding bound p (the last prefix <= it), at most the set's last
-        off = np.arange(rows) * span
-        flat = np.searchsorted((cu + off[:, None]).ravel(), (bounds + off[:, None]).ravel(), side="right")
-        start = (np.arange(rows) * (width + 1))[:, None]
-        d = np.minimum(flat.reshape(rows, nb) - 1 - start, cap_all[prob][:, None])
-        k = bounds - cu.ravel()[d + start]
-        acc_d = acc.ravel()[d + start]
-        at_ = acc_d + (k * (k + 1) / 2 if causal else k * lens.ravel()[d + start - np.arange(rows)[:, None]])
+        at = np.searchsorted(cu, (bounds + base).ravel(), side="right").reshape(rows, nb) - 1
+        d = np.minimum(at - start[:, None], cap_all[prob][:, None]) + start[:, None]
+        k = bounds - (cu[d] - base)
+        acc_d = acc[d] - acc_base
+        at_ = acc_d + (k * (k + 1) / 2 if causal else k * lens.ravel()[d + 1])
         pw = np.diff(at_, axis=1)
         w = pw[:, :chunks] + pw[:, ::-1][:, :chunks]
         w = w + extra_all[prob]
-        return w.max(axis=1), np.einsum("ij,ij->i", w, w), np.argmax(w, axis=1), cu
+        return w.max(axis=1), np.einsum("ij,ij->i", w, w), np.argmax(w, axis=1), (cu, start)
+
+    def prefix(cus, row: int, m: int) -> np.ndarray:
+        cu, start = cus
+        return cu[start[row]:start[row] + m + 1] - cu[start[row]]
 
     every = np.arange(len(searches))
     mx, sq, top, cus = score(np.stack([s.order for s in searches]), every)
     for r, s in enumerate(searches):
-        s.best, s.best_sq, s.busiest, s.cu = float(mx[r]), float(sq[r]), int(top[r]), cus[r, :s.m + 1]
+        s.best, s.best_sq, s.busiest, s.cu = float(mx[r]), float(sq[r]), int(top[r]), prefix(cus, r, s.m)
     while True:
         active = [s for s in searches if s.tried < iters and s.stale < patience]
         if not active:
@@ -203,8 +210,8 @@ def _run(searches: List[_Search], chunks: int, causal: bool, iters: int, patienc
         src[lane[swap], i[swap]] = j[swap]
         src[lane, j] = i
         prob = np.repeat(np.array([s_.slot for s_ in active]), batch)
-        orders = np.stack([s_.order for s_ in active])
-        cand = orders[np.repeat(np.arange(len(active)), batch)[:, None], src]
+        orders = np.stack([s_.order for s_ in active]).ravel()
+        cand = orders[src + (np.repeat(np.arange(len(active)), batch) * width)[:, None]]
         mx, sq, top, cus = score(cand, prob)
         mx = np.where(i != j, mx, np.inf).reshape(len(active), batch)
         sq = sq.reshape(len(active), batch)
@@ -220,7 +227,7 @@ def _run(searches: List[_Search], chunks: int, causal: bool, iters: int, patienc
             if (float(low[r]), float(low_sq[r])) < (s.best, s.best_sq):
                 s.stale = 0 if float(low[r]) < s.best else s.stale + batch  # only a lower busiest chunk resets patience
                 s.order, s.best, s.best_sq, s.busiest = cand[row], float(low[r]), float(low_sq[r]), int(top[row])
-                s.cu, s.touch = cus[row, :s.m + 1], None
+                s.cu, s.touch = prefix(cus, row, s.m), None
             else:
                 s.stale += batch
 
