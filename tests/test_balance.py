@@ -81,3 +81,29 @@ def test_the_simulator_runs_balanced_documents_in_the_runtimes_order():
         np.testing.assert_array_equal(w.block_times(cluster, True, a * b), plain.block_times(cluster, True, a * b))
         assert w.needed(a, b) == plain.needed(a, b)
         np.testing.assert_array_equal(w.block_calls(a * b), plain.block_calls(a * b))
+
+
+def test_balance_order_pinned_and_lockstep_alike():
+    """balance_order's results are pinned (computed before the searches ran in lockstep), and
+    balance_orders gives every problem exactly its own search's order, regions and fixed work too."""
+    from megatron_mesh_cp.runtime.balance import balance_orders
+
+    assert balance_order([2801, 3200, 3966, 4265, 387, 4400, 2305, 1370, 346], 32, seed=1) == (
+        3, 1, 2, 4, 7, 6, 8, 0, 5)
+    assert balance_order([2333, 3653, 542, 2128, 3814, 1112, 1408, 3109, 3949], 16, causal=False, seed=1) == (
+        5, 3, 2, 1, 4, 6, 0, 7, 8)
+    rng = np.random.default_rng(4)
+    for chunks in (4, 16):
+        problems = []
+        for t in range(5):
+            x = rng.integers(1, 3000, size=int(rng.integers(2, 60)))
+            x[-1] += (-int(x.sum())) % (2 * chunks)
+            if t % 2:  # uneven regions and fixed work, as the split layout gives
+                cuts = np.sort(rng.integers(0, int(x.sum()) + 1, size=2 * chunks - 1))
+                regions = np.diff(np.concatenate(([0], cuts, [int(x.sum())]))).tolist()
+                problems.append(dict(lengths=x.tolist(), regions=regions, fixed=rng.uniform(0, 1e6, chunks), seed=t))
+            else:
+                problems.append(dict(lengths=x.tolist(), seed=t))
+        for causal in (True, False):
+            alone = [balance_order(chunks=chunks, causal=causal, **p) for p in problems]
+            assert balance_orders(problems, chunks, causal=causal) == alone

@@ -281,53 +281,76 @@ def _arranged_calls(mask, n: int, causal: bool) -> BlockCalls:
     full = np.full(n, 2 * m, dtype=np.int64)
     parts = [(np.arange(n), np.arange(n), full, full, diag_work)]
     # documents with several runs: their run pairs' rectangles
+    if causal:
+        parts.append(_causal_run_calls(chunk, doc, pos, seg, run, run_first))
+    else:
+        parts.extend(_run_pair_calls(chunk, doc, pos, seg, run))
+    out = BlockCalls(*(np.ascontiguousarray(np.concatenate(c), dtype=np.int64) for c in zip(*parts)))
+    for arr in out:
+        arr.setflags(write=False)
+    return out
+
+
+def _causal_run_calls(chunk, doc, pos, seg, run, run_first):
+    """Under the causal mask, the calls between the runs of documents with several runs, in the order
+    (document, key run, query segment) and each as one document's loop makes it: query segment s
+    sees the f keys of run V that end by its start (V's first segments, in position order);
+    consecutive segments of one run with the same f share a call. Arrays over (segment, run) pairs
+    of the same document; segments in (chunk, row) order, ``run`` their run there, ``run_first``
+    each run's first segment."""
+    run_doc = doc[run_first]
+    nruns = np.bincount(run_doc)
+    multi = nruns >= 2
+    segs = np.flatnonzero(multi[doc])
+    segs = segs[np.argsort(doc[segs], kind="stable")]  # by document, then (chunk, row)
+    if not len(segs):
+        return tuple(np.zeros(0, dtype=np.int64) for _ in range(5))
+    _, seg_first, seg_count = np.unique(doc[segs], return_index=True, return_counts=True)
+    runs = np.flatnonzero(multi[run_doc])
+    runs = runs[np.argsort(run_doc[runs], kind="stable")]  # by document, then run
+    blk_doc = np.repeat(np.arange(len(seg_first)), nruns[multi])  # one block per (document, key run)
+    blk_len = seg_count[blk_doc]
+    pair_blk = np.repeat(np.arange(len(runs)), blk_len)
+    k = np.arange(int(blk_len.sum())) - np.repeat(np.cumsum(blk_len) - blk_len, blk_len)
+    at = seg_first[blk_doc][pair_blk] + k  # the query segment's place in segs
+    q, v = segs[at], runs[pair_blk]
+    # f and the keys: V's segments are consecutive and in position order; count those ending by p_s
+    big = int((pos + seg).max()) + 1
+    ends = run * big + pos + seg
+    idx = np.searchsorted(ends, v * big + pos[q], side="right")
+    lens = np.concatenate(([0], np.cumsum(seg)))
+    f = idx - run_first[v]
+    keys = lens[idx] - lens[run_first[v]]
+    same_run = np.r_[False, run[segs[1:]] == run[segs[:-1]]][at]
+    start = ~(same_run & (f == np.r_[-1, f[:-1]]))
+    kept = (run[q] != v) & (f > 0)
+    first = np.flatnonzero(kept & start)
+    call = np.cumsum(kept & start) - 1
+    rows = np.bincount(call[kept], weights=seg[q][kept]).astype(np.int64)
+    kk = keys[first]
+    return chunk[q[first]], chunk[run_first[v[first]]], rows, kk, rows * kk
+
+
+def _run_pair_calls(chunk, doc, pos, seg, run):
+    """Without the causal mask, every pair of a document's runs: one call, its rectangle."""
+    parts = []
     by_doc = np.lexsort((pos, doc))
     d_sorted = doc[by_doc]
     starts_ = np.flatnonzero(np.r_[True, d_sorted[1:] != d_sorted[:-1]])
     ends_ = np.r_[starts_[1:], len(d_sorted)]
     for a, b in zip(starts_, ends_):
         idx = by_doc[a:b]
-        runs = np.unique(run[idx])
-        if len(runs) < 2:
+        if len(np.unique(run[idx])) < 2:
             continue
         segs = np.sort(idx)  # this document's segments in (chunk, row) order: runs are contiguous in it
-        r_of, p_of, l_of, c_of = run[segs], pos[segs], seg[segs], chunk[segs]
+        r_of, l_of, c_of = run[segs], seg[segs], chunk[segs]
         uniq, first = np.unique(r_of, return_index=True)
         col = np.searchsorted(uniq, r_of)  # run column of each segment
-        if causal:  # f[s, V]: key segments of run V before query segment s
-            before = p_of[None, :] + l_of[None, :] <= p_of[:, None]
-            f = np.zeros((len(segs), len(uniq)), dtype=np.int64)
-            np.add.at(f.T, col, before.T.astype(np.int64))
-            # keys of the first f segments of V: V's segments are in position order
-            cum = np.zeros((len(uniq), int(np.bincount(col).max()) + 1), dtype=np.int64)
-            for v in range(len(uniq)):
-                cum[v, 1:1 + np.sum(col == v)] = np.cumsum(l_of[col == v])
-            keys = cum[np.arange(len(uniq))[None, :], f]
-            # consecutive query segments of one run with the same f share a call
-            same_run = np.r_[False, r_of[1:] == r_of[:-1]]
-            start = ~(same_run[:, None] & (f == np.vstack([f[:1] * 0 - 1, f[:-1]])))
-            start[:, :] |= ~same_run[:, None]
-            gid = np.cumsum(start, axis=0)
-            for v in range(len(uniq)):
-                keep = (col != v) & (f[:, v] > 0)
-                if not keep.any():
-                    continue
-                g = gid[keep, v]
-                rows = np.bincount(g, weights=l_of[keep]).astype(np.int64)
-                hit = np.flatnonzero(rows)
-                firsts = np.flatnonzero(keep)[np.searchsorted(g, hit)]
-                qi, kj = c_of[firsts], np.full(len(hit), c_of[first[v]])
-                kk = keys[firsts, v]
-                parts.append((qi, kj, rows[hit], kk, rows[hit] * kk))
-        else:  # every pair of runs: one rectangle
-            rl = np.bincount(col, weights=l_of).astype(np.int64)
-            rc = c_of[first]
-            qa, kb = np.nonzero(~np.eye(len(uniq), dtype=bool))
-            parts.append((rc[qa], rc[kb], rl[qa], rl[kb], rl[qa] * rl[kb]))
-    out = BlockCalls(*(np.ascontiguousarray(np.concatenate(c), dtype=np.int64) for c in zip(*parts)))
-    for arr in out:
-        arr.setflags(write=False)
-    return out
+        rl = np.bincount(col, weights=l_of).astype(np.int64)
+        rc = c_of[first]
+        qa, kb = np.nonzero(~np.eye(len(uniq), dtype=bool))
+        parts.append((rc[qa], rc[kb], rl[qa], rl[kb], rl[qa] * rl[kb]))
+    return parts
 
 
 def span_sequence_work(span: Span, causal: bool) -> int:

@@ -20,7 +20,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..runtime.layouts import Arrangement, arrange
+from ..runtime.layouts import Arrangement, arrange_candidates
 from .bounds import mesh_bound
 from .cluster import Cluster, Workload
 
@@ -55,15 +55,9 @@ def candidate_layouts(lengths: Sequence[int], chunks: int, causal: bool = True,
                       max_split: int = SPLIT_CANDIDATES) -> List[Arrangement]:
     """zigzag, balanced, and split over the 1 .. ``max_split`` longest documents longer than a piece
     (a shorter one cannot hold the busiest piece; the ones that do not fit are skipped)."""
-    out = [arrange(lengths, chunks, "zigzag", causal=causal), arrange(lengths, chunks, "balanced", causal=causal)]
     piece = sum(lengths) // (2 * chunks)
     long = sum(1 for x in lengths if x > piece)
-    for k in range(1, min(max_split, long) + 1):
-        try:
-            out.append(arrange(lengths, chunks, "split", split=k, causal=causal))
-        except ValueError:
-            break
-    return out
+    return arrange_candidates(lengths, chunks, min(max_split, long), causal=causal)
 
 
 def choose_layout(lengths: Sequence[int], a: int, b: int, cluster: Cluster, w: Workload, *, stride: int = 1,

@@ -12,11 +12,11 @@ The busiest single piece bounds what any order can reach.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
-__all__ = ["chunk_work", "balance_order", "token_order", "balance_documents"]
+__all__ = ["chunk_work", "balance_order", "balance_orders", "token_order", "balance_documents"]
 
 
 def _prefix_work(lengths: np.ndarray, causal: bool) -> Tuple[np.ndarray, np.ndarray]:
@@ -67,78 +67,169 @@ def balance_order(lengths: Sequence[int], chunks: int, *, causal: bool = True, i
     ``regions`` (a layout's, runtime/layouts.py): the documents are laid back to back over 2 *
     ``chunks`` regions of these sizes (region p belongs to chunk min(p, 2*chunks-1-p), as zigzag
     pieces do) instead of equal pieces; ``fixed``: work each chunk carries besides them."""
+    return balance_orders([dict(lengths=lengths, regions=regions, fixed=fixed, seed=seed)], chunks, causal=causal,
+                          iters=iters, patience=patience, batch=batch)[0]
+
+
+def balance_orders(problems: Sequence[dict], chunks: int, *, causal: bool = True, iters: int = 4096,
+                   patience: int = 1024, batch: int = 32) -> List[Tuple[int, ...]]:
+    """:func:`balance_order` of several document sets over the same ``chunks`` (each problem a dict of
+    its ``lengths`` and optional ``regions``, ``fixed``, ``seed``), each exactly its own search's result:
+    the searches run in lockstep, every round's moves of all of them scored in one evaluation (the
+    layouts auto prices search once per candidate: one evaluation per round instead of one per
+    candidate and round)."""
     if chunks < 1:
         raise ValueError(f"chunks must be >= 1, got {chunks}")
-    x = (_check(lengths, chunks) if regions is None else _check(lengths)).astype(np.float64)
-    m = len(x)
-    order = np.arange(m)
-    if m < 2 or chunks < 2:
-        return tuple(int(i) for i in order)
-    if regions is None:
-        piece = x.sum() / (2 * chunks)
-        bounds = np.arange(2 * chunks + 1) * piece
-    else:
-        if len(regions) != 2 * chunks or sum(regions) != x.sum():
-            raise ValueError(f"regions must be 2*chunks sizes summing to the documents' {int(x.sum())} tokens")
-        bounds = np.concatenate(([0.0], np.cumsum(np.asarray(regions, dtype=np.float64))))
-    extra = None if fixed is None else np.asarray(fixed, dtype=np.float64)
-    whole = x * (x + 1) / 2 if causal else x * x
-    nb = len(bounds)
-
-    def score(orders: np.ndarray):
-        """Busiest chunk work, sum of squares, busiest chunk and prefix lengths of each order [B, m]."""
-        rows = len(orders)
-        lens = x[orders]
-        cu = np.zeros((rows, m + 1))
-        np.cumsum(lens, axis=1, out=cu[:, 1:])
-        acc = np.zeros((rows, m + 1))
-        np.cumsum(whole[orders], axis=1, out=acc[:, 1:])
-        # d[r, p]: the document holding bound p (the last prefix <= it), counted from the prefixes' side
-        first = np.searchsorted(bounds, cu, side="left") + (np.arange(rows) * nb)[:, None]
-        d = np.cumsum(np.bincount(first.ravel(), minlength=rows * nb)[:rows * nb].reshape(rows, nb), axis=1)
-        d = np.minimum(d - 1, m - 1)
-        k = bounds[None, :] - np.take_along_axis(cu, d, axis=1)
-        at = np.take_along_axis(acc, d, axis=1) + (k * (k + 1) / 2 if causal else k * np.take_along_axis(lens, d, 1))
-        pw = np.diff(at, axis=1)
-        w = pw[:, :chunks] + pw[:, ::-1][:, :chunks]
-        if extra is not None:
-            w = w + extra
-        return w.max(axis=1), np.einsum("ij,ij->i", w, w), np.argmax(w, axis=1), cu
-
-    mx, sq, top, cus = score(order[None, :])
-    best, best_sq, busiest, cu = float(mx[0]), float(sq[0]), int(top[0]), cus[0]
-    rng = np.random.default_rng(seed)
-    lanes = np.arange(batch)[:, None]
-    cols = np.arange(m)[None, :]
-    stale = tried = 0
-    while tried < iters and stale < patience:
-        lo, hi = bounds[busiest], bounds[busiest + 1]
-        lo2, hi2 = bounds[2 * chunks - 1 - busiest], bounds[2 * chunks - busiest]
-        touch = np.flatnonzero(((cu[:-1] < hi) & (cu[1:] > lo)) | ((cu[:-1] < hi2) & (cu[1:] > lo2)))
-        i = np.where(rng.random(batch) < 0.5, touch[rng.integers(len(touch), size=batch)], rng.integers(m, size=batch))
-        j = rng.integers(m, size=batch)
-        swap = rng.random(batch) < 0.5
-        # a move of i to j: positions between them shift by one towards i, position j takes i
-        ahead = ((cols >= i[:, None]) & (cols < j[:, None])).astype(np.int64)
-        behind = ((cols > j[:, None]) & (cols <= i[:, None])).astype(np.int64)
-        src = cols + np.where(i[:, None] < j[:, None], ahead, -behind)
-        src[lanes[:, 0], j] = i
-        swapped = np.broadcast_to(cols, (batch, m)).copy()
-        swapped[lanes[:, 0], i], swapped[lanes[:, 0], j] = j, i
-        src = np.where(swap[:, None], swapped, src)
-        keep = i != j
-        cand = order[src[keep]]
-        tried += batch
-        if not len(cand):
+    out: List[Optional[Tuple[int, ...]]] = [None] * len(problems)
+    live = []
+    for idx, prob in enumerate(problems):
+        regions = prob.get("regions")
+        x = (_check(prob["lengths"], chunks) if regions is None else _check(prob["lengths"])).astype(np.float64)
+        if len(x) < 2 or chunks < 2:
+            out[idx] = tuple(range(len(x)))
             continue
-        mx, sq, top, cus = score(cand)
-        pick = int(np.lexsort((sq, mx))[0])
-        if (float(mx[pick]), float(sq[pick])) < (best, best_sq):
-            stale = 0 if float(mx[pick]) < best else stale + batch  # only a lower busiest chunk resets patience
-            order, best, best_sq, busiest, cu = cand[pick], float(mx[pick]), float(sq[pick]), int(top[pick]), cus[pick]
+        if regions is None:
+            piece = x.sum() / (2 * chunks)
+            bounds = np.arange(2 * chunks + 1) * piece
         else:
-            stale += batch
-    return tuple(int(i) for i in order)
+            if len(regions) != 2 * chunks or sum(regions) != x.sum():
+                raise ValueError(f"regions must be 2*chunks sizes summing to the documents' {int(x.sum())} tokens")
+            bounds = np.concatenate(([0.0], np.cumsum(np.asarray(regions, dtype=np.float64))))
+        fixed = prob.get("fixed")
+        live.append(_Search(idx, x, bounds, None if fixed is None else np.asarray(fixed, dtype=np.float64),
+                            int(prob.get("seed", 0))))
+    if live:
+        _run(live, chunks, causal, iters, patience, batch)
+        for srch in live:
+            out[srch.idx] = srch.result()
+    return out
+
+
+class _Search:
+    """One problem's state in :func:`balance_orders`: its documents (x, their global ids in the
+    lockstep's tables from ``base``), bounds, fixed work, generator and the search's counters."""
+
+    def __init__(self, idx: int, x: np.ndarray, bounds: np.ndarray, extra: Optional[np.ndarray], seed: int) -> None:
+        self.idx, self.x, self.bounds, self.extra = idx, x, bounds, extra
+        self.m = len(x)
+        self.rng = np.random.default_rng(seed)
+        self.stale = self.tried = 0
+        self.slot = self.base = 0  # its row and first document id in the lockstep's tables
+        self.order: np.ndarray = None  # global ids, padded to the lockstep's width
+        self.best = self.best_sq = 0.0
+        self.busiest = 0
+        self.cu: np.ndarray = None
+        self.touch: Optional[np.ndarray] = None
+
+    def result(self) -> Tuple[int, ...]:
+        return tuple(int(i) for i in self.order[:self.m] - self.base)
+
+
+def _run(searches: List[_Search], chunks: int, causal: bool, iters: int, patience: int, batch: int) -> None:
+    """The searches of :func:`balance_orders`, round by round: each draws its moves from its own
+    generator in balance_order's sequence; the candidates of all are scored together (documents
+    padded with empty ones after each set's last, which no move touches and no bound reaches)."""
+    width = max(s.m for s in searches)
+    nb = 2 * chunks + 1
+    pad = sum(s.m for s in searches)  # the empty document
+    xs = np.concatenate([s.x for s in searches] + [np.zeros(1)])
+    whole_all = xs * (xs + 1) / 2 if causal else xs * xs
+    at = 0
+    for slot, s in enumerate(searches):
+        s.slot, s.base = slot, at
+        s.order = np.full(width, pad, dtype=np.int64)
+        s.order[:s.m] = np.arange(at, at + s.m)
+        at += s.m
+    span = max(float(s.bounds[-1]) for s in searches) + 1  # row offset: every row's prefixes below the next's
+    bounds_all = np.stack([s.bounds for s in searches])
+    extra_all = np.stack([np.zeros(chunks) if s.extra is None else s.extra for s in searches])
+    cap_all = np.array([s.m - 1 for s in searches], dtype=np.int64)
+    cols = np.arange(width)
+
+    def score(orders: np.ndarray, prob: np.ndarray):
+        """Busiest chunk work, sum of squares and busiest chunk of each order [R, width] of problem
+        ``prob`` [R] (balance_order's arithmetic, row for row), and the rows' prefix lengths: one
+        running sum over all rows (exact: whole numbers far below 2**53), each row's its own minus
+        its start."""
+        rows = len(orders)
+        start = np.arange(rows) * (width + 1)
+        lens = np.zeros((rows, width + 1))
+        lens[:, 1:] = xs[orders]
+        cu = np.cumsum(lens.ravel())
+        acc = np.zeros((rows, width + 1))
+        acc[:, 1:] = whole_all[orders]
+        acc = np.cumsum(acc.ravel())
+        base, acc_base = cu[start][:, None], acc[start][:, None]
+        bounds = bounds_all[prob]
+        # d[r, p]: the document holding bound p (the last prefix <= it), at most the set's last
+        at = np.searchsorted(cu, (bounds + base).ravel(), side="right").reshape(rows, nb) - 1
+        d = np.minimum(at - start[:, None], cap_all[prob][:, None]) + start[:, None]
+        k = bounds - (cu[d] - base)
+        acc_d = acc[d] - acc_base
+        at_ = acc_d + (k * (k + 1) / 2 if causal else k * lens.ravel()[d + 1])
+        pw = np.diff(at_, axis=1)
+        w = pw[:, :chunks] + pw[:, ::-1][:, :chunks]
+        w = w + extra_all[prob]
+        return w.max(axis=1), np.einsum("ij,ij->i", w, w), np.argmax(w, axis=1), (cu, start)
+
+    def prefix(cus, row: int, m: int) -> np.ndarray:
+        cu, start = cus
+        return cu[start[row]:start[row] + m + 1] - cu[start[row]]
+
+    every = np.arange(len(searches))
+    mx, sq, top, cus = score(np.stack([s.order for s in searches]), every)
+    for r, s in enumerate(searches):
+        s.best, s.best_sq, s.busiest, s.cu = float(mx[r]), float(sq[r]), int(top[r]), prefix(cus, r, s.m)
+    while True:
+        active = [s for s in searches if s.tried < iters and s.stale < patience]
+        if not active:
+            return
+        draws = []
+        for s in active:  # balance_order's draws, in its order
+            if s.touch is None:
+                b, cu = s.busiest, s.cu
+                lo, hi = s.bounds[b], s.bounds[b + 1]
+                lo2, hi2 = s.bounds[2 * chunks - 1 - b], s.bounds[2 * chunks - b]
+                s.touch = np.flatnonzero(((cu[:-1] < hi) & (cu[1:] > lo)) | ((cu[:-1] < hi2) & (cu[1:] > lo2)))
+            rng, m = s.rng, s.m
+            i = np.where(rng.random(batch) < 0.5, s.touch[rng.integers(len(s.touch), size=batch)],
+                         rng.integers(m, size=batch))
+            j = rng.integers(m, size=batch)
+            swap = rng.random(batch) < 0.5
+            draws.append((i, j, swap))
+            s.tried += batch
+        i = np.concatenate([d[0] for d in draws])
+        j = np.concatenate([d[1] for d in draws])
+        swap = np.concatenate([d[2] for d in draws])
+        rows = len(i)
+        lane = np.arange(rows)
+        # a move of i to j: positions between them shift by one towards i, position j takes i; a swap
+        lo, hi = np.minimum(i, j)[:, None], np.maximum(i, j)[:, None]
+        step = np.where(swap, 0, np.where(i < j, 1, -1))[:, None]
+        src = cols + ((cols >= lo) & (cols <= hi)) * step
+        src[lane[swap], i[swap]] = j[swap]
+        src[lane, j] = i
+        prob = np.repeat(np.array([s_.slot for s_ in active]), batch)
+        orders = np.stack([s_.order for s_ in active]).ravel()
+        cand = orders[src + (np.repeat(np.arange(len(active)), batch) * width)[:, None]]
+        mx, sq, top, cus = score(cand, prob)
+        mx = np.where(i != j, mx, np.inf).reshape(len(active), batch)
+        sq = sq.reshape(len(active), batch)
+        # per search the first of its moves with the lowest (busiest, sum of squares): lexsort's pick
+        low = mx.min(axis=1)
+        tie = mx == low[:, None]
+        low_sq = np.where(tie, sq, np.inf).min(axis=1)
+        pick = np.argmax(tie & (sq == low_sq[:, None]), axis=1)
+        for r, s in enumerate(active):
+            if low[r] == np.inf:  # every move was i = j: nothing scored
+                continue
+            row = r * batch + int(pick[r])
+            if (float(low[r]), float(low_sq[r])) < (s.best, s.best_sq):
+                s.stale = 0 if float(low[r]) < s.best else s.stale + batch  # only a lower busiest chunk resets patience
+                s.order, s.best, s.best_sq, s.busiest = cand[row], float(low[r]), float(low_sq[r]), int(top[row])
+                s.cu, s.touch = prefix(cus, row, s.m), None
+            else:
+                s.stale += batch
 
 
 def token_order(lengths: Sequence[int], order: Sequence[int]) -> np.ndarray:

@@ -30,10 +30,10 @@ from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .balance import balance_order
+from .balance import balance_order, balance_orders
 from .masks import Documents, Mask, arranged_of
 
-__all__ = ["TOKEN_LAYOUTS", "Arrangement", "arrange", "token_work", "chunk_of_piece"]
+__all__ = ["TOKEN_LAYOUTS", "Arrangement", "arrange", "arrange_candidates", "token_work", "chunk_of_piece"]
 
 TOKEN_LAYOUTS = ("zigzag", "balanced", "split")
 
@@ -154,6 +154,35 @@ def _split(lengths: np.ndarray, chunks: int, count: int, causal: bool, seed: int
     the start of piece 2N-1-c); every other split document's two pieces sit side by side in one half
     (the one with more room left), so each split document is one run of rows per chunk and one
     kernel call per block."""
+    plan = _split_plan(lengths, chunks, count, causal)
+    if plan is None:
+        return None
+    problem = plan.problem(seed)
+    return plan.lay(None if problem is None else balance_order(chunks=chunks, causal=causal, **problem))
+
+
+class _SplitPlan:
+    """A split layout before its whole documents are ordered: the split documents' pieces, each
+    piece's room left for the whole ones, and their work per chunk (:func:`_split_plan`)."""
+
+    def __init__(self, lengths, chunks, causal, count, longest, sizes, room, side, fixed, rest) -> None:
+        self.lengths, self.chunks, self.causal, self.count, self.longest = lengths, chunks, causal, count, longest
+        self.sizes, self.room, self.side, self.fixed, self.rest = sizes, room, side, fixed, rest
+
+    def problem(self, seed: int) -> Optional[dict]:
+        """balance_order's problem for the whole documents (None: at most one, nothing to order)."""
+        if len(self.rest) < 2:
+            return None
+        return dict(lengths=self.lengths[self.rest].tolist(), regions=self.room.tolist(), fixed=self.fixed, seed=seed)
+
+    def lay(self, order: Optional[Sequence[int]]) -> Arrangement:
+        """The layout with the whole documents in ``order`` (indices into :attr:`rest`; None: as given)."""
+        rest = self.rest if order is None else [self.rest[i] for i in order]
+        return _split_lay(self, rest)
+
+
+def _split_plan(lengths: np.ndarray, chunks: int, count: int, causal: bool) -> Optional[_SplitPlan]:
+    """The split documents' pieces and the room they leave (None: they do not fit), before balancing."""
     n2 = 2 * chunks
     total = int(lengths.sum())
     m = total // n2
@@ -191,9 +220,16 @@ def _split(lengths: np.ndarray, chunks: int, count: int, causal: bool, seed: int
         w = s * piece_first[d] + s * (s + 1) / 2 if causal else s * float(lengths[d])
         np.add.at(fixed, chunk_of_piece(np.arange(n2), chunks), w)
     rest = [d for d in range(len(lengths)) if d not in sizes]
-    if len(rest) > 1:
-        rest = [rest[i] for i in balance_order(lengths[rest].tolist(), chunks, causal=causal, regions=room.tolist(),
-                                                fixed=fixed, seed=seed)]
+    return _SplitPlan(lengths, chunks, causal, count, longest, sizes, room, side, fixed, rest)
+
+
+def _split_lay(plan: _SplitPlan, rest: List[int]) -> Arrangement:
+    """The runs of a split layout: per x' piece the whole documents' region (``rest`` back to back),
+    the split pairs kept in that half and the centre document's piece."""
+    lengths, chunks, causal, count, longest = plan.lengths, plan.chunks, plan.causal, plan.count, plan.longest
+    sizes, room, side = plan.sizes, plan.room, plan.side
+    n2 = 2 * chunks
+    piece_first = {d: np.concatenate(([0], np.cumsum(s)))[:-1] for d, s in sizes.items()}
     # the whole documents as one stream of runs, cut into each piece's region
     rest_arr = np.asarray(rest, dtype=np.int64)
     rest_end = np.cumsum(lengths[rest_arr]) if rest else np.zeros(0, dtype=np.int64)
@@ -250,6 +286,26 @@ def arrange(lengths: Sequence[int], chunks: int, layout: str = "balanced", *, ca
         return out
     raise ValueError(f"unknown layout {layout!r}; choose one of {', '.join(TOKEN_LAYOUTS)} (or auto, which the launcher "
                      "chooses per micro-batch)")
+
+
+def arrange_candidates(lengths: Sequence[int], chunks: int, splits: int, *, causal: bool = True,
+                       seed: int = 0) -> List[Arrangement]:
+    """zigzag, balanced and split over the 1 .. ``splits`` longest documents (up to the first that does
+    not fit), each exactly :func:`arrange`'s; their balance searches run in lockstep
+    (:func:`~megatron_mesh_cp.runtime.balance.balance_orders`: one evaluation per round for all)."""
+    x = _check(lengths, chunks)
+    plans = []
+    for k in range(1, min(splits, len(x)) + 1):
+        plan = _split_plan(x, chunks, k, causal)
+        if plan is None:
+            break
+        plans.append(plan)
+    problems = [dict(lengths=x.tolist(), seed=seed)] + [p.problem(seed) for p in plans]
+    asked = [p for p in problems if p is not None]
+    found = iter(balance_orders(asked, chunks, causal=causal))
+    orders = [next(found) if p is not None else None for p in problems]
+    out = [_whole(x, range(len(x)), chunks, causal, "zigzag"), _whole(x, orders[0], chunks, causal, "balanced")]
+    return out + [p.lay(o) for p, o in zip(plans, orders[1:])]
 
 
 def positions_of(arr: Arrangement, total: int) -> np.ndarray:
