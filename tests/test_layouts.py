@@ -1,9 +1,9 @@
 """Token layouts (runtime/layouts.py) and the re-laid documents' mask (runtime/masks/arranged.py):
-every layout (zigzag, balanced, tiled for the mesh that runs it, split) is a permutation whose chunks hold S/n tokens, its mask's blocks are the dense
-definition, and mesh / a2a+mesh run it exactly (float64 reference, fp32 <= 1e-5, bf16 near the
-single-device error) for every factorisation of n in {2, 4, 6, 8} and (2,1,2), (4,1,2): documents
-longer than S/2, one document over every rank, many tiny ones, lengths divisible by nothing; gloo
-runs and their bytes: tests/test_layouts_dist.py."""
+every layout (zigzag, balanced, tiled for the mesh that runs it, split) is a permutation whose
+chunks hold S/n tokens, its mask's blocks are the dense definition, and mesh / a2a+mesh run it
+exactly (float64 reference, fp32 <= 1e-5, bf16 near the single-device error) for every factorisation
+of n in {2, 4, 6, 8} and (2,1,2), (4,1,2): documents longer than S/2, one document over every rank,
+many tiny ones, lengths divisible by nothing; gloo runs and their bytes: tests/test_layouts_dist.py."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """Token layouts on real gloo process groups: a long document split over every chunk among short ones
-(split:1) and whole documents reordered (balanced, and tiled for the mesh's ranks), on mesh 2x2 and a2a+mesh 2x1x2, against the float64
-reference of the documents in their own order; every rank sends exactly its plans' bytes."""
+(split:1) and whole documents reordered (balanced, and tiled for the mesh's ranks), on mesh 2x2 and
+a2a+mesh 2x1x2, against the float64 reference of the documents in their own order; every rank sends
+exactly its plans' bytes."""
 
 from __future__ import annotations
 

@@ -1,10 +1,11 @@
 """Each micro-batch's token layout under document masking, applied before Megatron's CP split.
 
 ``--mesh-layout`` (``auto`` by default): the launcher's ``get_batch`` reads the micro-batch's
-documents (its EOD tokens), builds the layout (runtime/layouts.py) -- ``auto`` the one the cost model
-predicts fastest for this mesh and layer (planning/layouts.py), never one it predicts slower than the
-balanced document order; ``tiled`` balances the ranks of the configured (u, a, b) mesh -- and re-lays tokens, labels, loss mask and position ids with its order
-before ``get_batch_on_this_cp_rank`` splits them. Every rank of every pipeline stage computes the same
+documents (its EOD tokens), builds the layout (runtime/layouts.py) -- ``auto`` the one the cost
+model predicts fastest for this mesh and layer (planning/layouts.py), never one it predicts slower
+than the balanced document order; ``tiled`` balances the ranks of the configured (u, a, b) mesh --
+and re-lays tokens, labels, loss mask and position ids with its order before
+``get_batch_on_this_cp_rank`` splits them. Every rank of every pipeline stage computes the same
 layout from the same offsets (the searches are seeded), and the CP group agrees on the resulting
 mask once per micro-batch (``attention.agree_batch``).
 

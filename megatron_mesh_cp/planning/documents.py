@@ -139,9 +139,9 @@ class UnpaddedDocuments(SpanMask):
             raise ValueError("the auto layout is chosen per mesh: resolve it first (planning.layouts.resolve_layout)")
         if self.tiled:
             if not self.mesh or self.mesh[0] * self.mesh[1] != chunks:
-                raise ValueError(f"the tiled layout balances one mesh's ranks ({'x'.join(map(str, self.mesh)) or 'none'}"
-                                 f" set, {chunks} chunks asked): resolve it for the mesh first "
-                                 "(planning.layouts.resolve_layout)")
+                mesh = "x".join(map(str, self.mesh)) or "none"
+                raise ValueError(f"the tiled layout balances one mesh's ranks ({mesh} set, {chunks} chunks asked): "
+                                 "resolve it for the mesh first (planning.layouts.resolve_layout)")
             return _tiled(self, bool(causal))
         if self.split:
             return _split(self, chunks, bool(causal))

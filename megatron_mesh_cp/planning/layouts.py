@@ -3,12 +3,13 @@
 For one micro-batch's document lengths and the mesh that runs it, every candidate layout -- the
 zigzag as given, the balanced document order, the tiled one (whole documents ordered so this mesh's
 ranks carry near-equal block cost, searched on :func:`tile_weights`, the cost model's seconds per
-kernel call), and the split layout cutting the 1, 2, ... longest documents -- is priced on the calibrated cost model the way auto shape prices a tile:
+kernel call), and the split layout cutting the 1, 2, ... longest documents -- is priced on the
+calibrated cost model the way auto shape prices a tile:
 :func:`~megatron_mesh_cp.planning.bounds.mesh_bound` of the layer with that layout's mask, i.e.
 per phase the larger of the busiest rank's block seconds (each block as the kernel calls the mask
 leaves it) and the bytes of the transfers some rank needs over its links. The fastest wins; ties go
-to the earlier candidate (zigzag, then balanced, then tiled, then fewer documents split), so a layout that only
-matches today's is never taken over it. Deterministic: every rank chooses the same from the same
+to the earlier candidate (zigzag, then balanced, then tiled, then fewer documents split), so a
+layout that only matches today's is never taken over it. Deterministic: every rank chooses the same from the same
 lengths.
 """
 
