@@ -52,6 +52,9 @@ def test_tile_order_is_a_deterministic_permutation_never_worse_than_its_start():
             assert sorted(order) == list(range(len(lengths))) and order == tile_order(lengths, a, b, iters=256,
                                                                                       patience=64)
             assert tile_work(lengths, a, b, orders=[order]).max() <= tile_work(lengths, a, b, orders=[start]).max()
+            starved = tile_order(lengths, a, b, budget=1)  # one move scored: still a permutation, never worse
+            assert sorted(starved) == list(range(len(lengths)))
+            assert tile_work(lengths, a, b, orders=[starved]).max() <= tile_work(lengths, a, b, orders=[start]).max()
 
 
 @pytest.mark.parametrize("shape", [(4, 8), (2, 16)], ids=["4x8", "2x16"])

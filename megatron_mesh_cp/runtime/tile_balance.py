@@ -24,7 +24,8 @@ __all__ = ["tile_work", "tile_order", "search_entries", "BUDGET"]
 #: (per call, per Q row, per key, per pair): the cost of one kernel call of r rows, k keys, p pairs
 Weights = Tuple[float, float, float, float]
 PAIRS: Weights = (0.0, 0.0, 0.0, 1.0)
-#: a search scores at most this many (piece pair, order) entries: ~20 ms of host time on one core
+#: a search scores at most this many (piece pair, order) entries: on one core about 20 ms at 32 chunks of
+#: 1M tokens (the iteration cap binds first), under 100 ms at 256
 BUDGET = 1 << 21
 
 
@@ -220,7 +221,9 @@ def tile_order(lengths: Sequence[int], a: int, b: int, *, causal: bool = True, w
     if m < 2 or n < 2:
         return tuple(int(i) for i in order)
     tiles = _Tiles(x, a, b, bool(causal), PAIRS if weights is None else weights)
-    iters = min(iters, max(batch, budget // search_entries(x, n, causal)))
+    per = search_entries(x, n, causal)
+    batch = max(1, min(batch, budget // per))  # a round of at least one move, within the budget where it can be
+    iters = min(iters, max(batch, budget // per))
 
     def score(orders):
         w = tiles.cost(orders)
