@@ -45,7 +45,7 @@ def parse_layouts(text: str) -> list:
         UnpaddedDocuments((2,)).with_layout(name)  # ValueError naming the choices
         out.append(name)
     if not out:
-        raise ValueError("--layout needs at least one of auto, zigzag, balanced, split:K")
+        raise ValueError("--layout needs at least one of auto, zigzag, balanced, tiled, split:K")
     return out
 
 
@@ -98,7 +98,8 @@ def main(argv=None) -> int:
                     help="the token layout(s) ours run the documents in, one row each, as the launcher's "
                          "--mesh-layout: auto (default: per mesh the one the cost model picks), zigzag (as drawn or "
                          "read), balanced (whole documents reordered so the zigzag chunks carry near-equal work), "
-                         "or split:K (the K longest documents cut into pieces over every chunk). "
+                         "tiled (whole documents reordered so the mesh's ranks, each a tile of blocks, carry "
+                         "near-equal work), or split:K (the K longest documents cut into pieces over every chunk). "
                          "TE's THD partition balances every order")
     pk.add_argument("--kernel-tile", type=int, default=0, metavar="T",
                     help="price document blocks in whole TxT kernel tiles per document segment (flash-style); "

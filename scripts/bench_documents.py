@@ -6,7 +6,7 @@
 Two document sets (log-uniform 4K-64K; a heavy-tailed power law, most documents under 4K and a few
 over 256K), MHA 32/32 and GQA 32/8, d = 128, bf16, h100-ib400: TE's Ring and USP on the padded THD
 layout (every chunk sent), our Ring 1xn, mesh (auto) and a2a+mesh (auto) unpadded with pruned
-plans, a2a+mesh in each token layout (zigzag, balanced, split:K) and auto's per-mesh choice; then
+plans, a2a+mesh in each token layout (zigzag, balanced, tiled, split:K) and auto's per-mesh choice; then
 where the mesh family's time goes (kept blocks, bytes vs the full plans, the busiest rank's compute
 vs the mean), and the earlier padded-THD-vs-unpacked comparison. Every figure is simulated.
 """
@@ -36,7 +36,7 @@ from megatron_mesh_cp.runtime import plan_traffic  # noqa: E402
 
 N, SEQ, CLUSTER = 256, 1 << 20, "h100-ib400"
 #: a2a+mesh is also priced in each fixed token layout (auto: the layout chosen per mesh, the launcher's default)
-LAYOUTS = ("zigzag", "balanced", "split:1", "split:2", "split:3")
+LAYOUTS = ("zigzag", "balanced", "tiled", "split:1", "split:2", "split:3")
 #: the goals, a2a+mesh (auto layout) vs USP: {set: {kv heads: ratio}}, and busiest / mean block work on every set
 TARGET = {"Log": {32: 5.0, 8: 2.5}, "Heavy": {32: 2.0, 8: 1.15}}
 BALANCE_GOAL = 1.15
@@ -253,7 +253,11 @@ def documents_page():
         "* **Token layouts** (`runtime/layouts.py`, the launcher's `--mesh-layout`): which tokens each mesh chunk "
         "holds, built per micro-batch before Megatron's CP split. *zigzag*: the documents as drawn; *balanced*: "
         "whole documents reordered so the zigzag chunks carry near-equal work (`runtime/balance.py`, a seeded "
-        "local search); *split:K*: the K longest documents cut the way TE's THD partition cuts every document "
+        "local search); *tiled*: whole documents reordered so the *ranks* of the mesh that runs them carry "
+        "near-equal block seconds (`runtime/tile_balance.py`: a rank computes a tile of blocks, its row group's Q "
+        "chunks against its column group's KV chunks, and where a document crosses pieces decides which rank does "
+        "that work; each order's per-rank calls priced exactly by the cost model's per-call, row, key and pair "
+        "seconds); *split:K*: the K longest documents cut the way TE's THD partition cuts every document "
         "(2·N pieces, pieces g and 2N-1-g to chunk g), unpadded, the others whole and balanced around them "
         "(their blocks stay prunable); *auto* (the launcher's default): per mesh shape the layout the cost "
         "model predicts fastest (`planning/layouts.py`: the busiest rank's block seconds and the bytes some "

@@ -1,9 +1,9 @@
 """Token layouts (runtime/layouts.py) and the re-laid documents' mask (runtime/masks/arranged.py):
-every layout is a permutation whose chunks hold S/n tokens, its mask's blocks are the dense
-definition, and mesh / a2a+mesh run it exactly (float64 reference, fp32 <= 1e-5, bf16 near the
-single-device error) for every factorisation of n in {2, 4, 6, 8} and (2,1,2), (4,1,2): documents
-longer than S/2, one document over every rank, many tiny ones, lengths divisible by nothing; gloo
-runs and their bytes: tests/test_layouts_dist.py."""
+every layout (zigzag, balanced, tiled for the mesh that runs it, split) is a permutation whose
+chunks hold S/n tokens, its mask's blocks are the dense definition, and mesh / a2a+mesh run it
+exactly (float64 reference, fp32 <= 1e-5, bf16 near the single-device error) for every factorisation
+of n in {2, 4, 6, 8} and (2,1,2), (4,1,2): documents longer than S/2, one document over every rank,
+many tiny ones, lengths divisible by nothing; gloo runs and their bytes: tests/test_layouts_dist.py."""
 
 from __future__ import annotations
 
@@ -35,8 +35,12 @@ def document_mixes(total, rng):
     return [m for m in mixes if sum(m) == total and min(m) > 0]
 
 
-def laid_out(lengths, chunks, causal=True):
+def laid_out(lengths, chunks, causal=True, shape=None):
+    """Every layout of ``lengths`` on ``chunks`` chunks: tiled for the mesh ``shape`` (a, b), or for
+    every factorisation of ``chunks`` without one."""
     out = [arrange(lengths, chunks, "zigzag", causal=causal), arrange(lengths, chunks, "balanced", causal=causal)]
+    for s in ([shape] if shape else valid_shapes(chunks)):
+        out.append(arrange(lengths, chunks, "tiled", causal=causal, shape=s, weights=(1.0, 0.1, 0.1, 1.0)))
     for k in (1, 2):
         if k <= len(lengths):
             try:
@@ -126,7 +130,7 @@ def test_layouts_exact_against_float64(shape):
         q, do = (torch.randn(total, h, 8, generator=g, dtype=torch.float64) for _ in range(2))
         k, v = (torch.randn(total, hk, 8, generator=g, dtype=torch.float64) for _ in range(2))
         ref = packed_reference(q, k, v, do, np.concatenate(([0], np.cumsum(lengths))).tolist())
-        for arr in laid_out(lengths, chunks):
+        for arr in laid_out(lengths, chunks, shape=tuple(shape[-2:])):
             order = torch.arange(total) if arr.order is None else torch.from_numpy(arr.order)
             lay = lambda x: x.index_select(0, order).float()[None]  # noqa: E731
             kw = ({"cu_seqlens": torch.tensor(arr.mask.cu, dtype=torch.int32)} if isinstance(arr.mask, Documents)

@@ -63,7 +63,7 @@ def test_the_estimate_prices_each_micro_batch_as_it_runs_and_prints_the_layout()
     resolved = settings.options()
     estimates = {}
     try:
-        for layout in ("zigzag", "balanced", "split", "auto"):
+        for layout in ("zigzag", "balanced", "tiled", "split", "auto"):
             settings.configure(replace(resolved, layout=layout))
             estimates[layout] = se.estimate(args, 8, cluster, skewed)
     finally:
@@ -71,6 +71,7 @@ def test_the_estimate_prices_each_micro_batch_as_it_runs_and_prints_the_layout()
     given, balanced = estimates["zigzag"], estimates["balanced"]
     assert balanced.layout.busiest_over_mean < given.layout.busiest_over_mean
     assert "balanced 1 of 1" in balanced.layout.name and "zigzag 1 of 1" in given.layout.name
+    assert "tiled 1 of 1" in estimates["tiled"].layout.name  # the ranks of the 1x4 inner mesh balanced
     # split: the long document cut over the chunks evens them out; auto takes the fastest its model predicts
     split, auto = estimates["split"], estimates["auto"]
     assert split.layout.busiest_over_mean < balanced.layout.busiest_over_mean and "split:1 1 of 1" in split.layout.name

@@ -70,7 +70,8 @@ def add_mesh_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add("--mesh-layout", choices=LAYOUT_CHOICES, default=None,
         help="with --reset-attention-mask under mesh CP: each micro-batch's token layout; auto (default) the one the "
              "cost model predicts fastest, zigzag the dataset's order, balanced whole documents reordered to even the "
-             "zigzag chunks, split the longest documents cut into pieces over every chunk (exact in every case)")
+             "zigzag chunks, tiled whole documents reordered to even the mesh's ranks (each computes a tile of "
+             "blocks), split the longest documents cut into pieces over every chunk (exact in every case)")
     add("--mesh-document-order", choices=("balanced", "given"), default=None,
         help="the older name of --mesh-layout balanced / zigzag")
     add("--mesh-pack-doc-tokens", type=int, default=None,
@@ -166,7 +167,7 @@ def _check_document_masking(args, launcher: bool, opts: dict) -> None:
         cuts = _why_not_split(args)
         if layout == "split" and cuts:
             raise MeshArgumentError(f"--mesh-layout split cuts documents into pieces, which {cuts}; use --mesh-layout "
-                                    "auto, balanced or zigzag (auto then keeps documents whole)")
+                                    "auto, tiled, balanced or zigzag (auto then keeps documents whole)")
         opts["layout"] = layout
         if layout == "auto" and cuts:  # said in the dry run and the log: auto keeps documents whole here
             opts["layout"] = "balanced"

@@ -1,10 +1,11 @@
 """Each micro-batch's token layout under document masking, applied before Megatron's CP split.
 
 ``--mesh-layout`` (``auto`` by default): the launcher's ``get_batch`` reads the micro-batch's
-documents (its EOD tokens), builds the layout (runtime/layouts.py) -- ``auto`` the one the cost model
-predicts fastest for this mesh and layer (planning/layouts.py), never one it predicts slower than the
-balanced document order -- and re-lays tokens, labels, loss mask and position ids with its order
-before ``get_batch_on_this_cp_rank`` splits them. Every rank of every pipeline stage computes the same
+documents (its EOD tokens), builds the layout (runtime/layouts.py) -- ``auto`` the one the cost
+model predicts fastest for this mesh and layer (planning/layouts.py), never one it predicts slower
+than the balanced document order; ``tiled`` balances the ranks of the configured (u, a, b) mesh --
+and re-lays tokens, labels, loss mask and position ids with its order before
+``get_batch_on_this_cp_rank`` splits them. Every rank of every pipeline stage computes the same
 layout from the same offsets (the searches are seeded), and the CP group agrees on the resulting
 mask once per micro-batch (``attention.agree_batch``).
 
@@ -31,7 +32,7 @@ log = logging.getLogger("megatron_mesh_cp")
 __all__ = ["LAYOUT_CHOICES", "LaidOutParams", "BatchLayout", "CURRENT", "lay_out", "install_rotary"]
 
 #: --mesh-layout values: auto (chosen per micro-batch), or one layout every micro-batch
-LAYOUT_CHOICES = ("auto", "zigzag", "balanced", "split")
+LAYOUT_CHOICES = ("auto", "zigzag", "balanced", "tiled", "split")
 
 
 def _params_class():
@@ -77,6 +78,7 @@ def choose(lengths, args):
     from ..planning import ulysses_inner
     from ..planning import candidate_layouts, choose_layout
     from ..planning import default_cluster
+    from ..planning import tile_weights
     from ..runtime import arrange
     from .cp_layer import attention_workload
     from .settings import options
@@ -101,8 +103,11 @@ def choose(lengths, args):
     inner = ulysses_inner(u, w) if u > 1 else w
     cluster = options().cluster or (load_cluster(args.mesh_cluster) if getattr(args, "mesh_cluster", None)
                                    else default_cluster())
+    weights = tile_weights(inner, cluster)  # the tiled layout balances this mesh's ranks by the cost model
+    if layout == "tiled":
+        return arrange(lengths, chunks, "tiled", shape=(a, b), weights=weights), None
     choice = choose_layout(lengths, a, b, cluster, inner, stride=args.tensor_model_parallel_size * u,
-                           candidates=candidate_layouts(lengths, chunks))
+                           candidates=candidate_layouts(lengths, chunks, shape=(a, b), weights=weights))
     return choice.arrangement, choice
 
 

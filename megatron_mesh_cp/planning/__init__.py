@@ -14,7 +14,7 @@ from .cluster import CALIBRATED, HOST_PER_CALL_US, Cluster, Workload, cluster_pr
 from .costs import plan_peak_bytes, te_ring_peak_bytes, ulysses_buffer_bytes, ulysses_inner
 from .doc_baselines import compare_documents, document_sets, format_documents_table, runs_unpadded
 from .documents import UnpaddedDocuments, read_documents, sample_documents
-from .layouts import LayoutChoice, candidate_layouts, choose_layout, resolve_layout
+from .layouts import LayoutChoice, candidate_layouts, choose_layout, resolve_layout, tile_weights
 from .packing import DISTRIBUTIONS, Packing, length_draws, parse_doc_range, parse_tokens, read_packing, sample_packing
 from .replay import replay
 from .schedule import (
@@ -31,7 +31,7 @@ __all__ = [
     "plan_peak_bytes", "te_ring_peak_bytes", "ulysses_buffer_bytes", "ulysses_inner",
     "compare_documents", "document_sets", "format_documents_table", "runs_unpadded",
     "UnpaddedDocuments", "read_documents", "sample_documents",
-    "LayoutChoice", "candidate_layouts", "choose_layout", "resolve_layout",
+    "LayoutChoice", "candidate_layouts", "choose_layout", "resolve_layout", "tile_weights",
     "DISTRIBUTIONS", "Packing", "length_draws", "parse_doc_range", "parse_tokens", "read_packing", "sample_packing",
     "replay", "PLANNERS", "build_plans", "call_plans", "clear_plan_cache", "default_cluster", "document_plans",
     "in_order_plan", "cache_dir", "cached_choice", "compare_windows", "format_window_table", "te_a2a_refusal",

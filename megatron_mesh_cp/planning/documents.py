@@ -53,6 +53,12 @@ class UnpaddedDocuments(SpanMask):
     #: the layout is chosen per mesh by the cost model (planning/layouts.py: ``resolve_layout``), as
     #: the launcher's ``--mesh-layout auto`` chooses it per micro-batch
     auto: bool = False
+    #: run in the ``tiled`` layout: whole documents ordered so the ranks of the mesh that runs them
+    #: carry near-equal block cost (runtime/tile_balance.py); ``mesh`` (a, b) and ``weights`` (its
+    #: kernel-call cost model) are set per mesh by ``resolve_layout``
+    tiled: bool = False
+    mesh: Tuple[int, ...] = ()
+    weights: Tuple[float, ...] = ()
 
     name = "documents"
     per_batch = True
@@ -98,21 +104,31 @@ class UnpaddedDocuments(SpanMask):
         return replace(self, tile=tile)
 
     def with_balance(self, balanced: bool) -> "UnpaddedDocuments":
-        return replace(self, balanced=bool(balanced), split=0, auto=False)
+        return replace(self, balanced=bool(balanced), split=0, auto=False, tiled=False, mesh=(), weights=())
 
     def with_layout(self, layout: str) -> "UnpaddedDocuments":
-        """The same documents run in ``layout``: ``zigzag``, ``balanced``, ``split:K`` (the K longest cut)
-        or ``auto`` (chosen per mesh by the cost model)."""
+        """The same documents run in ``layout``: ``zigzag``, ``balanced``, ``tiled`` (the mesh's ranks
+        balanced), ``split:K`` (the K longest cut) or ``auto`` (chosen per mesh by the cost model)."""
         name, _, k = layout.partition(":")
-        if name not in ("zigzag", "balanced", "split", "auto") or (name == "split") != bool(k) or (
+        if name not in ("zigzag", "balanced", "tiled", "split", "auto") or (name == "split") != bool(k) or (
                 k and not k.isdigit()):
-            raise ValueError(f"unknown layout {layout!r}; choose zigzag, balanced, split:K (K documents cut) or auto")
-        return replace(self, balanced=name == "balanced", split=int(k) if k else 0, auto=name == "auto")
+            raise ValueError(f"unknown layout {layout!r}; choose zigzag, balanced, tiled, split:K (K documents cut) "
+                             "or auto")
+        return replace(self, balanced=name == "balanced", split=int(k) if k else 0, auto=name == "auto",
+                       tiled=name == "tiled", mesh=(), weights=())
+
+    def for_mesh(self, a: int, b: int, weights) -> "UnpaddedDocuments":
+        """The tiled layout made concrete for the a x b mesh and its kernel-call cost ``weights``."""
+        if not self.tiled:
+            raise ValueError("only the tiled layout is laid out per mesh this way")
+        return replace(self, mesh=(int(a), int(b)), weights=tuple(float(v) for v in weights))
 
     @property
     def layout(self) -> str:
         if self.auto:
             return "auto"
+        if self.tiled:
+            return "tiled"
         return f"split:{self.split}" if self.split else "balanced" if self.balanced else "zigzag"
 
     def arranged(self, chunks: int, causal: bool = True):
@@ -121,6 +137,12 @@ class UnpaddedDocuments(SpanMask):
         (an ``Arranged`` mask, cached) or as given; ``auto`` must be resolved for a mesh first."""
         if self.auto:
             raise ValueError("the auto layout is chosen per mesh: resolve it first (planning.layouts.resolve_layout)")
+        if self.tiled:
+            if not self.mesh or self.mesh[0] * self.mesh[1] != chunks:
+                mesh = "x".join(map(str, self.mesh)) or "none"
+                raise ValueError(f"the tiled layout balances one mesh's ranks ({mesh} set, {chunks} chunks asked): "
+                                 "resolve it for the mesh first (planning.layouts.resolve_layout)")
+            return _tiled(self, bool(causal))
         if self.split:
             return _split(self, chunks, bool(causal))
         return _balanced(self, chunks, bool(causal)) if self.balanced else self
@@ -147,12 +169,23 @@ class UnpaddedDocuments(SpanMask):
             return text + "; laid out per mesh by the cost model (auto)"
         if self.split:
             return text + f"; run in the split layout ({self.split} longest split)"
+        if self.tiled:
+            mesh = f" of the {self.mesh[0]}x{self.mesh[1]} mesh" if self.mesh else " of each mesh"
+            return text + f"; run in the order balancing the ranks{mesh} (tiled)"
         return text + ("; run in the order balancing each mesh's zigzag chunks" if self.balanced else "")
 
 
 @lru_cache(maxsize=64)
 def _split(docs: UnpaddedDocuments, chunks: int, causal: bool):
     return arrange(docs.lengths, chunks, "split", split=docs.split, causal=causal).mask
+
+
+@lru_cache(maxsize=64)
+def _tiled(docs: UnpaddedDocuments, causal: bool) -> UnpaddedDocuments:
+    a, b = docs.mesh
+    arr = arrange(docs.lengths, a * b, "tiled", causal=causal, shape=(a, b), weights=docs.weights or None)
+    return UnpaddedDocuments(tuple(docs.lengths[i] for i in arr.runs[0]), docs.tile,
+                             (docs.label + ", " if docs.label else "") + f"tiled for the {a}x{b} mesh")
 
 
 @lru_cache(maxsize=64)

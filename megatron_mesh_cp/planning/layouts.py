@@ -1,13 +1,15 @@
 """Choosing a micro-batch's token layout by the cost model (runtime/layouts.py builds them).
 
 For one micro-batch's document lengths and the mesh that runs it, every candidate layout -- the
-zigzag as given, the balanced document order, and the split layout cutting the 1, 2, ... longest
-documents -- is priced on the calibrated cost model the way auto shape prices a tile:
+zigzag as given, the balanced document order, the tiled one (whole documents ordered so this mesh's
+ranks carry near-equal block cost, searched on :func:`tile_weights`, the cost model's seconds per
+kernel call), and the split layout cutting the 1, 2, ... longest documents -- is priced on the
+calibrated cost model the way auto shape prices a tile:
 :func:`~megatron_mesh_cp.planning.bounds.mesh_bound` of the layer with that layout's mask, i.e.
 per phase the larger of the busiest rank's block seconds (each block as the kernel calls the mask
 leaves it) and the bytes of the transfers some rank needs over its links. The fastest wins; ties go
-to the earlier candidate (zigzag, then balanced, then fewer documents split), so a layout that only
-matches today's is never taken over it. Deterministic: every rank chooses the same from the same
+to the earlier candidate (zigzag, then balanced, then tiled, then fewer documents split), so a
+layout that only matches today's is never taken over it. Deterministic: every rank chooses the same from the same
 lengths.
 """
 
@@ -21,10 +23,11 @@ from typing import List, Optional, Sequence, Tuple
 import numpy as np
 
 from ..runtime.layouts import Arrangement, arrange_candidates
+from ..runtime.tile_balance import BUDGET, search_entries
 from .bounds import mesh_bound
 from .cluster import Cluster, Workload
 
-__all__ = ["LayoutChoice", "choose_layout", "candidate_layouts", "resolve_layout", "SPLIT_CANDIDATES"]
+__all__ = ["LayoutChoice", "choose_layout", "candidate_layouts", "resolve_layout", "tile_weights", "SPLIT_CANDIDATES"]
 
 #: the split layout is tried cutting 1 .. this many of the longest documents
 SPLIT_CANDIDATES = 4
@@ -51,13 +54,35 @@ def _label(arr: Arrangement) -> str:
     return f"split:{arr.split}" if arr.split else arr.name
 
 
+def tile_weights(w: Workload, cluster: Cluster) -> Tuple[float, float, float, float]:
+    """The cost model's seconds (forward + backward) of one kernel call off the diagonal as (per call,
+    per Q row, per key, per pair), the linear model runtime/tile_balance.py balances ranks by: the
+    call overhead and output correction per row, the dK/dV accumulation per key, the kernel per pair,
+    and its efficiency loss at r rows (peak * r / (r + half)), which for an r x k rectangle is ``half``
+    keys' worth of pairs."""
+    out = np.zeros(4)
+    for bwd in (False, True):
+        per_pair = w.pair_flops(1.0, bwd) / (cluster.bwd_flops if bwd else cluster.fwd_flops)
+        call = w._call_cost(cluster, 0, bwd)
+        out += (call, w._call_cost(cluster, 1, bwd) - call,
+                w._keys_cost(cluster, 1, bwd) - w._keys_cost(cluster, 0, bwd) + per_pair * cluster.half_tokens,
+                per_pair)
+    return tuple(float(v) for v in out)
+
+
 def candidate_layouts(lengths: Sequence[int], chunks: int, causal: bool = True,
-                      max_split: int = SPLIT_CANDIDATES) -> List[Arrangement]:
-    """zigzag, balanced, and split over the 1 .. ``max_split`` longest documents longer than a piece
-    (a shorter one cannot hold the busiest piece; the ones that do not fit are skipped)."""
+                      max_split: int = SPLIT_CANDIDATES, shape: Optional[Tuple[int, int]] = None,
+                      weights: Optional[Tuple[float, float, float, float]] = None) -> List[Arrangement]:
+    """zigzag, balanced, tiled (with ``shape``, the (a, b) mesh whose ranks it balances by ``weights``,
+    searched from the balanced order; only where its host budget affords at least 8 rounds of 32
+    moves: not at CP = 256 chunks of 1M tokens, say), and split over the 1 .. ``max_split`` longest
+    documents longer than a piece (a shorter one cannot hold the busiest piece; the ones that do not
+    fit are skipped)."""
+    tiled = shape is not None and chunks > 1 and 8 * 32 * search_entries(lengths, chunks, causal) <= BUDGET
     piece = sum(lengths) // (2 * chunks)
     long = sum(1 for x in lengths if x > piece)
-    return arrange_candidates(lengths, chunks, min(max_split, long), causal=causal)
+    return arrange_candidates(lengths, chunks, min(max_split, long), causal=causal,
+                              shape=shape if tiled else None, weights=weights)
 
 
 def choose_layout(lengths: Sequence[int], a: int, b: int, cluster: Cluster, w: Workload, *, stride: int = 1,
@@ -67,7 +92,8 @@ def choose_layout(lengths: Sequence[int], a: int, b: int, cluster: Cluster, w: W
     ``w`` is the layer without its documents (shapes, dtypes); ``stride``: GPUs between CP ranks."""
     t0 = time.perf_counter()
     n = a * b
-    cands = list(candidates) if candidates is not None else candidate_layouts(lengths, n, w.causal)
+    cands = list(candidates) if candidates is not None else candidate_layouts(
+        lengths, n, w.causal, shape=(a, b), weights=tile_weights(w, cluster))
     if sum(lengths) != w.seq_local * n:
         raise ValueError(f"the documents span {sum(lengths)} tokens but {n} chunks of {w.seq_local} tokens hold "
                          f"{w.seq_local * n}")
@@ -81,8 +107,10 @@ def choose_layout(lengths: Sequence[int], a: int, b: int, cluster: Cluster, w: W
 
 def resolve_layout(w: Workload, a: int, b: int, cluster: Cluster, stride: int = 1) -> Workload:
     """``w`` with an ``auto`` layout of its documents replaced by the one :func:`choose_layout` picks for
-    the a x b mesh (cached); any other workload as it is."""
+    the a x b mesh (cached), a ``tiled`` one made for that mesh; any other workload as it is."""
     docs = w.mask
+    if getattr(docs, "tiled", False):
+        return replace(w, mask=docs.for_mesh(a, b, tile_weights(w, cluster)))
     if not getattr(docs, "auto", False):
         return w
     return _resolved(w, a, b, cluster, stride)
@@ -91,8 +119,10 @@ def resolve_layout(w: Workload, a: int, b: int, cluster: Cluster, stride: int = 
 @lru_cache(maxsize=128)
 def _resolved(w: Workload, a: int, b: int, cluster: Cluster, stride: int) -> Workload:
     docs = w.mask
+    weights = tile_weights(w, cluster)
     choice = choose_layout(docs.lengths, a, b, cluster, replace(w, mask=None), stride=stride,
-                           candidates=candidate_layouts(docs.lengths, a * b, w.causal))
+                           candidates=candidate_layouts(docs.lengths, a * b, w.causal, shape=(a, b), weights=weights))
     arr = choice.arrangement
     layout = f"split:{arr.split}" if arr.split else arr.name
-    return replace(w, mask=docs.with_layout(layout))
+    out = docs.with_layout(layout)
+    return replace(w, mask=out.for_mesh(a, b, weights) if out.tiled else out)

@@ -33,6 +33,7 @@ from .plan import (
     Transfer, payload, plan_traffic, validate,
 )
 from .prune import prune
+from .tile_balance import tile_order, tile_work
 from .topology import MeshShape, parse_shape, valid_shapes
 from .ulysses import A2A_CATEGORIES, check_ulysses_heads, kv_repeats, ulysses_traffic, valid_ulysses
 
@@ -51,7 +52,7 @@ __all__ = [
     "DEFAULT_PLAN_OPTIONS", "CallCache", "MeshLike", "PlanOptions",
     "PackedLayout", "packed_slices", "padding_rows", "thd_gather", "thd_partition_indices", "thd_shard",
     "BACKWARD", "CATEGORIES", "FORWARD", "GATHER_KINDS", "REDUCE_KINDS", "RING_OF", "ChunkDims", "Compute", "Free",
-    "Plan", "PlanError", "Transfer", "payload", "plan_traffic", "validate", "prune",
+    "Plan", "PlanError", "Transfer", "payload", "plan_traffic", "validate", "prune", "tile_order", "tile_work",
     "MeshShape", "parse_shape", "valid_shapes",
     "A2A_CATEGORIES", "check_ulysses_heads", "kv_repeats", "ulysses_traffic", "valid_ulysses",
 ]

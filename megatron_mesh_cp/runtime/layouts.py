@@ -4,11 +4,14 @@ Megatron's CP split is fixed -- the sequence is cut into 2N pieces and mesh chun
 and 2N-1-c -- so a layout is a re-laying of the sequence before the split: a token order ``order``
 (x' = x[order]) and the mask of x' it leaves. Under document masking every token's work is the
 number of keys it sees (its document position + 1, causal; its document's length, not), so a
-layout's work per chunk is exact and cheap. Three layouts:
+layout's work per chunk is exact and cheap. Four layouts:
 
 * ``zigzag``: the sequence as given (Megatron's layout);
 * ``balanced``: whole documents reordered so the zigzag chunks carry near-equal work
   (runtime/balance.py); the mask stays plain documents;
+* ``tiled``: whole documents reordered so the *ranks* of the a x b mesh that runs them carry
+  near-equal block cost (runtime/tile_balance.py: a rank computes a tile of blocks, and where a
+  document crosses pieces decides which rank does that work); the mask stays plain documents;
 * ``split``: the longest documents cut the way TE's THD partition cuts every document -- 2N pieces,
   pieces g and 2N-1-g to chunk g, unpadded (uneven by a token at most) -- so each spreads its work
   evenly; piece g ends piece g of x' and piece 2N-1-g starts piece 2N-1-g, so in chunk g they are
@@ -24,18 +27,19 @@ to tokens, labels, loss mask, position ids and the rotary positions before the C
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from .balance import balance_order, balance_orders
+from .tile_balance import tile_order
 from .masks import Documents, Mask, arranged_of
 
 __all__ = ["TOKEN_LAYOUTS", "Arrangement", "arrange", "arrange_candidates", "token_work", "chunk_of_piece"]
 
-TOKEN_LAYOUTS = ("zigzag", "balanced", "split")
+TOKEN_LAYOUTS = ("zigzag", "balanced", "tiled", "split")
 
 
 @dataclass(frozen=True, eq=False)
@@ -52,6 +56,7 @@ class Arrangement:
     starts: np.ndarray = field(repr=False)  # each document's first token in x
     split: int = 0
     given: bool = False  # x' is x (the documents as given)
+    shape: Tuple[int, ...] = ()  # (a, b): the mesh a tiled layout balances the ranks of
 
     @cached_property
     def order(self) -> Optional[np.ndarray]:
@@ -70,7 +75,8 @@ class Arrangement:
 
     def describe(self) -> str:
         cut = f", {self.split} document{'s' if self.split != 1 else ''} split" if self.split else ""
-        return f"{self.name}{cut}: busiest / mean chunk work {self.balance:.2f}"
+        mesh = f" (ranks of the {self.shape[0]}x{self.shape[1]} mesh balanced)" if self.shape else ""
+        return f"{self.name}{cut}{mesh}: busiest / mean chunk work {self.balance:.2f}"
 
 
 def chunk_of_piece(p, chunks: int):
@@ -267,15 +273,27 @@ def _split_lay(plan: _SplitPlan, rest: List[int]) -> Arrangement:
 
 
 def arrange(lengths: Sequence[int], chunks: int, layout: str = "balanced", *, causal: bool = True,
-            split: int = 1, seed: int = 0) -> Arrangement:
+            split: int = 1, seed: int = 0, shape: Optional[Tuple[int, int]] = None,
+            weights: Optional[Tuple[float, float, float, float]] = None,
+            start: Optional[Sequence[int]] = None) -> Arrangement:
     """The layout ``layout`` of documents of ``lengths`` (in the micro-batch's order) over ``chunks``
-    mesh chunks; ``split``: how many of the longest documents the ``split`` layout cuts. ``ValueError``
-    naming the fix for a layout that cannot be built."""
+    mesh chunks; ``split``: how many of the longest documents the ``split`` layout cuts; ``shape``:
+    the (a, b) mesh whose ranks the ``tiled`` layout balances (a * b = ``chunks``), ``weights`` its
+    kernel-call cost model (runtime/tile_balance.py; default: pairs), ``start`` the order its search
+    starts from (default: the balanced one, which it computes). ``ValueError`` naming the fix for a
+    layout that cannot be built."""
     x = _check(lengths, chunks)
     if layout == "zigzag":
         return _whole(x, range(len(x)), chunks, causal, "zigzag")
     if layout == "balanced":
         return _whole(x, balance_order(x.tolist(), chunks, causal=causal, seed=seed), chunks, causal, "balanced")
+    if layout == "tiled":
+        if shape is None or len(shape) != 2 or int(shape[0]) * int(shape[1]) != chunks:
+            raise ValueError(f"the tiled layout balances the ranks of an a x b mesh of {chunks} chunks: pass "
+                             f"shape=(a, b) with a * b = {chunks}, not {shape!r}")
+        a, b = int(shape[0]), int(shape[1])
+        order = tile_order(x.tolist(), a, b, causal=causal, weights=weights, seed=seed, start=start)
+        return replace(_whole(x, order, chunks, causal, "tiled"), shape=(a, b))
     if layout == "split":
         if not 1 <= split <= len(x):
             raise ValueError(f"the split layout cuts 1 .. {len(x)} documents, not {split}")
@@ -289,10 +307,12 @@ def arrange(lengths: Sequence[int], chunks: int, layout: str = "balanced", *, ca
 
 
 def arrange_candidates(lengths: Sequence[int], chunks: int, splits: int, *, causal: bool = True,
-                       seed: int = 0) -> List[Arrangement]:
-    """zigzag, balanced and split over the 1 .. ``splits`` longest documents (up to the first that does
-    not fit), each exactly :func:`arrange`'s; their balance searches run in lockstep
-    (:func:`~megatron_mesh_cp.runtime.balance.balance_orders`: one evaluation per round for all)."""
+                       seed: int = 0, shape: Optional[Tuple[int, int]] = None,
+                       weights: Optional[Tuple[float, float, float, float]] = None) -> List[Arrangement]:
+    """zigzag, balanced, tiled (with ``shape``: searched from the balanced order) and split over the
+    1 .. ``splits`` longest documents (up to the first that does not fit), each exactly :func:`arrange`'s;
+    the balance searches run in lockstep (:func:`~megatron_mesh_cp.runtime.balance.balance_orders`: one
+    evaluation per round for all)."""
     x = _check(lengths, chunks)
     plans = []
     for k in range(1, min(splits, len(x)) + 1):
@@ -305,6 +325,9 @@ def arrange_candidates(lengths: Sequence[int], chunks: int, splits: int, *, caus
     found = iter(balance_orders(asked, chunks, causal=causal))
     orders = [next(found) if p is not None else None for p in problems]
     out = [_whole(x, range(len(x)), chunks, causal, "zigzag"), _whole(x, orders[0], chunks, causal, "balanced")]
+    if shape is not None:
+        out.append(arrange(x.tolist(), chunks, "tiled", causal=causal, seed=seed, shape=shape, weights=weights,
+                           start=out[1].runs[0]))
     return out + [p.lay(o) for p, o in zip(plans, orders[1:])]
 
 
