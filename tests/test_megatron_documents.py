@@ -132,11 +132,11 @@ def test_layouts_the_model_cannot_re_lay_are_refused_or_narrowed_with_the_reason
                                                     + re.escape(why)):
             apply_mesh_args(_flat(**{**base, **extra}, mesh_layout="split"), [])
         apply_mesh_args(_flat(**{**base, **extra}), [])
-        assert options().layout == "balanced" and why in options().layout_note
-        assert "(--mesh-layout auto keeps documents whole (balanced): split cuts them into pieces, which " \
-            in _masking(_flat())
+        assert options().layout == "auto" and options().whole_documents and why in options().layout_note
+        assert ("(--mesh-layout auto keeps documents whole (zigzag, balanced or tiled, by the cost model): split cuts "
+                "them into pieces, which ") in _masking(_flat())
     apply_mesh_args(_flat(**base), [])
-    assert options().layout == "auto" and options().layout_note == ""
+    assert options().layout == "auto" and options().layout_note == "" and not options().whole_documents
     with pytest.raises(MeshArgumentError, match="--mesh-layout lays out the documents of --reset-attention-mask"):
         apply_mesh_args(_flat(**dict(base, reset_attention_mask=False), mesh_layout="zigzag"), [])
     with pytest.raises(MeshArgumentError, match="--mesh-document-order given is --mesh-layout zigzag, which "
@@ -154,12 +154,32 @@ def test_the_summary_names_the_layout_that_ran_and_why_auto_kept_documents_whole
            "host_ms_mean": 2.0, "host_ms_max": 3.0}
     base = dict(losses=[], attention_calls=0, seconds=1.0, layouts=lay, layout="balanced")
     for note, says in ((None, "token layouts (--mesh-layout balanced): balanced x 3"),
-                       ("--mesh-layout auto keeps documents whole (balanced): split cuts them into pieces, which a "
-                        "sliding window", "token layouts (--mesh-layout auto keeps documents whole (balanced): split")):
+                       ("--mesh-layout auto keeps documents whole (zigzag, balanced or tiled, by the cost model): "
+                        "split cuts them into pieces, which a sliding window",
+                        "token layouts (--mesh-layout auto keeps documents whole (zigzag, balanced or tiled")):
         caplog.clear()
         with caplog.at_level(logging.INFO, logger="megatron_mesh_cp"):
             _print_summary(dict(base, layout_note=note))
         assert says in caplog.text
+
+
+def test_the_dry_run_states_every_layout_the_launcher_accepts():
+    """Each --mesh-layout value has its line in the dry run's masking statement (a value without one failed there)."""
+    from dataclasses import replace
+
+    from test_megatron_integration import _flat
+
+    from megatron_mesh_cp.megatron import settings
+    from megatron_mesh_cp.megatron.layout import LAYOUT_CHOICES
+    from megatron_mesh_cp.megatron.pretrain import _masking
+
+    resolved = settings.options()
+    try:
+        for layout in LAYOUT_CHOICES:
+            settings.configure(replace(resolved, documents="eod", layout=layout, layout_note=""))
+            assert f"(--mesh-layout {layout}" in _masking(_flat()), layout
+    finally:
+        settings.configure(resolved)
 
 
 def test_dry_run_states_the_masking(tmp_path):

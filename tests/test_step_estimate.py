@@ -66,8 +66,14 @@ def test_the_estimate_prices_each_micro_batch_as_it_runs_and_prints_the_layout()
         for layout in ("zigzag", "balanced", "tiled", "split", "auto"):
             settings.configure(replace(resolved, layout=layout))
             estimates[layout] = se.estimate(args, 8, cluster, skewed)
+        settings.configure(replace(resolved, layout="auto", whole_documents=True))  # auto where pieces cannot run
+        whole = se.estimate(args, 8, cluster, skewed)
     finally:
         settings.configure(resolved)
+    assert "split" in estimates["auto"].layout.name and "split" not in whole.layout.name, whole.layout.name
+    # chosen by its bound among the layouts keeping documents whole (the replay may rank two close ones otherwise)
+    assert any(f"{k} 1 of 1" in whole.layout.name for k in ("zigzag", "balanced", "tiled"))
+    assert whole.attention_ms < estimates["zigzag"].attention_ms
     given, balanced = estimates["zigzag"], estimates["balanced"]
     assert balanced.layout.busiest_over_mean < given.layout.busiest_over_mean
     assert "balanced 1 of 1" in balanced.layout.name and "zigzag 1 of 1" in given.layout.name

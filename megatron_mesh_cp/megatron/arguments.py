@@ -170,8 +170,9 @@ def _check_document_masking(args, launcher: bool, opts: dict) -> None:
                                     "auto, tiled, balanced or zigzag (auto then keeps documents whole)")
         opts["layout"] = layout
         if layout == "auto" and cuts:  # said in the dry run and the log: auto keeps documents whole here
-            opts["layout"] = "balanced"
-            opts["layout_note"] = (f"--mesh-layout auto keeps documents whole (balanced): split cuts them into pieces, "
+            opts["whole_documents"] = True
+            opts["layout_note"] = (f"--mesh-layout auto keeps documents whole (zigzag, balanced or tiled, by the cost "
+                                   f"model): split cuts them into pieces, "
                                    f"which {cuts}")
     else:
         opts["layout"] = "zigzag"

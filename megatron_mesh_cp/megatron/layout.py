@@ -77,6 +77,7 @@ def choose(lengths, args):
     from ..planning import load_cluster
     from ..planning import ulysses_inner
     from ..planning import candidate_layouts, choose_layout
+    from ..planning.layouts import SPLIT_CANDIDATES
     from ..planning import default_cluster
     from ..planning import tile_weights
     from ..runtime import arrange
@@ -106,8 +107,10 @@ def choose(lengths, args):
     weights = tile_weights(inner, cluster)  # the tiled layout balances this mesh's ranks by the cost model
     if layout == "tiled":
         return arrange(lengths, chunks, "tiled", shape=(a, b), weights=weights), None
+    splits = 0 if options().whole_documents else SPLIT_CANDIDATES  # auto narrowed: documents stay whole
     choice = choose_layout(lengths, a, b, cluster, inner, stride=args.tensor_model_parallel_size * u,
-                           candidates=candidate_layouts(lengths, chunks, shape=(a, b), weights=weights))
+                           candidates=candidate_layouts(lengths, chunks, max_split=splits, shape=(a, b),
+                                                        weights=weights))
     return choice.arrangement, choice
 
 

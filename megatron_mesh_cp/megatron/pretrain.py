@@ -403,7 +403,7 @@ def _summary(args, opts, started: float) -> Dict:
         "packed_attention_calls": COUNTERS.packed_calls,
         "packed_documents_per_sequence": _documents_per_sequence(),
         "layout": options().layout if options().documents == "eod" else None,
-        "layout_note": options().layout_note or None,  # why auto ran as balanced
+        "layout_note": options().layout_note or None,  # why auto kept documents whole
         "layouts": COUNTERS.layout_summary(),
         "document_batches_reordered": COUNTERS.relaid,
         "seconds": time.time() - started,
@@ -462,12 +462,13 @@ def _masking(args) -> str:
         return f"packed THD (--mesh-packed-data), every document padded to a multiple of {args.mesh_pack_multiple}"
     if options().documents == "eod":
         layout = {
-            "auto": "; each micro-batch's token layout chosen by the cost model (--mesh-layout auto: zigzag, balanced "
-                    "document order, or the longest documents split over every chunk)",
-            "balanced": "; documents reordered per micro-batch to balance the zigzag chunks ("
-                        + (options().layout_note or "--mesh-layout balanced") + ")",
+            "auto": "; each micro-batch's token layout chosen by the cost model (" + (
+                options().layout_note or "--mesh-layout auto: zigzag, balanced or tiled document order, or the "
+                                         "longest documents split over every chunk") + ")",
+            "balanced": "; documents reordered per micro-batch to balance the zigzag chunks (--mesh-layout balanced)",
             "split": "; the longest documents split over every chunk, the others reordered around them (--mesh-layout "
                      "split)",
+            "tiled": "; documents reordered per micro-batch to balance the mesh's ranks (--mesh-layout tiled)",
             "zigzag": "; documents in the dataset's order (--mesh-layout zigzag)",
         }[options().layout]
         return "from EOD (--reset-attention-mask), unpadded; blocks and chunks no document needs are pruned" + layout
@@ -659,7 +660,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     exits.install()
     from .settings import options
 
-    if options().documents == "eod" and options().layout in ("auto", "split"):  # layouts that cut documents
+    cuts = options().layout == "split" or (options().layout == "auto" and not options().whole_documents)
+    if options().documents == "eod" and cuts:  # layouts that cut documents: each piece rotated at its positions
         from .layout import install_rotary
 
         install_rotary()

@@ -33,6 +33,7 @@ class MeshOptions:
     documents: str = ""  # "eod": --reset-attention-mask under mesh CP, boundaries from each micro-batch's EOD tokens
     layout: str = "auto"  # --mesh-layout: each micro-batch's token layout (megatron/layout.py)
     layout_note: str = ""  # why auto was narrowed to whole documents (the model cannot re-lay pieces)
+    whole_documents: bool = False  # auto chooses among the layouts keeping documents whole (zigzag, balanced, tiled)
 
 
 @dataclass
