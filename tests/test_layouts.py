@@ -224,16 +224,21 @@ PINNED_CHOICES = [
 def test_layout_choice_is_pinned(draw, label, seconds):
     """choose_layout picks the same layout at the same predicted seconds as before it was made fast,
     every candidate priced to the bit, and the same again (every rank chooses alike)."""
-    from megatron_mesh_cp.planning import Workload, choose_layout, load_cluster, sample_documents, ulysses_inner
+    from megatron_mesh_cp.planning import (Workload, candidate_layouts, choose_layout, load_cluster, sample_documents,
+                                           ulysses_inner)
 
     cluster = load_cluster("h100-ib400")
     inner = ulysses_inner(8, Workload(seq_local=4096, heads=32, kv_heads=8, head_dim=128, partial_bytes=2))
     lengths = sample_documents(1 << 20, **draw).lengths
-    choice = choose_layout(lengths, 2, 16, cluster, inner, stride=8)
+    pinned = candidate_layouts(lengths, 32, True)  # no mesh shape: the candidates before the tiled layout
+    choice = choose_layout(lengths, 2, 16, cluster, inner, stride=8, candidates=pinned)
     assert [(n, s) for n, s, _ in choice.candidates] == seconds
     assert choice.seconds == dict(seconds)[label] and choice.describe().startswith(f"layout {label} ")
-    again = choose_layout(lengths, 2, 16, cluster, inner, stride=8)
-    assert again.seconds == choice.seconds and np.array_equal(again.arrangement.order, choice.arrangement.order)
+    again = choose_layout(lengths, 2, 16, cluster, inner, stride=8)  # auto's own candidates: tiled as well
+    assert [(n, s) for n, s, _ in again.candidates if n != "tiled"] == seconds
+    assert again.seconds <= choice.seconds
+    third = choose_layout(lengths, 2, 16, cluster, inner, stride=8)
+    assert third.seconds == again.seconds and np.array_equal(third.arrangement.order, again.arrangement.order)
 
 
 def test_candidates_search_in_lockstep_as_one_by_one():
