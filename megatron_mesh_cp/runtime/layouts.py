@@ -41,6 +41,11 @@ __all__ = ["TOKEN_LAYOUTS", "Arrangement", "arrange", "arrange_candidates", "arr
            "splits_cross_every_piece", "token_work", "chunk_of_piece"]
 
 TOKEN_LAYOUTS = ("zigzag", "balanced", "tiled", "split")
+#: the split layout's balance search (its whole documents around the split ones): at most this many
+#: moves, stopping after SPLIT_PATIENCE that did not lower the busiest chunk -- a quarter of the
+#: balanced layout's, so auto's split candidates cost its host time less (scripts/layout_quality.py:
+#: auto's predicted seconds within 1% of the full search's on average)
+SPLIT_ITERS, SPLIT_PATIENCE = 1024, 256
 
 
 @dataclass(frozen=True, eq=False)
@@ -165,7 +170,8 @@ def _split(lengths: np.ndarray, chunks: int, count: int, causal: bool, seed: int
     if plan is None:
         return None
     problem = plan.problem(seed)
-    return plan.lay(None if problem is None else balance_order(chunks=chunks, causal=causal, **problem))
+    return plan.lay(None if problem is None else balance_order(chunks=chunks, causal=causal, iters=SPLIT_ITERS,
+                                                               patience=SPLIT_PATIENCE, **problem))
 
 
 class _SplitPlan:
@@ -344,7 +350,8 @@ def arrange_splits(lengths: Sequence[int], chunks: int, splits: int, *, causal: 
             break
         plans.append(plan)
     problems = [p.problem(seed) for p in plans]
-    found = iter(balance_orders([p for p in problems if p is not None], chunks, causal=causal))
+    found = iter(balance_orders([p for p in problems if p is not None], chunks, causal=causal, iters=SPLIT_ITERS,
+                                patience=SPLIT_PATIENCE))
     return [p.lay(next(found) if q is not None else None) for p, q in zip(plans, problems)]
 
 
