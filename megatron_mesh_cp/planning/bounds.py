@@ -13,7 +13,7 @@ from .cluster import Cluster, Workload, workload_dims
 from .documents import tile_bound
 from .greedy import GROUP_WIDTH, grouping_pays
 
-__all__ = ["mesh_bound"]
+__all__ = ["mesh_bound", "full_comm_bound"]
 
 
 def _ring_hops(cluster: Cluster, rings, stride: int) -> str:
@@ -33,11 +33,7 @@ def mesh_bound(a: int, b: int, cluster: Cluster, w: Workload, stride: int = 1) -
     """
     dims = workload_dims(w)
     cases = (BlockCase.DIAG, BlockCase.LOWER, BlockCase.UPPER) if w.causal else (BlockCase.FULL,)
-    links = {
-        "row": _ring_hops(cluster, [[r * a + c for c in range(a)] for r in range(b)], stride),
-        "col": _ring_hops(cluster, [[r * a + c for r in range(b)] for c in range(a)], stride),
-    }
-    bw = {"intra": cluster.intra_bw, "inter": cluster.inter_bw, "mixed": cluster.intra_bw + cluster.inter_bw}
+    links, bw = _links(a, b, cluster, stride)
     total = 0.0
     for phase in (FORWARD, BACKWARD):
         bwd = phase == BACKWARD
@@ -52,15 +48,42 @@ def mesh_bound(a: int, b: int, cluster: Cluster, w: Workload, stride: int = 1) -
             compute = a * b * min(w.block_time(cluster, c, bwd) for c in cases)
         else:  # every rank computes a * b blocks, none cheaper than the cheapest packed block
             compute = a * b * float(w.block_times(cluster, bwd, a * b).min())
-        wire = {"intra": 0.0, "inter": 0.0}
-        comm = 0.0
-        for kind in ("q", "kv") + REDUCE_KINDS[phase]:
-            ring = RING_OF[kind]
-            nbytes = hops[kind] * sum(s.nbytes for s in payload(phase, kind, dims))
-            if links[ring] == "mixed":
-                comm = max(comm, nbytes / bw["mixed"])
-            else:
-                wire[links[ring]] += nbytes
-        comm = max([comm] + [v / bw[k] for k, v in wire.items()])
-        total += max(compute, comm)
+        total += max(compute, _comm(phase, hops, dims, links, bw))
+    return total
+
+
+def _links(a: int, b: int, cluster: Cluster, stride: int):
+    """The row and column rings' link types, and each type's bandwidth."""
+    links = {
+        "row": _ring_hops(cluster, [[r * a + c for c in range(a)] for r in range(b)], stride),
+        "col": _ring_hops(cluster, [[r * a + c for r in range(b)] for c in range(a)], stride),
+    }
+    return links, {"intra": cluster.intra_bw, "inter": cluster.inter_bw, "mixed": cluster.intra_bw + cluster.inter_bw}
+
+
+def _comm(phase, hops, dims, links, bw) -> float:
+    """Seconds of one phase's transfers (``hops`` per kind) over the busiest link type."""
+    wire = {"intra": 0.0, "inter": 0.0}
+    comm = 0.0
+    for kind in ("q", "kv") + REDUCE_KINDS[phase]:
+        ring = RING_OF[kind]
+        nbytes = hops[kind] * sum(s.nbytes for s in payload(phase, kind, dims))
+        if links[ring] == "mixed":
+            comm = max(comm, nbytes / bw["mixed"])
+        else:
+            wire[links[ring]] += nbytes
+    return max([comm] + [v / bw[k] for k, v in wire.items()])
+
+
+def full_comm_bound(a: int, b: int, cluster: Cluster, w: Workload, stride: int = 1) -> float:
+    """The transfer part of :func:`mesh_bound` where every block of the tile is needed (every foreign
+    offset sent): a lower bound on mesh_bound of any mask that needs them all -- a split layout's, whose
+    first document crosses every piece -- whatever its compute (auto layout skips those candidates'
+    searches when a layout already priced is no slower)."""
+    dims = workload_dims(w)
+    links, bw = _links(a, b, cluster, stride)
+    total = 0.0
+    for phase in (FORWARD, BACKWARD):
+        hops = {k: (a if RING_OF[k] == "row" else b) - 1 for k in ("q", "kv") + REDUCE_KINDS[phase]}
+        total += _comm(phase, hops, dims, links, bw)
     return total

@@ -22,9 +22,9 @@ from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..runtime.layouts import Arrangement, arrange_candidates
+from ..runtime.layouts import Arrangement, arrange_splits, arrange_whole, splits_cross_every_piece
 from ..runtime.tile_balance import BUDGET, search_entries
-from .bounds import mesh_bound
+from .bounds import full_comm_bound, mesh_bound
 from .cluster import Cluster, Workload
 
 __all__ = ["LayoutChoice", "choose_layout", "candidate_layouts", "resolve_layout", "tile_weights", "SPLIT_CANDIDATES"]
@@ -78,31 +78,54 @@ def candidate_layouts(lengths: Sequence[int], chunks: int, causal: bool = True,
     moves: not at CP = 256 chunks of 1M tokens, say), and split over the 1 .. ``max_split`` longest
     documents longer than a piece (a shorter one cannot hold the busiest piece; the ones that do not
     fit are skipped)."""
+    return (_whole_candidates(lengths, chunks, causal, shape, weights)
+            + arrange_splits(lengths, chunks, _split_count(lengths, chunks, max_split), causal=causal))
+
+
+def _whole_candidates(lengths, chunks, causal, shape, weights) -> List[Arrangement]:
     tiled = shape is not None and chunks > 1 and 8 * 32 * search_entries(lengths, chunks, causal) <= BUDGET
+    return arrange_whole(lengths, chunks, causal=causal, shape=shape if tiled else None, weights=weights)
+
+
+def _split_count(lengths: Sequence[int], chunks: int, max_split: int) -> int:
     piece = sum(lengths) // (2 * chunks)
-    long = sum(1 for x in lengths if x > piece)
-    return arrange_candidates(lengths, chunks, min(max_split, long), causal=causal,
-                              shape=shape if tiled else None, weights=weights)
+    return min(max_split, sum(1 for x in lengths if x > piece))
 
 
 def choose_layout(lengths: Sequence[int], a: int, b: int, cluster: Cluster, w: Workload, *, stride: int = 1,
                   candidates: Optional[Sequence[Arrangement]] = None) -> LayoutChoice:
     """The fastest layout of documents ``lengths`` on the a x b mesh (its N = a * b chunks: the
     super-ranks under a2a+mesh, whose ``w`` is then the inner layer after the all-to-all).
-    ``w`` is the layer without its documents (shapes, dtypes); ``stride``: GPUs between CP ranks."""
+    ``w`` is the layer without its documents (shapes, dtypes); ``stride``: GPUs between CP ranks.
+    Without ``candidates`` (:func:`candidate_layouts`'), the split ones are built only when they can
+    win: a split layout needs every block (its first document crosses every piece), so it takes at
+    least :func:`~megatron_mesh_cp.planning.bounds.full_comm_bound`, and when a whole-document layout
+    is priced at or below that their searches are skipped (ties go to the earlier candidate anyway:
+    the choice is the same)."""
     t0 = time.perf_counter()
     n = a * b
-    cands = list(candidates) if candidates is not None else candidate_layouts(
-        lengths, n, w.causal, shape=(a, b), weights=tile_weights(w, cluster))
     if sum(lengths) != w.seq_local * n:
         raise ValueError(f"the documents span {sum(lengths)} tokens but {n} chunks of {w.seq_local} tokens hold "
                          f"{w.seq_local * n}")
-    rows = []
-    for arr in cands:
-        seconds = mesh_bound(a, b, cluster, replace(w, mask=arr.mask), stride)
-        rows.append((_label(arr), seconds, arr.balance))
+    if candidates is not None:
+        cands = list(candidates)
+        rows = [_priced(arr, a, b, cluster, w, stride) for arr in cands]
+    else:
+        cands = _whole_candidates(lengths, n, w.causal, (a, b), tile_weights(w, cluster))
+        rows = [_priced(arr, a, b, cluster, w, stride) for arr in cands]
+        skip = (splits_cross_every_piece(lengths, n)
+                and min(r[1] for r in rows) <= full_comm_bound(a, b, cluster, w, stride))
+        if not skip:
+            splits = arrange_splits(lengths, n, _split_count(lengths, n, SPLIT_CANDIDATES), causal=w.causal)
+            cands += splits
+            rows += [_priced(arr, a, b, cluster, w, stride) for arr in splits]
     best = int(np.argmin([r[1] for r in rows]))  # the first of equals: never a new layout for nothing
     return LayoutChoice(cands[best], rows[best][1], tuple(rows), time.perf_counter() - t0)
+
+
+def _priced(arr: Arrangement, a: int, b: int, cluster: Cluster, w: Workload, stride: int):
+    """(label, mesh_bound seconds, busiest / mean chunk work) of one candidate."""
+    return _label(arr), mesh_bound(a, b, cluster, replace(w, mask=arr.mask), stride), arr.balance
 
 
 def resolve_layout(w: Workload, a: int, b: int, cluster: Cluster, stride: int = 1) -> Workload:

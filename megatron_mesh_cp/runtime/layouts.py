@@ -37,9 +37,15 @@ from .balance import balance_order, balance_orders
 from .tile_balance import tile_order
 from .masks import Documents, Mask, arranged_of
 
-__all__ = ["TOKEN_LAYOUTS", "Arrangement", "arrange", "arrange_candidates", "token_work", "chunk_of_piece"]
+__all__ = ["TOKEN_LAYOUTS", "Arrangement", "arrange", "arrange_candidates", "arrange_whole", "arrange_splits",
+           "splits_cross_every_piece", "token_work", "chunk_of_piece"]
 
 TOKEN_LAYOUTS = ("zigzag", "balanced", "tiled", "split")
+#: the split layout's balance search (its whole documents around the split ones): at most this many
+#: moves, stopping after SPLIT_PATIENCE that did not lower the busiest chunk -- a quarter of the
+#: balanced layout's, so auto's split candidates cost its host time less (scripts/layout_quality.py:
+#: auto's predicted seconds within 1% of the full search's on average)
+SPLIT_ITERS, SPLIT_PATIENCE = 1024, 256
 
 
 @dataclass(frozen=True, eq=False)
@@ -164,7 +170,8 @@ def _split(lengths: np.ndarray, chunks: int, count: int, causal: bool, seed: int
     if plan is None:
         return None
     problem = plan.problem(seed)
-    return plan.lay(None if problem is None else balance_order(chunks=chunks, causal=causal, **problem))
+    return plan.lay(None if problem is None else balance_order(chunks=chunks, causal=causal, iters=SPLIT_ITERS,
+                                                               patience=SPLIT_PATIENCE, **problem))
 
 
 class _SplitPlan:
@@ -310,9 +317,31 @@ def arrange_candidates(lengths: Sequence[int], chunks: int, splits: int, *, caus
                        seed: int = 0, shape: Optional[Tuple[int, int]] = None,
                        weights: Optional[Tuple[float, float, float, float]] = None) -> List[Arrangement]:
     """zigzag, balanced, tiled (with ``shape``: searched from the balanced order) and split over the
-    1 .. ``splits`` longest documents (up to the first that does not fit), each exactly :func:`arrange`'s;
-    the balance searches run in lockstep (:func:`~megatron_mesh_cp.runtime.balance.balance_orders`: one
-    evaluation per round for all)."""
+    1 .. ``splits`` longest documents (up to the first that does not fit), each exactly :func:`arrange`'s
+    (:func:`arrange_whole` and :func:`arrange_splits`)."""
+    return (arrange_whole(lengths, chunks, causal=causal, seed=seed, shape=shape, weights=weights)
+            + arrange_splits(lengths, chunks, splits, causal=causal, seed=seed))
+
+
+def arrange_whole(lengths: Sequence[int], chunks: int, *, causal: bool = True, seed: int = 0,
+                  shape: Optional[Tuple[int, int]] = None,
+                  weights: Optional[Tuple[float, float, float, float]] = None) -> List[Arrangement]:
+    """The whole-document layouts: zigzag, balanced and (with ``shape``) tiled, searched from the
+    balanced order; each exactly :func:`arrange`'s."""
+    x = _check(lengths, chunks)
+    bal = _whole(x, balance_order(x.tolist(), chunks, causal=causal, seed=seed), chunks, causal, "balanced")
+    out = [_whole(x, range(len(x)), chunks, causal, "zigzag"), bal]
+    if shape is not None:
+        out.append(arrange(x.tolist(), chunks, "tiled", causal=causal, seed=seed, shape=shape, weights=weights,
+                           start=bal.runs[0]))
+    return out
+
+
+def arrange_splits(lengths: Sequence[int], chunks: int, splits: int, *, causal: bool = True,
+                   seed: int = 0) -> List[Arrangement]:
+    """The split layouts over the 1 .. ``splits`` longest documents (up to the first that does not fit),
+    each exactly :func:`arrange`'s; their balance searches run in lockstep
+    (:func:`~megatron_mesh_cp.runtime.balance.balance_orders`: one evaluation per round for all)."""
     x = _check(lengths, chunks)
     plans = []
     for k in range(1, min(splits, len(x)) + 1):
@@ -320,15 +349,16 @@ def arrange_candidates(lengths: Sequence[int], chunks: int, splits: int, *, caus
         if plan is None:
             break
         plans.append(plan)
-    problems = [dict(lengths=x.tolist(), seed=seed)] + [p.problem(seed) for p in plans]
-    asked = [p for p in problems if p is not None]
-    found = iter(balance_orders(asked, chunks, causal=causal))
-    orders = [next(found) if p is not None else None for p in problems]
-    out = [_whole(x, range(len(x)), chunks, causal, "zigzag"), _whole(x, orders[0], chunks, causal, "balanced")]
-    if shape is not None:
-        out.append(arrange(x.tolist(), chunks, "tiled", causal=causal, seed=seed, shape=shape, weights=weights,
-                           start=out[1].runs[0]))
-    return out + [p.lay(o) for p, o in zip(plans, orders[1:])]
+    problems = [p.problem(seed) for p in plans]
+    found = iter(balance_orders([p for p in problems if p is not None], chunks, causal=causal, iters=SPLIT_ITERS,
+                                patience=SPLIT_PATIENCE))
+    return [p.lay(next(found) if q is not None else None) for p, q in zip(plans, problems)]
+
+
+def splits_cross_every_piece(lengths: Sequence[int], chunks: int) -> bool:
+    """Whether every split layout's first (the longest) document has tokens in all 2 * ``chunks``
+    pieces, so its mask needs every block of any mesh tile (runtime/layouts.py's split)."""
+    return max(lengths) >= 2 * chunks
 
 
 def positions_of(arr: Arrangement, total: int) -> np.ndarray:
