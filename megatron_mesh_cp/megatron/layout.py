@@ -76,8 +76,7 @@ def choose(lengths, args):
     """The Arrangement this micro-batch runs (``--mesh-layout``) and, for auto, the choice's report."""
     from ..planning import load_cluster
     from ..planning import ulysses_inner
-    from ..planning import candidate_layouts, choose_layout
-    from ..planning.layouts import SPLIT_CANDIDATES
+    from ..planning import choose_layout
     from ..planning import default_cluster
     from ..planning import tile_weights
     from ..runtime import arrange
@@ -104,13 +103,10 @@ def choose(lengths, args):
     inner = ulysses_inner(u, w) if u > 1 else w
     cluster = options().cluster or (load_cluster(args.mesh_cluster) if getattr(args, "mesh_cluster", None)
                                    else default_cluster())
-    weights = tile_weights(inner, cluster)  # the tiled layout balances this mesh's ranks by the cost model
-    if layout == "tiled":
-        return arrange(lengths, chunks, "tiled", shape=(a, b), weights=weights), None
-    splits = 0 if options().whole_documents else SPLIT_CANDIDATES  # auto narrowed: documents stay whole
-    choice = choose_layout(lengths, a, b, cluster, inner, stride=args.tensor_model_parallel_size * u,
-                           candidates=candidate_layouts(lengths, chunks, max_split=splits, shape=(a, b),
-                                                        weights=weights))
+    if layout == "tiled":  # this mesh's ranks balanced by the cost model's call weights
+        return arrange(lengths, chunks, "tiled", shape=(a, b), weights=tile_weights(inner, cluster)), None
+    narrowed = {"max_split": 0} if options().whole_documents else {}  # auto narrowed: documents stay whole
+    choice = choose_layout(lengths, a, b, cluster, inner, stride=args.tensor_model_parallel_size * u, **narrowed)
     return choice.arrangement, choice
 
 

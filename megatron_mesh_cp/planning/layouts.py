@@ -93,7 +93,8 @@ def _split_count(lengths: Sequence[int], chunks: int, max_split: int) -> int:
 
 
 def choose_layout(lengths: Sequence[int], a: int, b: int, cluster: Cluster, w: Workload, *, stride: int = 1,
-                  candidates: Optional[Sequence[Arrangement]] = None) -> LayoutChoice:
+                  candidates: Optional[Sequence[Arrangement]] = None,
+                  max_split: int = SPLIT_CANDIDATES) -> LayoutChoice:
     """The fastest layout of documents ``lengths`` on the a x b mesh (its N = a * b chunks: the
     super-ranks under a2a+mesh, whose ``w`` is then the inner layer after the all-to-all).
     ``w`` is the layer without its documents (shapes, dtypes); ``stride``: GPUs between CP ranks.
@@ -101,7 +102,8 @@ def choose_layout(lengths: Sequence[int], a: int, b: int, cluster: Cluster, w: W
     win: a split layout needs every block (its first document crosses every piece), so it takes at
     least :func:`~megatron_mesh_cp.planning.bounds.full_comm_bound`, and when a whole-document layout
     is priced at or below that their searches are skipped (ties go to the earlier candidate anyway:
-    the choice is the same)."""
+    the choice is the same). ``max_split``: the most documents a split candidate cuts (0: documents
+    stay whole, where the model cannot re-lay pieces)."""
     t0 = time.perf_counter()
     n = a * b
     if sum(lengths) != w.seq_local * n:
@@ -113,10 +115,10 @@ def choose_layout(lengths: Sequence[int], a: int, b: int, cluster: Cluster, w: W
     else:
         cands = _whole_candidates(lengths, n, w.causal, (a, b), tile_weights(w, cluster))
         rows = [_priced(arr, a, b, cluster, w, stride) for arr in cands]
-        skip = (splits_cross_every_piece(lengths, n)
-                and min(r[1] for r in rows) <= full_comm_bound(a, b, cluster, w, stride))
+        skip = max_split < 1 or (splits_cross_every_piece(lengths, n)
+                                 and min(r[1] for r in rows) <= full_comm_bound(a, b, cluster, w, stride))
         if not skip:
-            splits = arrange_splits(lengths, n, _split_count(lengths, n, SPLIT_CANDIDATES), causal=w.causal)
+            splits = arrange_splits(lengths, n, _split_count(lengths, n, max_split), causal=w.causal)
             cands += splits
             rows += [_priced(arr, a, b, cluster, w, stride) for arr in splits]
     best = int(np.argmin([r[1] for r in rows]))  # the first of equals: never a new layout for nothing
