@@ -77,20 +77,26 @@ def train(tmp: Path, name: str, nproc: int, extra: Sequence[str] = (), timeout: 
     cfg = write_config(tmp, name, **overrides)
     summary = tmp / f"{name}.json"
     grads = tmp / f"{name}.grads.pt"
-    argv = [str(LAUNCHER), "--config", str(cfg), "--summary-json", str(summary), "--dump-grads", str(grads), *extra]
-    if os.environ.get("MESH_CP_TEST_TORCHRUN") == "1":
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
-               str(_port()), *argv]
-        out = subprocess.run(cmd, env=env(tmp), capture_output=True, text=True, timeout=timeout, cwd=ROOT)
-        code, stdout, stderr = out.returncode, out.stdout, out.stderr
-    else:
-        code, stdout, stderr = _forked(tmp, name, nproc, argv[1:], timeout)
+    argv = ["--config", str(cfg), "--summary-json", str(summary), "--dump-grads", str(grads), *extra]
+    code, stdout, stderr = launch(tmp, name, nproc, argv, timeout)
     if code != 0 or not summary.exists():  # Megatron exits 0 on some failures (sys.exit())
         raise AssertionError(f"{name} failed ({code}):\n{stdout[-4000:]}\n{stderr[-6000:]}")
     result = json.loads(summary.read_text())
     result["grads_path"] = str(grads)
     result["stdout"] = stdout
     return result
+
+
+def launch(tmp: Path, name: str, nproc: int, argv: Sequence[str], timeout: int = 600):
+    """(exit code, stdout, stderr) of the launcher on ``nproc`` local ranks with ``argv``: forked from
+    tests/zygote.py (0 when every rank exited 0, as torchrun's), or under torchrun itself with
+    ``MESH_CP_TEST_TORCHRUN=1``."""
+    if os.environ.get("MESH_CP_TEST_TORCHRUN") == "1":
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
+               str(_port()), str(LAUNCHER), *argv]
+        out = subprocess.run(cmd, env=env(tmp), capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+        return out.returncode, out.stdout, out.stderr
+    return _forked(tmp, name, nproc, list(argv), timeout)
 
 
 _ZYGOTE = None
