@@ -10,7 +10,9 @@ rank fails the others are stopped, and a run past its timeout is killed. The ser
 forking it is safe): it imports no process group, and checks its thread count before every fork.
 
 Protocol (one JSON object per line): request ``{"argv", "env", "cwd", "nproc", "port", "stdout", "stderr",
-"timeout"}`` on stdin, reply ``{"codes": [...], "timed_out": bool}`` on stdout.
+"timeout"}`` on stdin, reply ``{"codes": [...], "timed_out": bool}`` on stdout. Optional: ``"script"`` (run it
+instead of the launcher) and ``"torchrun": false`` (a plain ``python script argv`` process: the request's
+environment only, no torchrun variables), for the launcher's single-process runs (dry runs, argument checks).
 """
 
 from __future__ import annotations
@@ -71,16 +73,18 @@ def _rank(req: dict, rank: int, launcher: str) -> None:
         os.environ.clear()
         os.environ.update(req["env"])
         n = req["nproc"]
-        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(n), LOCAL_WORLD_SIZE=str(n),
-                          GROUP_RANK="0", ROLE_RANK=str(rank), ROLE_WORLD_SIZE=str(n), MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(req["port"]), TORCHELASTIC_RUN_ID="zygote")
+        if req.get("torchrun", True):
+            os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(n), LOCAL_WORLD_SIZE=str(n),
+                              GROUP_RANK="0", ROLE_RANK=str(rank), ROLE_WORLD_SIZE=str(n), MASTER_ADDR="127.0.0.1",
+                              MASTER_PORT=str(req["port"]), TORCHELASTIC_RUN_ID="zygote")
         os.chdir(req["cwd"])
         _write_results_queue()
-        sys.argv = [launcher] + list(req["argv"])
+        script = req.get("script") or launcher
+        sys.argv = [script] + list(req["argv"])
         import runpy
 
         try:
-            runpy.run_path(launcher, run_name="__main__")
+            runpy.run_path(script, run_name="__main__")
             code = 0
         except SystemExit as exc:
             code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
