@@ -356,17 +356,15 @@ print("RESULT", moe, ["MoELayer" in repr(l.submodules.mlp) for l in direct.layer
 def test_default_spec_builds_moe_layers_as_megatron_does(work):
     """num_experts / moe_layer_freq / grouped GEMM are honoured: the launcher's default spec is Megatron's own
     default_layer_spec for the config (MoE block spec included) with mesh core attention, not a dense layer."""
-    import subprocess
-    import sys
-
-    from megatron_runs import _port, env
+    from megatron_runs import _port, env, run_script
 
     e = env(work)
     e.update(WORLD_SIZE="2", RANK="0")
-    out = subprocess.run([sys.executable, "-c", _MOE_SPEC.replace("PORT", str(_port()))], env=e, capture_output=True,
-                         text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.split("RESULT", 1)[1].split() == ["[False,", "True,", "True,", "True]", "[True,", "False,",
+    script = work / "moe_spec.py"
+    script.write_text(_MOE_SPEC.replace("PORT", str(_port())))
+    code, stdout, stderr = run_script(work, "moe_spec", script, [], e)
+    assert code == 0, stderr[-3000:]
+    assert stdout.split("RESULT", 1)[1].split() == ["[False,", "True,", "True,", "True]", "[True,", "False,",
                                                          "True,", "False]", "True"]
 
 
