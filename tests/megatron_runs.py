@@ -87,16 +87,18 @@ def train(tmp: Path, name: str, nproc: int, extra: Sequence[str] = (), timeout: 
     return result
 
 
-def launch(tmp: Path, name: str, nproc: int, argv: Sequence[str], timeout: int = 600):
-    """(exit code, stdout, stderr) of the launcher on ``nproc`` local ranks with ``argv``: forked from
-    tests/zygote.py (0 when every rank exited 0, as torchrun's), or under torchrun itself with
-    ``MESH_CP_TEST_TORCHRUN=1``."""
+def launch(tmp: Path, name: str, nproc: int, argv: Sequence[str], timeout: int = 600, script: Path = LAUNCHER,
+           environ: Dict[str, str] = None):
+    """(exit code, stdout, stderr) of ``script`` (the launcher) on ``nproc`` local ranks with ``argv`` and
+    ``environ`` (``env(tmp)``): forked from tests/zygote.py (0 when every rank exited 0, as torchrun's), or under
+    torchrun itself with ``MESH_CP_TEST_TORCHRUN=1``."""
+    environ = env(tmp) if environ is None else environ
     if os.environ.get("MESH_CP_TEST_TORCHRUN") == "1":
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
-               str(_port()), str(LAUNCHER), *argv]
-        out = subprocess.run(cmd, env=env(tmp), capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+               str(_port()), str(script), *argv]
+        out = subprocess.run(cmd, env=environ, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
         return out.returncode, out.stdout, out.stderr
-    codes, stdout, stderr = _forked(tmp, name, nproc, list(argv), timeout)
+    codes, stdout, stderr = _forked(tmp, name, nproc, list(argv), timeout, script=str(script), env=dict(environ))
     return (0 if not any(codes) else 1), stdout, stderr
 
 
