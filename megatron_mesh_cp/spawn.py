@@ -5,6 +5,9 @@
 failure with every rank's error. ``ctx`` carries ``rank``, ``world_size`` and a per-process
 ``cache`` (for example process groups built once and reused across calls). Each rank computes on
 ``OMP_NUM_THREADS`` threads (default 1: n ranks on a few cores must not oversubscribe them).
+``RankPool(n, preload=[...])`` forks the ranks from a server that imported those modules once
+(multiprocessing's forkserver) instead of spawning fresh interpreters: for a process that starts many
+pools (a test suite), each rank then skips seconds of importing torch (and Megatron).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import socket
 import traceback
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Sequence
 
 import torch.multiprocessing as mp
 
@@ -87,10 +90,17 @@ def _worker(rank: int, world: int, port: int, tasks, results, timeout_s: float, 
 class RankPool:
     """n persistent gloo ranks on this machine."""
 
-    def __init__(self, n: int, *, timeout_s: float = 120.0, env: Dict[str, str] = None) -> None:
+    def __init__(self, n: int, *, timeout_s: float = 120.0, env: Dict[str, str] = None,
+                 preload: Sequence[str] = ()) -> None:
+        """``preload``: modules the fork server imports before the first pool forks from it (one server per
+        process: the first preload list given is the one it keeps; modules that fail to import are skipped)."""
         self.n = n
         self.timeout_s = timeout_s
-        ctx = mp.get_context("spawn")
+        if preload:
+            ctx = mp.get_context("forkserver")
+            ctx.set_forkserver_preload(list(preload))
+        else:
+            ctx = mp.get_context("spawn")
         self._tasks = [ctx.Queue() for _ in range(n)]
         self._results = ctx.Queue()
         port = free_port()

@@ -25,6 +25,12 @@ from megatron_mesh_cp.spawn import RankPool  # noqa: E402  (imports torch: this 
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # inherited by every subprocess and spawned rank
 
+#: imported once by the fork server the pools' ranks are forked from (each rank would pay seconds of CPU per
+#: module tree: on 2 cores a 16-rank pool took ~20 s to start, and ~30 s more at its first Megatron task)
+PRELOAD = ("torch", "torch.distributed", "megatron_mesh_cp", "megatron.core", "megatron.core.parallel_state",
+           "megatron.core.models.gpt", "megatron.core.models.gpt.gpt_layer_specs", "megatron.core.dist_checkpointing",
+           "megatron.core.transformer.transformer_config")
+
 #: per pool: [ranks, first status seen, last status seen, highest thread count], for the session's closing lines
 _POOL_STATS = []
 
@@ -54,7 +60,7 @@ class _Pools:
             self._record()
             return self._pool
         self.close()
-        self._pool = RankPool(n, timeout_s=180)
+        self._pool = RankPool(n, timeout_s=180, preload=PRELOAD)
         _POOL_STATS.append([n, None, None, 0])
         return self._pool
 

@@ -77,20 +77,43 @@ def train(tmp: Path, name: str, nproc: int, extra: Sequence[str] = (), timeout: 
     cfg = write_config(tmp, name, **overrides)
     summary = tmp / f"{name}.json"
     grads = tmp / f"{name}.grads.pt"
-    argv = [str(LAUNCHER), "--config", str(cfg), "--summary-json", str(summary), "--dump-grads", str(grads), *extra]
-    if os.environ.get("MESH_CP_TEST_TORCHRUN") == "1":
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
-               str(_port()), *argv]
-        out = subprocess.run(cmd, env=env(tmp), capture_output=True, text=True, timeout=timeout, cwd=ROOT)
-        code, stdout, stderr = out.returncode, out.stdout, out.stderr
-    else:
-        code, stdout, stderr = _forked(tmp, name, nproc, argv[1:], timeout)
+    argv = ["--config", str(cfg), "--summary-json", str(summary), "--dump-grads", str(grads), *extra]
+    code, stdout, stderr = launch(tmp, name, nproc, argv, timeout)
     if code != 0 or not summary.exists():  # Megatron exits 0 on some failures (sys.exit())
         raise AssertionError(f"{name} failed ({code}):\n{stdout[-4000:]}\n{stderr[-6000:]}")
     result = json.loads(summary.read_text())
     result["grads_path"] = str(grads)
     result["stdout"] = stdout
     return result
+
+
+def launch(tmp: Path, name: str, nproc: int, argv: Sequence[str], timeout: int = 600, script: Path = LAUNCHER,
+           environ: Dict[str, str] = None):
+    """(exit code, stdout, stderr) of ``script`` (the launcher) on ``nproc`` local ranks with ``argv`` and
+    ``environ`` (``env(tmp)``): forked from tests/zygote.py (0 when every rank exited 0, as torchrun's), or under
+    torchrun itself with ``MESH_CP_TEST_TORCHRUN=1``."""
+    environ = env(tmp) if environ is None else environ
+    if os.environ.get("MESH_CP_TEST_TORCHRUN") == "1":
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
+               str(_port()), str(script), *argv]
+        out = subprocess.run(cmd, env=environ, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+        return out.returncode, out.stdout, out.stderr
+    codes, stdout, stderr = _forked(tmp, name, nproc, list(argv), timeout, script=str(script), env=dict(environ))
+    return (0 if not any(codes) else 1), stdout, stderr
+
+
+def run_script(tmp: Path, name: str, script: Path, argv: Sequence[str], environ: Dict[str, str], cwd: Path = ROOT,
+               timeout: int = 600):
+    """(exit code, stdout, stderr) of ``python script argv`` with exactly ``environ``, for the launcher's
+    single-process runs (dry runs, argument checks): forked from tests/zygote.py (torch and Megatron imported
+    there once, ~8 s of CPU a fresh interpreter pays), or a fresh interpreter with ``MESH_CP_TEST_TORCHRUN=1``."""
+    if os.environ.get("MESH_CP_TEST_TORCHRUN") == "1":
+        out = subprocess.run([sys.executable, str(script), *argv], env=environ, capture_output=True, text=True,
+                             timeout=timeout, cwd=cwd)
+        return out.returncode, out.stdout, out.stderr
+    codes, stdout, stderr = _forked(tmp, name, 1, list(argv), timeout, script=str(script), env=dict(environ),
+                                    cwd=str(cwd), torchrun=False)
+    return codes[0], stdout, stderr
 
 
 _ZYGOTE = None
@@ -111,14 +134,15 @@ def _zygote(tmp: Path) -> subprocess.Popen:
     return _ZYGOTE
 
 
-def _forked(tmp: Path, name: str, nproc: int, argv: List[str], timeout: int):
-    """(exit code as torchrun's: 0 when every rank exited 0, stdout, stderr) of one run forked by the server."""
+def _forked(tmp: Path, name: str, nproc: int, argv: List[str], timeout: int, **request):
+    """(every rank's exit code, stdout, stderr) of one run forked by the server (``request``: more of its fields)."""
     z = _zygote(tmp)
     out, err = tmp / f"{name}.stdout", tmp / f"{name}.stderr"
     for f in (out, err):
         f.write_text("")
     req = dict(argv=argv, env=env(tmp), cwd=str(ROOT), nproc=nproc, port=_port(), stdout=str(out), stderr=str(err),
                timeout=timeout)
+    req.update(request)
     z.stdin.write(json.dumps(req) + "\n")
     z.stdin.flush()
     line = z.stdout.readline()
@@ -127,7 +151,7 @@ def _forked(tmp: Path, name: str, nproc: int, argv: List[str], timeout: int):
     reply = json.loads(line)
     if reply["timed_out"]:
         raise subprocess.TimeoutExpired(name, timeout, out.read_text(), err.read_text())
-    return (0 if not any(reply["codes"]) else 1), out.read_text(), err.read_text()
+    return reply["codes"], out.read_text(), err.read_text()
 
 
 def _port() -> int:
@@ -139,7 +163,7 @@ def _port() -> int:
 
 
 def run_bad_args(cases: List[List[str]], tmp: Path, world_size: int = 4) -> List[Dict]:
-    """Run the launcher's argument handling for each argv in one subprocess; report exit code + stderr."""
+    """Run the launcher's argument handling for each argv in one process (``run_script``); report exit code + stderr."""
     script = tmp / "bad_args.py"
     script.write_text(
         "import contextlib, io, json, sys\n"
@@ -161,9 +185,8 @@ def run_bad_args(cases: List[List[str]], tmp: Path, world_size: int = 4) -> List
     )
     e = env(tmp)
     e.update(WORLD_SIZE=str(world_size), RANK="0", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_port()))
-    out = subprocess.run([sys.executable, str(script), json.dumps(cases)], env=e, capture_output=True, text=True,
-                         timeout=600, cwd=ROOT)
-    line = next((l for l in out.stdout.splitlines() if l.startswith("RESULT")), None)
+    _, stdout, stderr = run_script(tmp, "bad_args", script, [json.dumps(cases)], e)
+    line = next((l for l in stdout.splitlines() if l.startswith("RESULT")), None)
     if line is None:
-        raise AssertionError(f"bad-args runner failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
+        raise AssertionError(f"bad-args runner failed:\n{stdout[-3000:]}\n{stderr[-3000:]}")
     return json.loads(line[len("RESULT"):])

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -85,12 +86,15 @@ def test_gpu_check_script_smoke_on_cpu(tmp_path):
 
 def test_attention_benchmark_on_gloo(tmp_path):
     out_csv, out_png, out_md = tmp_path / "b.csv", tmp_path / "b.png", tmp_path / "b.md"
+    from megatron_runs import launch  # 4 ranks forked as torchrun would start them
+
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--master_port", "29731",
-           str(ROOT / "scripts" / "bench_attention.py"), "--seq", "256", "--heads", "4", "--kv-heads", "2",
-           "--head-dim", "16", "--shapes", "auto,2x2,1x4,2x1x2", "--iters", "2", "--warmup", "1", "--repeats", "3",
-           "--csv", str(out_csv), "--plot", str(out_png), "--markdown", str(out_md)]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    argv = ["--seq", "256", "--heads", "4", "--kv-heads", "2", "--head-dim", "16", "--shapes", "auto,2x2,1x4,2x1x2",
+            "--iters", "2", "--warmup", "1", "--repeats", "3", "--csv", str(out_csv), "--plot", str(out_png),
+            "--markdown", str(out_md)]
+    rc, stdout, stderr = launch(tmp_path, "bench", 4, argv, timeout=300, script=ROOT / "scripts" / "bench_attention.py",
+                                environ=env)
+    res = SimpleNamespace(returncode=rc, stdout=stdout, stderr=stderr)
     assert res.returncode == 0, res.stderr[-3000:]
     rows = list(csv.DictReader(out_csv.open()))
     names = [r["algorithm"] for r in rows]

@@ -7,8 +7,6 @@ One save run (2 ranks, mesh 1x2, stopped by ``--exit-interval 2``) feeds both fa
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -16,19 +14,17 @@ import pytest
 
 pytest.importorskip("megatron.training", reason="megatron-core >= 0.17 (Python 3.12) is needed")
 
-from megatron_runs import LAUNCHER, ROOT, _port, env, write_config  # noqa: E402
+from megatron_runs import launch, write_config  # noqa: E402
 
 RUN = dict(train_iters=4, context_parallel_size=2, context_parallel_algo="mesh", mesh_shape="1x2", save_interval=100)
 
 
 def _launch(work: Path, name: str, nproc: int, extra=(), **overrides):
+    """The launcher's exit code as torchrun reports it (tests/megatron_runs.py's launch), its output and summary."""
     cfg = write_config(work, name, **overrides)
     summary = work / f"{name}.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", str(_port()),
-           str(LAUNCHER), "--config", str(cfg), "--summary-json", str(summary), *extra]
-    out = subprocess.run(cmd, env=env(work), capture_output=True, text=True, timeout=600, cwd=ROOT)
-    return SimpleNamespace(rc=out.returncode, out=out.stdout + out.stderr,
-                           summary=json.loads(summary.read_text()) if summary.exists() else None)
+    rc, stdout, stderr = launch(work, name, nproc, ["--config", str(cfg), "--summary-json", str(summary), *extra])
+    return SimpleNamespace(rc=rc, out=stdout + stderr, summary=json.loads(summary.read_text()) if summary.exists() else None)
 
 
 @pytest.fixture(scope="module")

@@ -183,17 +183,13 @@ def test_the_dry_run_states_every_layout_the_launcher_accepts():
 
 
 def test_dry_run_states_the_masking(tmp_path):
-    import subprocess
-    import sys
-
-    from megatron_runs import LAUNCHER, ROOT, env
+    from megatron_runs import LAUNCHER, env, run_script
 
     cfg = write_config(tmp_path, "docs-dry", **MESH4, context_parallel_algo="mesh", mesh_shape="2x2")
     e = env(tmp_path)
     e.update(WORLD_SIZE="4", RANK="0")
-    out = subprocess.run([sys.executable, str(LAUNCHER), "--config", str(cfg), "--dry-run"], env=e, capture_output=True,
-                         text=True, timeout=300, cwd=ROOT)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "document masking: from EOD (--reset-attention-mask), unpadded" in out.stdout + out.stderr
-    assert "each micro-batch's token layout chosen by the cost model (--mesh-layout auto" in out.stdout + out.stderr
-    assert "vocabulary assumed" not in out.stdout + out.stderr  # the stdlib's byte-level vocabulary, as the job trains
+    code, stdout, stderr = run_script(tmp_path, "docs-dry", LAUNCHER, ["--config", str(cfg), "--dry-run"], e)
+    assert code == 0, stderr[-3000:]
+    assert "document masking: from EOD (--reset-attention-mask), unpadded" in stdout + stderr
+    assert "each micro-batch's token layout chosen by the cost model (--mesh-layout auto" in stdout + stderr
+    assert "vocabulary assumed" not in stdout + stderr  # the stdlib's byte-level vocabulary, as the job trains

@@ -305,21 +305,17 @@ def test_main_job_config_trains_and_plots(work):
 
 
 def test_launcher_help_lists_its_own_options_then_megatrons(work):
-    import subprocess
-    import sys
+    from megatron_runs import LAUNCHER, env, run_script
 
-    from megatron_runs import LAUNCHER, ROOT, env
-
-    out = subprocess.run([sys.executable, str(LAUNCHER), "--help"], env=env(work), capture_output=True, text=True,
-                         timeout=300, cwd=ROOT)
-    assert out.returncode == 0, out.stderr[-2000:]
-    ours, megatron = out.stdout.split("Megatron-LM Arguments", 1) if "Megatron-LM Arguments" in out.stdout else (out.stdout, "")
+    code, stdout, stderr = run_script(work, "help", LAUNCHER, ["--help"], env(work))
+    assert code == 0, stderr[-2000:]
+    ours, megatron = stdout.split("Megatron-LM Arguments", 1) if "Megatron-LM Arguments" in stdout else (stdout, "")
     assert "launcher options (megatron-mesh-cp)" in ours
     for flag in ("--config FILE.yaml", "--summary-json FILE", "--plot-loss FILE.png", "--dump-grads FILE", "--dry-run",
                  "--gpu-memory-gib", "--data-cache-dir"):
         assert flag in ours, flag
     assert "--context-parallel-algo" in megatron and "--mesh-shape" in megatron and "--seq-length" in megatron
-    assert "--mesh-check-finite" in out.stdout  # Megatron's help despite stray % in its strings (test_stock_megatron)
+    assert "--mesh-check-finite" in stdout  # Megatron's help despite stray % in its strings (test_stock_megatron)
 
 
 _MOE_SPEC = r"""
@@ -360,17 +356,15 @@ print("RESULT", moe, ["MoELayer" in repr(l.submodules.mlp) for l in direct.layer
 def test_default_spec_builds_moe_layers_as_megatron_does(work):
     """num_experts / moe_layer_freq / grouped GEMM are honoured: the launcher's default spec is Megatron's own
     default_layer_spec for the config (MoE block spec included) with mesh core attention, not a dense layer."""
-    import subprocess
-    import sys
-
-    from megatron_runs import _port, env
+    from megatron_runs import _port, env, run_script
 
     e = env(work)
     e.update(WORLD_SIZE="2", RANK="0")
-    out = subprocess.run([sys.executable, "-c", _MOE_SPEC.replace("PORT", str(_port()))], env=e, capture_output=True,
-                         text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.split("RESULT", 1)[1].split() == ["[False,", "True,", "True,", "True]", "[True,", "False,",
+    script = work / "moe_spec.py"
+    script.write_text(_MOE_SPEC.replace("PORT", str(_port())))
+    code, stdout, stderr = run_script(work, "moe_spec", script, [], e)
+    assert code == 0, stderr[-3000:]
+    assert stdout.split("RESULT", 1)[1].split() == ["[False,", "True,", "True,", "True]", "[True,", "False,",
                                                          "True,", "False]", "True"]
 
 

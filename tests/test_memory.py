@@ -135,8 +135,8 @@ def test_dry_run_attention_memory_is_each_algorithms_own_figure(tmp_path):
     under ``mesh_shape: auto`` exactly the peak the planner logs: one figure, printed once."""
     import json
     import os
-    import subprocess
-    import sys
+
+    from megatron_runs import run_script
 
     seq = ["--seq-length", "1048576", "--max-position-embeddings", "1048576"]
     cases = [
@@ -150,10 +150,11 @@ def test_dry_run_attention_memory_is_each_algorithms_own_figure(tmp_path):
          "--seq-length", "262144", "--max-position-embeddings", "262144"],
     ]
     env = dict(os.environ, WORLD_SIZE="256", RANK="0", PYTHONWARNINGS="ignore", CUDA_DEVICE_MAX_CONNECTIONS="1")
-    res = subprocess.run([sys.executable, "-c", _DRY_RUN_MEMORY, json.dumps(cases)], capture_output=True, text=True,
-                         timeout=300, env=env, cwd=tmp_path)
-    assert res.returncode == 0, res.stderr[-3000:]
-    rows = json.loads(res.stdout.split("RESULT ", 1)[1])
+    script = tmp_path / "dry_run_memory.py"
+    script.write_text(_DRY_RUN_MEMORY)
+    code, stdout, stderr = run_script(tmp_path, "dry_run_memory", script, [json.dumps(cases)], env, cwd=tmp_path)
+    assert code == 0, stderr[-3000:]
+    rows = json.loads(stdout.split("RESULT ", 1)[1])
     assert [r["sim"] for r in rows[:5]] == ["ring", "usp:8", "mesh:4x16", "a2a+mesh:8x2x16", "ulysses"]
     for r in rows:
         assert r["got"] == r["want"] > 0, r

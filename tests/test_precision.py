@@ -6,14 +6,12 @@ stays in the model's dtype, which the dry run and the attention's log say; TE's 
 from __future__ import annotations
 
 import logging
-import subprocess
-import sys
 
 import pytest
 
 pytest.importorskip("megatron.training", reason="megatron-core >= 0.17 (Python 3.12) is needed")
 
-from megatron_runs import LAUNCHER, ROOT, env, write_config  # noqa: E402
+from megatron_runs import LAUNCHER, env, run_script, write_config  # noqa: E402
 
 from megatron_mesh_cp.megatron.arguments import MeshArgumentError, apply_mesh_args  # noqa: E402
 from megatron_mesh_cp.megatron.precision import precision_line  # noqa: E402
@@ -77,9 +75,8 @@ def test_dry_run_states_that_attention_stays_in_the_model_dtype_under_fp8(tmp_pa
     cfg = write_config(tmp_path, "fp8-dry", **MESH, fp8_format="e4m3")
     e = env(tmp_path)
     e.update(WORLD_SIZE="4", RANK="0")
-    out = subprocess.run([sys.executable, str(LAUNCHER), "--config", str(cfg), "--dry-run"], env=e, capture_output=True,
-                         text=True, timeout=300, cwd=ROOT)
-    assert out.returncode == 0, out.stderr[-3000:]
-    text = out.stdout + out.stderr
+    code, stdout, stderr = run_script(tmp_path, "fp8-dry", LAUNCHER, ["--config", str(cfg), "--dry-run"], e)
+    assert code == 0, stderr[-3000:]
+    text = stdout + stderr
     assert ("precision: Transformer Engine's FP8 GEMMs (--fp8-format e4m3, --fp8-recipe delayed) in the linear "
             "layers; attention under mesh CP stays in fp32, the model's dtype (no FP8 attention") in text

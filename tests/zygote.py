@@ -3,13 +3,16 @@
 Importing torch and Megatron costs every rank about 10 s of CPU (tests/megatron_runs.py); a 4-rank run on two cores
 paid ~20 s of wall time before its first iteration. This process imports them once, then for each request forks
 the ranks of one run, each with the environment torchrun would give it (RANK, LOCAL_RANK, WORLD_SIZE, ...,
-MASTER_ADDR/PORT), the run's own environment and working directory, its stdout/stderr appended to the run's two
+MASTER_ADDR/PORT), the run's own environment and working directory, Megatron's checkpoint write-results
+queue already started (``_write_results_queue``), its stdout/stderr appended to the run's two
 log files, and runs ``scripts/pretrain_gpt_mesh.py`` as ``__main__``, as torchrun would. Like torchrun, when one
 rank fails the others are stopped, and a run past its timeout is killed. The server stays single-threaded (so
 forking it is safe): it imports no process group, and checks its thread count before every fork.
 
 Protocol (one JSON object per line): request ``{"argv", "env", "cwd", "nproc", "port", "stdout", "stderr",
-"timeout"}`` on stdin, reply ``{"codes": [...], "timed_out": bool}`` on stdout.
+"timeout"}`` on stdin, reply ``{"codes": [...], "timed_out": bool}`` on stdout. Optional: ``"script"`` (run it
+instead of the launcher) and ``"torchrun": false`` (a plain ``python script argv`` process: the request's
+environment only, no torchrun variables), for the launcher's single-process runs (dry runs, argument checks).
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ import time
 PRELOAD = ("megatron_mesh_cp.megatron.pretrain", "megatron.training", "megatron.training.training",
            "megatron.training.checkpointing", "megatron.core.models.gpt", "megatron.core.datasets.gpt_dataset",
            "megatron.core.datasets.blended_megatron_dataset_builder", "megatron_mesh_cp.megatron.specs",
-           "megatron_mesh_cp.megatron.cp_layer", "megatron_mesh_cp.megatron.data")
+           "megatron_mesh_cp.megatron.cp_layer", "megatron_mesh_cp.megatron.data",
+           "megatron.core.dist_checkpointing.strategies.filesystem_async")
 
 
 def _preload() -> None:
@@ -40,6 +44,21 @@ def _threads() -> int:
     return len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else 1
 
 
+def _write_results_queue() -> None:
+    """Start Megatron's checkpoint write-results queue now, forked while the rank is single-threaded. Left to the
+    first save, it is a ``multiprocessing.Manager`` started by spawn: a fresh interpreter that re-imports the
+    launcher, ~10 s of CPU per rank on 2 cores (as under torchrun). The checkpoints written are the same."""
+    import inspect
+
+    try:
+        from megatron.core.dist_checkpointing.strategies import filesystem_async
+    except ImportError:
+        return
+    get = getattr(filesystem_async, "get_write_results_queue", None)
+    if get is not None and "mp_mode" in inspect.signature(get).parameters:
+        get(mp_mode="fork")
+
+
 def _rank(req: dict, rank: int, launcher: str) -> None:
     """In the forked child: become rank ``rank`` of the run and never return."""
     code = 1
@@ -54,15 +73,18 @@ def _rank(req: dict, rank: int, launcher: str) -> None:
         os.environ.clear()
         os.environ.update(req["env"])
         n = req["nproc"]
-        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(n), LOCAL_WORLD_SIZE=str(n),
-                          GROUP_RANK="0", ROLE_RANK=str(rank), ROLE_WORLD_SIZE=str(n), MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(req["port"]), TORCHELASTIC_RUN_ID="zygote")
+        if req.get("torchrun", True):
+            os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(n), LOCAL_WORLD_SIZE=str(n),
+                              GROUP_RANK="0", ROLE_RANK=str(rank), ROLE_WORLD_SIZE=str(n), MASTER_ADDR="127.0.0.1",
+                              MASTER_PORT=str(req["port"]), TORCHELASTIC_RUN_ID="zygote")
         os.chdir(req["cwd"])
-        sys.argv = [launcher] + list(req["argv"])
+        _write_results_queue()
+        script = req.get("script") or launcher
+        sys.argv = [script] + list(req["argv"])
         import runpy
 
         try:
-            runpy.run_path(launcher, run_name="__main__")
+            runpy.run_path(script, run_name="__main__")
             code = 0
         except SystemExit as exc:
             code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
