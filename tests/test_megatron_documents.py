@@ -133,8 +133,8 @@ def test_layouts_the_model_cannot_re_lay_are_refused_or_narrowed_with_the_reason
             apply_mesh_args(_flat(**{**base, **extra}, mesh_layout="split"), [])
         apply_mesh_args(_flat(**{**base, **extra}), [])
         assert options().layout == "auto" and options().whole_documents and why in options().layout_note
-        assert ("(--mesh-layout auto keeps documents whole (zigzag, balanced or tiled, by the cost model): split cuts "
-                "them into pieces, which ") in _masking(_flat())
+        assert ("; each micro-batch's token layout: --mesh-layout auto keeps documents whole (zigzag, balanced or "
+                "tiled, by the cost model): split cuts them into pieces, which ") in _masking(_flat())
     apply_mesh_args(_flat(**base), [])
     assert options().layout == "auto" and options().layout_note == "" and not options().whole_documents
     with pytest.raises(MeshArgumentError, match="--mesh-layout lays out the documents of --reset-attention-mask"):

@@ -462,9 +462,10 @@ def _masking(args) -> str:
         return f"packed THD (--mesh-packed-data), every document padded to a multiple of {args.mesh_pack_multiple}"
     if options().documents == "eod":
         layout = {
-            "auto": "; each micro-batch's token layout chosen by the cost model (" + (
-                options().layout_note or "--mesh-layout auto: zigzag, balanced or tiled document order, or the "
-                                         "longest documents split over every chunk") + ")",
+            # narrowed auto: its note already says the cost model chooses (no nested repeat of it)
+            "auto": ("; each micro-batch's token layout: " + options().layout_note if options().layout_note else
+                     "; each micro-batch's token layout chosen by the cost model (--mesh-layout auto: zigzag, "
+                     "balanced or tiled document order, or the longest documents split over every chunk)"),
             "balanced": "; documents reordered per micro-batch to balance the zigzag chunks (--mesh-layout balanced)",
             "split": "; the longest documents split over every chunk, the others reordered around them (--mesh-layout "
                      "split)",

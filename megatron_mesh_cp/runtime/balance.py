@@ -140,7 +140,6 @@ def _run(searches: List[_Search], chunks: int, causal: bool, iters: int, patienc
         s.order = np.full(width, pad, dtype=np.int64)
         s.order[:s.m] = np.arange(at, at + s.m)
         at += s.m
-    span = max(float(s.bounds[-1]) for s in searches) + 1  # row offset: every row's prefixes below the next's
     bounds_all = np.stack([s.bounds for s in searches])
     extra_all = np.stack([np.zeros(chunks) if s.extra is None else s.extra for s in searches])
     cap_all = np.array([s.m - 1 for s in searches], dtype=np.int64)
