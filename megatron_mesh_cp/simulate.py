@@ -94,7 +94,7 @@ def main(argv=None) -> int:
     pk.add_argument("--doc-dist", choices=DISTRIBUTIONS, default="loguniform",
                     help="distribution for --docs (powerlaw: heavy-tailed, P(length > x) ~ x^-1/2 on LO..HI)")
     pk.add_argument("--doc-seed", type=int, default=0, help="random seed for --docs")
-    pk.add_argument("--layout", default="auto", metavar="LAYOUT[,LAYOUT...]",
+    pk.add_argument("--layout", default=None, metavar="LAYOUT[,LAYOUT...]",
                     help="the token layout(s) ours run the documents in, one row each, as the launcher's "
                          "--mesh-layout: auto (default: per mesh the one the cost model picks), zigzag (as drawn or "
                          "read), balanced (whole documents reordered so the zigzag chunks carry near-equal work), "
@@ -123,7 +123,8 @@ def main(argv=None) -> int:
                              "run neither unpadded documents nor windows on p2p); price one windowed sequence, or "
                              "documents without --window")
         windowed = replace(w, mask=Window(*args.window)) if args.window is not None else None
-        for flag, value in (("--kernel-tile", args.kernel_tile), ("--doc-layout", args.doc_layout)):
+        for flag, value in (("--kernel-tile", args.kernel_tile), ("--doc-layout", args.doc_layout),
+                            ("--layout", args.layout)):
             if value and not (args.docs or args.doc_lengths):
                 raise ValueError(f"{flag} prices documents; give --docs LO-HI or --doc-lengths FILE with it")
         documents = None
@@ -131,7 +132,10 @@ def main(argv=None) -> int:
             packing, documents = document_sets(args.seq, args.cp, path=args.doc_lengths, dist=args.doc_dist,
                                                lo_hi=parse_doc_range(args.docs) if args.docs else None,
                                                seed=args.doc_seed, tile=args.kernel_tile)
-            layouts = parse_layouts(args.layout)
+            layouts = parse_layouts(args.layout or "auto")
+            if args.doc_layout == "padded" and args.layout:
+                raise ValueError("--layout lays out unpadded documents; --doc-layout padded prices TE's padded THD "
+                                 "partition, which has its own: drop one of them")
             if args.doc_layout == "padded":
                 documents = None
             elif args.batch != 1:

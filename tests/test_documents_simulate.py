@@ -225,6 +225,8 @@ def test_cli_prices_documents_unpadded_and_te_padded(capsys):
     assert "without documents" in out
     for argv, match in ((["--doc-layout", "padded"], "give --docs"), (["--docs", "1K-8K", "--batch", "2"], "--batch 1"),
                         (["--algos", "ring-pruned"], "give documents"),
-                        (["--docs", "1K-8K", "--doc-layout", "padded", "--algos", "ring-pruned"], "give documents")):
+                        (["--docs", "1K-8K", "--doc-layout", "padded", "--algos", "ring-pruned"], "give documents"),
+                        (["--layout", "tiled"], "--layout prices documents; give --docs"),
+                        (["--docs", "1K-8K", "--doc-layout", "padded", "--layout", "tiled"], "drop one of them")):
         assert main(["--cp", "8", "--seq", "64K"] + argv) == 2
         assert match in capsys.readouterr().err, argv

@@ -68,7 +68,8 @@ BAD = [
     (["--reset-attention-mask", "--no-create-attention-mask-in-dataloader", "--mesh-packed-data",
       "--calculate-per-token-loss"], "two ways to mask documents"),
     (["--eod-mask-loss"], "--eod-mask-loss with CP > 1 needs --calculate-per-token-loss"),
-    (["--mesh-document-order", "given"], "there are none to lay out in this run"),
+    (["--mesh-document-order", "given"], "there are none to lay out in this run (it has no --reset-attention-mask, "
+                                         "so attention crosses document boundaries): drop it"),
 ]
 
 
@@ -139,6 +140,9 @@ def test_layouts_the_model_cannot_re_lay_are_refused_or_narrowed_with_the_reason
     assert options().layout == "auto" and options().layout_note == "" and not options().whole_documents
     with pytest.raises(MeshArgumentError, match="--mesh-layout lays out the documents of --reset-attention-mask"):
         apply_mesh_args(_flat(**dict(base, reset_attention_mask=False), mesh_layout="zigzag"), [])
+    with pytest.raises(MeshArgumentError, match=r"none to lay out in this run \(CP = 1 runs Megatron's dense mask\)"):
+        apply_mesh_args(_flat(reset_attention_mask=True, create_attention_mask_in_dataloader=True,
+                              context_parallel_size=1, mesh_layout="tiled"), [])
     with pytest.raises(MeshArgumentError, match="--mesh-document-order given is --mesh-layout zigzag, which "
                                                 "contradicts --mesh-layout split"):
         apply_mesh_args(_flat(**base, mesh_layout="split", mesh_document_order="given"), [])

@@ -67,7 +67,7 @@ def test_256gpu_dry_run_resumes_exits_in_time_and_passes_preflight(dataset):
     assert "software checked in the container at job start" in out
     assert "preflight: ok   checkpoint model: 32 layers, hidden 4096, vocabulary 128256: the config's model" in out
     layout = next(line for line in out.splitlines() if "layout: --mesh-layout auto (" in line)
-    assert "sampled micro-batches) over 4 chunks; busiest chunk " in layout, layout
+    assert "sampled micro-batches) over 4 chunks; busiest chunk (rank, where tiled) " in layout, layout
     assert "documents: a_text_document, b_text_document (190 documents): " in out
     assert "step time (estimate: attention simulated on the h100-ib400 preset" in out and "save_interval 50: " in out
     assert "preflight: ok   data: 2 dataset prefix(es), .bin and .idx present" in out and "preflight: passed" in out

@@ -84,7 +84,7 @@ def test_the_estimate_prices_each_micro_batch_as_it_runs_and_prints_the_layout()
     assert auto.attention_ms <= min(e.attention_ms for e in estimates.values()) * (1 + 1e-9)
     lines = dict((text.split(":")[0], (level, text)) for level, text in se.layout_lines(balanced, save_interval=50))
     assert lines["layout"][1].startswith(f"layout: --mesh-layout balanced (balanced 1 of 1 sampled micro-batches) "
-                                         f"over 4 chunks; busiest chunk "
+                                         f"over 4 chunks; busiest chunk (rank, where tiled) "
                                          f"{balanced.layout.busiest_over_mean:.2f}x the mean attention work "
                                          "(simulated on the h100-ib400 preset, mean over 1 sampled micro-batches)")
     assert "without document masking" in lines["step time (estimate"][1]
@@ -104,3 +104,13 @@ def test_at_cp_1_the_dry_run_says_megatron_masks_the_documents():
     assert lines[0] == ("layout: one rank over 1 CP ranks (documents masked by Megatron's dense mask "
                         "(--reset-attention-mask, CP = 1))"), lines
     assert lines[1].startswith("step time (estimate: attention at CP = 1 not simulated; GEMMs at 450 TFLOP/s"), lines
+
+
+def test_the_dry_run_says_a_sliding_window_is_not_priced():
+    """The estimate prices attention without --window-size: the dry run warns it is an upper bound."""
+    args = _resolve("llama31_8b_cpt_s1_128k")
+    args.window_size, args.data_parallel_size = (4095, 0), 8
+    warned = [text for level, text in se.layout_lines(se.dry_run_estimate(args)) if level == "warning"]
+    assert any("prices attention without the sliding window (--window-size 4095,0)" in w for w in warned), warned
+    args.window_size = None
+    assert not any("sliding window" in text for _, text in se.layout_lines(se.dry_run_estimate(args)))

@@ -117,3 +117,19 @@ def test_auto_offers_tiled_per_mesh_and_the_simulator_runs_it():
     assert replay(fwd, cluster, tiled, stride=8).time > 0 and replay(bwd, cluster, tiled, stride=8).time > 0
     with pytest.raises(ValueError, match="resolve it for the mesh first"):
         docs.with_layout("tiled").arranged(32)
+
+
+def test_a_tiled_layout_reports_the_rank_balance_it_optimises():
+    """A tiled layout's busiest / mean is its ranks' attention pairs (tile_work), not its chunks'; the other
+    layouts keep the chunk figure, and the description says which."""
+    from megatron_mesh_cp.planning import sample_documents
+    from megatron_mesh_cp.runtime.layouts import arrange
+    from megatron_mesh_cp.runtime.tile_balance import tile_work
+
+    lengths = sample_documents(1 << 16, 512, 8192, seed=5).lengths
+    tiled = arrange(lengths, 8, "tiled", shape=(2, 4))
+    ranks = tile_work(lengths, 2, 4, orders=[tiled.runs[0]])[0]
+    assert tiled.balance == pytest.approx(ranks.max() / ranks.mean(), rel=1e-12)
+    assert tiled.balance != pytest.approx(tiled.work.max() / tiled.work.mean(), rel=1e-6)
+    assert "busiest / mean rank work" in tiled.describe()
+    assert "busiest / mean chunk work" in arrange(lengths, 8, "balanced").describe()

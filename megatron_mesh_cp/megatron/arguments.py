@@ -159,10 +159,17 @@ def _check_document_masking(args, launcher: bool, opts: dict) -> None:
     given = _get(args, "mesh_layout") is not None or _get(args, "mesh_document_order") is not None
     if given and opts["documents"] != "eod":
         flag = "--mesh-layout" if _get(args, "mesh_layout") is not None else "--mesh-document-order"
+        if _get(args, "mesh_packed_data"):
+            why = "--mesh-packed-data pads and lays out its own documents (THD)"
+        elif not _get(args, "reset_attention_mask"):
+            why = "it has no --reset-attention-mask, so attention crosses document boundaries"
+        elif int(_get(args, "context_parallel_size", 1) or 1) <= 1:
+            why = "CP = 1 runs Megatron's dense mask"
+        else:
+            why = "its CP is not mesh CP"
         raise MeshArgumentError(
             f"{flag} lays out the documents of --reset-attention-mask under mesh CP (CP > 1, this launcher); there are "
-            "none to lay out in this run (--mesh-packed-data, or CP = 1 with Megatron's dense mask, lay out their "
-            "own): drop it")
+            f"none to lay out in this run ({why}): drop it")
     if opts["documents"] == "eod":
         cuts = _why_not_split(args)
         if layout == "split" and cuts:

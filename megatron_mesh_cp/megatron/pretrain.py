@@ -494,7 +494,7 @@ def _print_summary(s: Dict) -> None:
     if lay:
         ran = ", ".join(f"{name} x {count}" for name, count in sorted(lay["micro_batches"].items()))
         flag = s.get("layout_note") or f"--mesh-layout {s['layout']}"
-        log.info(f"token layouts ({flag}): {ran}; busiest / mean chunk work "
+        log.info(f"token layouts ({flag}): {ran}; busiest / mean work (chunks; ranks for tiled) "
                  f"{lay['busiest_over_mean_mean']:.2f} on average (max {lay['busiest_over_mean_max']:.2f}); "
                  f"{lay['host_ms_mean']:.1f} ms host time per micro-batch (max {lay['host_ms_max']:.1f})")
     log.info(f"done in {s['seconds']:.1f} s")

@@ -249,7 +249,7 @@ def layout_lines(e: StepEstimate, save_interval: Optional[int] = None) -> List[T
     sim = f"simulated on the {e.cluster} preset"
     lines = []
     if e.layout.busiest_over_mean is not None:
-        lines.append(f"layout: {e.layout.name} over {e.layout.chunks} chunks; busiest chunk "
+        lines.append(f"layout: {e.layout.name} over {e.layout.chunks} chunks; busiest chunk (rank, where tiled) "
                      f"{e.layout.busiest_over_mean:.2f}x the mean attention work ({sim}, mean over {e.sequences} "
                      f"sampled micro-batches)")
         lines.append(f"documents: {e.data}")
@@ -271,6 +271,19 @@ def layout_lines(e: StepEstimate, save_interval: Optional[int] = None) -> List[T
 
 
 def dry_run_estimate(args, sequences: int = 8, seed: int = 0) -> StepEstimate:
+    """:func:`_dry_run_estimate`, saying what it leaves out: a sliding window is not priced (an upper bound)."""
+    from dataclasses import replace as _replace
+
+    e = _dry_run_estimate(args, sequences, seed)
+    if getattr(args, "window_size", None) and args.context_parallel_size > 1:
+        e = _replace(e, warnings=e.warnings + (
+            f"the step estimate prices attention without the sliding window (--window-size "
+            f"{','.join(str(x) for x in args.window_size)}), as is auto's layout choice among whole-document "
+            "layouts: an upper bound on the windowed step",))
+    return e
+
+
+def _dry_run_estimate(args, sequences: int = 8, seed: int = 0) -> StepEstimate:
     """The launcher's ``--dry-run`` estimate: under document masking on ``sequences`` micro-batches sampled from the
     configured data's documents (``--data-path`` / ``--train-data-path``; a dry run builds no stdlib corpus),
     else unmasked."""

@@ -46,7 +46,8 @@ class LayoutChoice:
     def describe(self) -> str:
         best = self.arrangement
         others = ", ".join(f"{n} {s * 1e3:.2f} ms" for n, s, _ in self.candidates if n != _label(best))
-        return (f"layout {_label(best)} (busiest / mean chunk work {best.balance:.2f}; simulated "
+        what = "chunk" if best.rank_work is None else "rank"
+        return (f"layout {_label(best)} (busiest / mean {what} work {best.balance:.2f}; simulated "
                 f"{self.seconds * 1e3:.2f} ms fwd+bwd per layer){'; ' + others if others else ''}")
 
 

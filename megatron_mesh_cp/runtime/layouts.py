@@ -34,7 +34,7 @@ from typing import List, Optional, Sequence, Tuple
 import numpy as np
 
 from .balance import balance_order, balance_orders
-from .tile_balance import tile_order
+from .tile_balance import tile_order, tile_work
 from .masks import Documents, Mask, arranged_of
 
 __all__ = ["TOKEN_LAYOUTS", "Arrangement", "arrange", "arrange_candidates", "arrange_whole", "arrange_splits",
@@ -63,6 +63,7 @@ class Arrangement:
     split: int = 0
     given: bool = False  # x' is x (the documents as given)
     shape: Tuple[int, ...] = ()  # (a, b): the mesh a tiled layout balances the ranks of
+    rank_work: Optional[np.ndarray] = field(default=None, repr=False)  # tiled: each rank's attention pairs
 
     @cached_property
     def order(self) -> Optional[np.ndarray]:
@@ -75,14 +76,17 @@ class Arrangement:
 
     @property
     def balance(self) -> float:
-        """Busiest chunk's work over the mean chunk's (1.0: perfect)."""
-        mean = float(self.work.mean())
-        return float(self.work.max()) / mean if mean else 1.0
+        """Busiest chunk's work over the mean chunk's (1.0: perfect); for a tiled layout, which balances
+        the mesh's ranks instead, the busiest rank's attention pairs over the mean rank's."""
+        work = self.work if self.rank_work is None else self.rank_work
+        mean = float(work.mean())
+        return float(work.max()) / mean if mean else 1.0
 
     def describe(self) -> str:
         cut = f", {self.split} document{'s' if self.split != 1 else ''} split" if self.split else ""
         mesh = f" (ranks of the {self.shape[0]}x{self.shape[1]} mesh balanced)" if self.shape else ""
-        return f"{self.name}{cut}{mesh}: busiest / mean chunk work {self.balance:.2f}"
+        what = "chunk" if self.rank_work is None else "rank"
+        return f"{self.name}{cut}{mesh}: busiest / mean {what} work {self.balance:.2f}"
 
 
 def chunk_of_piece(p, chunks: int):
@@ -300,7 +304,8 @@ def arrange(lengths: Sequence[int], chunks: int, layout: str = "balanced", *, ca
                              f"shape=(a, b) with a * b = {chunks}, not {shape!r}")
         a, b = int(shape[0]), int(shape[1])
         order = tile_order(x.tolist(), a, b, causal=causal, weights=weights, seed=seed, start=start)
-        return replace(_whole(x, order, chunks, causal, "tiled"), shape=(a, b))
+        return replace(_whole(x, order, chunks, causal, "tiled"), shape=(a, b),
+                       rank_work=tile_work(x.tolist(), a, b, causal=causal, orders=[order])[0])
     if layout == "split":
         if not 1 <= split <= len(x):
             raise ValueError(f"the split layout cuts 1 .. {len(x)} documents, not {split}")
