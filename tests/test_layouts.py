@@ -250,16 +250,16 @@ def test_layout_choice_is_pinned(draw, label, seconds):
 
 
 def test_candidates_search_in_lockstep_as_one_by_one():
-    """arrange_candidates (the balance searches in lockstep) builds exactly what arrange builds one
-    layout at a time: runs, work and mask, for documents of every mix."""
+    """arrange_whole and arrange_splits (the split searches in lockstep) build exactly what arrange builds
+    one layout at a time: runs, work and mask, for documents of every mix."""
     from megatron_mesh_cp.planning import sample_documents
-    from megatron_mesh_cp.runtime.layouts import arrange_candidates
+    from megatron_mesh_cp.runtime.layouts import arrange_splits, arrange_whole
 
     draws = [sample_documents(1 << 16, 64, 8192, seed=3).lengths,
              sample_documents(1 << 16, 16, 1 << 15, dist="powerlaw", seed=1).lengths]
     for lengths in draws + document_mixes(1 << 12, random.Random(2)):
         for chunks, causal in ((8, True), (16, False)):
-            got = arrange_candidates(lengths, chunks, 4, causal=causal)
+            got = arrange_whole(lengths, chunks, causal=causal) + arrange_splits(lengths, chunks, 4, causal=causal)
             want = laid_out(lengths, chunks, causal)[:2]
             for k in range(1, 5):
                 try:

@@ -272,11 +272,9 @@ def layout_lines(e: StepEstimate, save_interval: Optional[int] = None) -> List[T
 
 def dry_run_estimate(args, sequences: int = 8, seed: int = 0) -> StepEstimate:
     """:func:`_dry_run_estimate`, saying what it leaves out: a sliding window is not priced (an upper bound)."""
-    from dataclasses import replace as _replace
-
     e = _dry_run_estimate(args, sequences, seed)
     if getattr(args, "window_size", None) and args.context_parallel_size > 1:
-        e = _replace(e, warnings=e.warnings + (
+        e = replace(e, warnings=e.warnings + (
             f"the step estimate prices attention without the sliding window (--window-size "
             f"{','.join(str(x) for x in args.window_size)}), as is auto's layout choice among whole-document "
             "layouts: an upper bound on the windowed step",))

@@ -110,12 +110,10 @@ def choose_layout(lengths: Sequence[int], a: int, b: int, cluster: Cluster, w: W
     if sum(lengths) != w.seq_local * n:
         raise ValueError(f"the documents span {sum(lengths)} tokens but {n} chunks of {w.seq_local} tokens hold "
                          f"{w.seq_local * n}")
-    if candidates is not None:
-        cands = list(candidates)
-        rows = [_priced(arr, a, b, cluster, w, stride) for arr in cands]
-    else:
-        cands = _whole_candidates(lengths, n, w.causal, (a, b), tile_weights(w, cluster))
-        rows = [_priced(arr, a, b, cluster, w, stride) for arr in cands]
+    own = candidates is None
+    cands = _whole_candidates(lengths, n, w.causal, (a, b), tile_weights(w, cluster)) if own else list(candidates)
+    rows = [_priced(arr, a, b, cluster, w, stride) for arr in cands]
+    if own:
         skip = max_split < 1 or (splits_cross_every_piece(lengths, n)
                                  and min(r[1] for r in rows) <= full_comm_bound(a, b, cluster, w, stride))
         if not skip:
@@ -145,10 +143,8 @@ def resolve_layout(w: Workload, a: int, b: int, cluster: Cluster, stride: int = 
 @lru_cache(maxsize=128)
 def _resolved(w: Workload, a: int, b: int, cluster: Cluster, stride: int) -> Workload:
     docs = w.mask
-    weights = tile_weights(w, cluster)
-    choice = choose_layout(docs.lengths, a, b, cluster, replace(w, mask=None), stride=stride,
-                           candidates=candidate_layouts(docs.lengths, a * b, w.causal, shape=(a, b), weights=weights))
+    choice = choose_layout(docs.lengths, a, b, cluster, replace(w, mask=None), stride=stride)  # as the launcher does
     arr = choice.arrangement
     layout = f"split:{arr.split}" if arr.split else arr.name
     out = docs.with_layout(layout)
-    return replace(w, mask=out.for_mesh(a, b, weights) if out.tiled else out)
+    return replace(w, mask=out.for_mesh(a, b, tile_weights(w, cluster)) if out.tiled else out)

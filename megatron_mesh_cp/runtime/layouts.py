@@ -37,8 +37,8 @@ from .balance import balance_order, balance_orders
 from .tile_balance import tile_order, tile_work
 from .masks import Documents, Mask, arranged_of
 
-__all__ = ["TOKEN_LAYOUTS", "Arrangement", "arrange", "arrange_candidates", "arrange_whole", "arrange_splits",
-           "splits_cross_every_piece", "token_work", "chunk_of_piece"]
+__all__ = ["TOKEN_LAYOUTS", "Arrangement", "arrange", "arrange_whole", "arrange_splits", "splits_cross_every_piece",
+           "token_work", "chunk_of_piece"]
 
 TOKEN_LAYOUTS = ("zigzag", "balanced", "tiled", "split")
 #: the split layout's balance search (its whole documents around the split ones): at most this many
@@ -316,16 +316,6 @@ def arrange(lengths: Sequence[int], chunks: int, layout: str = "balanced", *, ca
         return out
     raise ValueError(f"unknown layout {layout!r}; choose one of {', '.join(TOKEN_LAYOUTS)} (or auto, which the launcher "
                      "chooses per micro-batch)")
-
-
-def arrange_candidates(lengths: Sequence[int], chunks: int, splits: int, *, causal: bool = True,
-                       seed: int = 0, shape: Optional[Tuple[int, int]] = None,
-                       weights: Optional[Tuple[float, float, float, float]] = None) -> List[Arrangement]:
-    """zigzag, balanced, tiled (with ``shape``: searched from the balanced order) and split over the
-    1 .. ``splits`` longest documents (up to the first that does not fit), each exactly :func:`arrange`'s
-    (:func:`arrange_whole` and :func:`arrange_splits`)."""
-    return (arrange_whole(lengths, chunks, causal=causal, seed=seed, shape=shape, weights=weights)
-            + arrange_splits(lengths, chunks, splits, causal=causal, seed=seed))
 
 
 def arrange_whole(lengths: Sequence[int], chunks: int, *, causal: bool = True, seed: int = 0,
