@@ -7,7 +7,12 @@ failure with every rank's error. ``ctx`` carries ``rank``, ``world_size`` and a 
 ``OMP_NUM_THREADS`` threads (default 1: n ranks on a few cores must not oversubscribe them).
 ``RankPool(n, preload=[...])`` forks the ranks from a server that imported those modules once
 (multiprocessing's forkserver) instead of spawning fresh interpreters: for a process that starts many
-pools (a test suite), each rank then skips seconds of importing torch (and Megatron).
+pools (a test suite), each rank then skips seconds of importing torch (and Megatron). Both start methods
+re-import the caller's main module in the server or ranks: a script that starts a pool guards it with
+``if __name__ == "__main__":``. A rank that dies (crashed, killed, failed to start) fails ``run`` at once;
+one that stalls fails it after ``timeout_s`` + 30 s. The ranks are for CPU work: a preloaded module that
+asks torch about CUDA (``import megatron.core`` does) leaves every forked rank unable to use CUDA
+("Cannot re-initialize CUDA in forked subprocess"); pools whose tasks use a GPU preload nothing (spawn).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import importlib
 import os
 import queue
 import socket
+import time
 import traceback
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -121,16 +127,23 @@ class RankPool:
             q.put((path, args, kwargs))
         out: Dict[int, Any] = {}
         errors: Dict[int, tuple] = {}
+        limit = self.timeout_s + 30
+        deadline = time.monotonic() + limit
         while len(out) + len(errors) < self.n:
-            try:
-                rank, ok, value = self._results.get(timeout=self.timeout_s + 30)
+            try:  # short waits: a rank that died (killed, crashed, failed to start) fails the call at once
+                rank, ok, value = self._results.get(timeout=max(0.01, min(1.0, deadline - time.monotonic())))
             except queue.Empty:
+                lost = {r: p.exitcode for r, p in enumerate(self._procs)
+                        if not p.is_alive() and r not in out and r not in errors}
+                if not lost and time.monotonic() < deadline:
+                    continue
                 dead = [r for r, p in enumerate(self._procs) if not p.is_alive()]
                 self.close(force=True)
                 detail = "".join(f"\nrank {r}: {t}: {m}\n{tb}" for r, (t, m, tb) in sorted(errors.items()))
+                what = (f"ranks {sorted(lost)} died before answering (exit codes {[lost[r] for r in sorted(lost)]})"
+                        if lost else f"ranks did not answer within {limit:.0f}s")
                 raise RuntimeError(
-                    f"ranks did not answer within {self.timeout_s + 30:.0f}s "
-                    f"(dead: {dead}; answered: {sorted(out)}, failed: {sorted(errors)}){detail}"
+                    f"{what} (dead: {dead}; answered: {sorted(out)}, failed: {sorted(errors)}){detail}"
                 ) from None
             (out if ok else errors)[rank] = value
         if errors:

@@ -217,3 +217,12 @@ def agreement_overhead(ctx, calls=200):
         attention.agree("mesh attention", call.agreement(spec, prepared), mesh.cp_group, attention._comm_device(mesh))
         firsts.append((t1 - t0, time.perf_counter() - t1))
     return {"hit_s": hit, "first_prepare_s": min(f[0] for f in firsts), "first_agree_s": min(f[1] for f in firsts)}
+
+
+def exit_on(ctx, rank, code=3):
+    """Rank ``rank`` ends its process without answering (a crash, an OOM kill); the others answer."""
+    if ctx.rank == rank:
+        import os
+
+        os._exit(code)
+    return ctx.rank

@@ -8,6 +8,7 @@ group is not reusable).
 
 from __future__ import annotations
 
+import sys
 import time
 
 import numpy as np
@@ -138,3 +139,17 @@ def test_softmax_scale_accepts_any_real_scalar(pools):
     for bad in (True, float("nan"), -1.0, 0, torch.tensor([0.3]), "0.3", float("inf"), torch.tensor(1j)):
         with pytest.raises(ValueError, match="softmax_scale must be a positive finite real number"):
             resolve_scale(bad, 64)
+
+
+def test_a_rank_that_dies_fails_the_pool_call_at_once_not_after_the_timeout(pools):
+    """A pooled rank that dies (crashed, killed, a script without the ``__main__`` guard) fails ``run`` within
+    seconds, naming it and its exit code, instead of after the pool's timeout + 30 s (here 90 s). Its own pool,
+    forked from the session's fork server (conftest's preload list: no fresh interpreters)."""
+    preload = sys.modules[type(pools).__module__].PRELOAD
+    with RankPool(2, timeout_s=60, preload=preload) as pool:
+        assert pool.run("rank_tasks_faults:exit_on", -1) == [0, 1]  # started and answering
+        started = time.monotonic()
+        with pytest.raises(RuntimeError, match=r"ranks \[1\] died before answering \(exit codes \[3\]\)"):
+            pool.run("rank_tasks_faults:exit_on", 1)
+        assert time.monotonic() - started < 15
+        assert pool._procs == []  # closed: the surviving rank may wait in a collective for the dead one
