@@ -74,3 +74,18 @@ def adopted_stay(ctx):
         kept = rows[me // 2] in registered and cols[me % 2] in registered
         return {"groups_before": groups, "groups_after": proc_status(ctx)["groups"], "kept": kept,
                 "sum": float(x), "destroyed": mesh.row_group is None}
+
+
+def with_block_group_gone(ctx, shape):
+    """A block that raises after one of the mesh's groups was destroyed elsewhere (a teardown that releases every
+    group): the block's own error comes out of the ``with``, and the mesh's other groups are released."""
+    before = proc_status(ctx)["groups"]
+    try:
+        with MeshGroups.create(tuple(shape)) as mesh:
+            dist.destroy_process_group(mesh.col_group)
+            raise KeyError("boom")
+    except KeyError as exc:
+        raised = f"KeyError: {exc}"
+    except Exception as exc:  # noqa: BLE001  (what the test reports)
+        raised = f"{type(exc).__name__}: {exc}"
+    return {"raised": raised, "before": before, "after": proc_status(ctx)["groups"], "destroyed": "destroyed" in repr(mesh)}

@@ -30,6 +30,11 @@ def test_with_block_releases_the_groups_also_on_an_error(pools):
         assert r["inside"] == r["before"] + 2 and r["after"] == r["after_error"] == r["before"], r
 
 
+def test_with_block_raises_its_own_error_when_a_group_was_destroyed_elsewhere(pools):
+    for r in pools.get(4).run("rank_tasks_groups:with_block_group_gone", (2, 2)):
+        assert r["raised"] == "KeyError: 'boom'" and r["after"] == r["before"] and r["destroyed"], r
+
+
 def test_destroy_leaves_adopted_groups_to_their_owner(pools):
     for r in pools.get(4).run("rank_tasks_groups:adopted_stay"):
         assert r["kept"] and r["sum"] == 4.0 and r["destroyed"], r  # both rings still all-reduce (2 x 2 ranks)

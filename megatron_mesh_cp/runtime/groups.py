@@ -295,7 +295,10 @@ class MeshGroups:
     def __exit__(self, exc_type, exc, tb) -> None:
         # on an error only gloo groups are released here: NCCL's shutdown of a group may wait for peers a failed
         # rank never meets again (ProcessGroupNCCL), so those are left to the process's end
-        if exc_type is None or all(dist.get_backend(pg) == "gloo" for pg in self._owned):
+        # (groups already destroyed elsewhere, say by a teardown of every group, are skipped: asking their backend
+        # would raise and hide the block's own error)
+        registered = dist.distributed_c10d._world.pg_map if dist.is_initialized() else {}
+        if exc_type is None or all(dist.get_backend(pg) == "gloo" for pg in self._owned if pg in registered):
             self.destroy()
 
     # --- transport ---------------------------------------------------------------------------
