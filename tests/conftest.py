@@ -24,6 +24,9 @@ atexit.register(shutil.rmtree, os.environ["MESH_CP_CACHE_DIR"], True)
 from megatron_mesh_cp.spawn import RankPool  # noqa: E402  (imports torch: this process keeps its own threads)
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # inherited by every subprocess and spawned rank
+# the suite is the CPU proof (gloo ranks; GPU checks are scripts/gpu_check.sh): hide any GPU, since ranks forked from
+# a fork server that imported megatron.core cannot initialise CUDA, and the CPU shims refuse where CUDA is visible
+os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 #: imported once by the fork server the pools' ranks are forked from (each rank would pay seconds of CPU per
 #: module tree: on 2 cores a 16-rank pool took ~20 s to start, and ~30 s more at its first Megatron task)

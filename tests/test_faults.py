@@ -151,5 +151,5 @@ def test_a_rank_that_dies_fails_the_pool_call_at_once_not_after_the_timeout(pool
         started = time.monotonic()
         with pytest.raises(RuntimeError, match=r"ranks \[1\] died before answering \(exit codes \[3\]\)"):
             pool.run("rank_tasks_faults:exit_on", 1)
-        assert time.monotonic() - started < 15
+        assert time.monotonic() - started < 45  # the timeout path takes 90 s
         assert pool._procs == []  # closed: the surviving rank may wait in a collective for the dead one
