@@ -278,10 +278,8 @@ class MeshGroups:
         """
         if self._shape is None:
             return
-        registered = dist.distributed_c10d._world.pg_map if dist.is_initialized() else {}
-        for pg in self._owned:
-            if pg in registered:
-                dist.destroy_process_group(pg)
+        for pg in self._live_owned():
+            dist.destroy_process_group(pg)
         self._owned = []
         self._shape = None
         self.row_group = self.col_group = self.ulysses_group = None
@@ -297,9 +295,13 @@ class MeshGroups:
         # rank never meets again (ProcessGroupNCCL), so those are left to the process's end
         # (groups already destroyed elsewhere, say by a teardown of every group, are skipped: asking their backend
         # would raise and hide the block's own error)
-        registered = dist.distributed_c10d._world.pg_map if dist.is_initialized() else {}
-        if exc_type is None or all(dist.get_backend(pg) == "gloo" for pg in self._owned if pg in registered):
+        if exc_type is None or all(dist.get_backend(pg) == "gloo" for pg in self._live_owned()):
             self.destroy()
+
+    def _live_owned(self):
+        """The groups :meth:`create` made that are still registered (not destroyed elsewhere)."""
+        registered = dist.distributed_c10d._world.pg_map if dist.is_initialized() else {}
+        return [pg for pg in self._owned if pg in registered]
 
     # --- transport ---------------------------------------------------------------------------
     def ring(self, name: str) -> Tuple[object, Dict[int, int]]:
