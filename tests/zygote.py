@@ -1,6 +1,6 @@
 """A fork server for the launcher test runs: torch and Megatron imported once, each rank forked from it.
 
-Importing torch and Megatron costs every rank about 10 s of CPU (tests/megatron_runs.py); a 4-rank run on two cores
+Importing torch and Megatron costs every rank about 8-10 s of CPU (tests/megatron_runs.py); a 4-rank run on two cores
 paid ~20 s of wall time before its first iteration. This process imports them once, then for each request forks
 the ranks of one run, each with the environment torchrun would give it (RANK, LOCAL_RANK, WORLD_SIZE, ...,
 MASTER_ADDR/PORT), the run's own environment and working directory, Megatron's checkpoint write-results
@@ -47,7 +47,7 @@ def _threads() -> int:
 def _write_results_queue() -> None:
     """Start Megatron's checkpoint write-results queue now, forked while the rank is single-threaded. Left to the
     first save, it is a ``multiprocessing.Manager`` started by spawn: a fresh interpreter that re-imports the
-    launcher, ~10 s of CPU per rank on 2 cores (as under torchrun). The checkpoints written are the same."""
+    launcher, ~8-10 s of CPU per rank on 2 cores (as under torchrun). The checkpoints written are the same."""
     import inspect
 
     try:
