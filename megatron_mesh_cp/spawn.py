@@ -12,7 +12,9 @@ re-import the caller's main module in the server or ranks: a script that starts 
 ``if __name__ == "__main__":``. A rank that dies (crashed, killed, failed to start) fails ``run`` at once;
 one that stalls fails it after ``timeout_s`` + 30 s. The ranks are for CPU work: a preloaded module that
 asks torch about CUDA (``import megatron.core`` does) leaves every forked rank unable to use CUDA
-("Cannot re-initialize CUDA in forked subprocess"); pools whose tasks use a GPU preload nothing (spawn).
+("Cannot re-initialize CUDA in forked subprocess"); pools whose tasks use a GPU preload nothing (spawn). A preloaded module read its environment when the
+server imported it: variables set later (by the caller or per rank) do not reach what it read then
+(the ranks' OpenMP thread count alone is set again in each rank).
 """
 
 from __future__ import annotations
