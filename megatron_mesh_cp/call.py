@@ -15,12 +15,12 @@ from __future__ import annotations
 import math
 import numbers
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional, Tuple, Union
 
 import torch
 
-from .planning import Workload, call_plans
+from .planning import Workload, call_plans, default_cluster, plan_scale
 from .runtime.agree import plan_digest
 from .runtime.kernels import BlockKernel, KernelNeeds, input_spec, lse_dtype, select_kernel
 from .runtime.layout import LAYOUTS, seq_dim
@@ -348,9 +348,11 @@ def plan(spec: CallSpec):
         w = Workload(seq_local=q[0], heads=q[2], kv_heads=k[2], head_dim=spec.head_dim, batch=spec.batch,
                      causal=spec.causal, bytes_per_element=spec.dtype.itemsize,
                      partial_bytes=(spec.partial_dtype or lse_dtype(spec.dtype)).itemsize, head_dim_v=spec.v_head_dim)
+        scale = plan_scale(replace(w, mask=spec.mask), opts.cluster or default_cluster(), spec.shape.n) \
+            if blocks.pruned else 1.0
         plans = call_plans(spec.shape.a, spec.shape.b, spec.planner, workload=w, cluster=opts.cluster,
                            stride=opts.stride * spec.ulysses, max_live=opts.max_live, keep=blocks.needed(spec.shape),
-                           masked=blocks.pruned, slabs=blocks.zigzag_keys)
+                           masked=blocks.pruned, slabs=blocks.zigzag_keys, scale=scale)
     else:
         from .runtime.prune import prune, without_slabs
 

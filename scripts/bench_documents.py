@@ -246,7 +246,8 @@ def documents_page():
         "(`mesh_attention(..., cu_seqlens=cu)`, `--reset-attention-mask`): a block runs the sub-blocks its "
         "documents leave (`runtime/masks/spans.py`), an empty block no call at all, and the plan is the cached full "
         "plan (chains split both ways) pruned to the tile blocks some rank needs (`runtime/prune.py`): a chunk "
-        "nobody needs is not sent. The simulator prices each block's own calls (kernel at the call's rows, call "
+        "nobody needs is not sent; a mask that keeps every tile block (the split layouts) runs the full plan "
+        "planned for its blocks' own time (`planning.plan_scale`, within the unscaled plan's memory). The simulator prices each block's own calls (kernel at the call's rows, call "
         "overhead and correction per call; `planning/documents.py`, tested call for call against the runtime) and "
         "replays the pruned plans; a rank waits only for the chunks of the blocks it runs. Their bytes are "
         "`plan_traffic` of the pruned plans, which the executor's counters equal (tested).",

@@ -18,7 +18,7 @@ from .layouts import LayoutChoice, candidate_layouts, choose_layout, resolve_lay
 from .packing import DISTRIBUTIONS, Packing, length_draws, parse_doc_range, parse_tokens, read_packing, sample_packing
 from .replay import replay
 from .schedule import (
-    PLANNERS, build_plans, call_plans, clear_plan_cache, default_cluster, document_plans, in_order_plan,
+    PLANNERS, build_plans, call_plans, clear_plan_cache, default_cluster, document_plans, in_order_plan, plan_scale,
 )
 from .shape_cache import cache_dir, cached_choice
 from .window_baselines import compare_windows, format_window_table, te_a2a_refusal
@@ -33,6 +33,6 @@ __all__ = [
     "UnpaddedDocuments", "read_documents", "sample_documents",
     "LayoutChoice", "candidate_layouts", "choose_layout", "resolve_layout", "tile_weights",
     "DISTRIBUTIONS", "Packing", "length_draws", "parse_doc_range", "parse_tokens", "read_packing", "sample_packing",
-    "replay", "PLANNERS", "build_plans", "call_plans", "clear_plan_cache", "default_cluster", "document_plans",
+    "replay", "PLANNERS", "build_plans", "call_plans", "clear_plan_cache", "default_cluster", "document_plans", "plan_scale",
     "in_order_plan", "cache_dir", "cached_choice", "compare_windows", "format_window_table", "te_a2a_refusal",
 ]

@@ -197,8 +197,13 @@ class Workload:
     partial_bytes: int = 4  # bytes per element of partial O / dQ / dKV on the wire
     mask: Optional[Mask] = None
     head_dim_v: Optional[int] = None  # None: head_dim
+    #: the greedy planner's block time as a fraction of this layer's unmasked block (a power of two;
+    #: planning/schedule.py ``plan_scale``): a masked layer's plans are planned for the blocks it keeps
+    plan_scale: float = 1.0
 
     def __post_init__(self) -> None:
+        if not (isinstance(self.plan_scale, (int, float)) and 0 < self.plan_scale <= 1):
+            raise ValueError(f"plan_scale must be in (0, 1], got {self.plan_scale!r}")
         mask = None if self.mask is None else as_mask(self.mask).simplified(self.causal)
         if mask is not None:
             mask.check_batch(self.batch)

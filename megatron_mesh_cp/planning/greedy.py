@@ -112,8 +112,9 @@ class PlanCost:
                 fold[kind] = cluster.elementwise_time(3 * nbytes)
         latency = {ring: cluster.latency(lt) for ring, lt in link.items()}
         case = BlockCase.LOWER if w.causal else BlockCase.FULL
-        return cls(w.mean_block_time(cluster, backward, n), w.call_time(cluster, case, backward), fold, transfer,
-                   latency, link)
+        call = w.call_time(cluster, case, backward)
+        block = max(w.mean_block_time(cluster, backward, n) * w.plan_scale, call)  # a masked layer's kept blocks
+        return cls(block, call, fold, transfer, latency, link)
 
 
 def _ring_link(cluster: Cluster, rings: List[List[int]], stride: int) -> str:

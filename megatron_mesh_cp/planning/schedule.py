@@ -16,6 +16,7 @@ around the ring. It is always valid and is the baseline the greedy planner is me
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from dataclasses import replace
@@ -28,7 +29,7 @@ from .cluster import Cluster, Workload, load_cluster
 from .greedy import CONFIGS, PlanCost, greedy_plan, grouping_pays
 from .replay import replay
 
-__all__ = ["in_order_plan", "build_plans", "call_plans", "document_plans", "PLANNERS", "default_cluster",
+__all__ = ["in_order_plan", "build_plans", "call_plans", "document_plans", "plan_scale", "PLANNERS", "default_cluster",
            "DEFAULT_WORKLOAD", "clear_plan_cache"]
 
 PLANNERS = ("greedy", "in-order")
@@ -121,16 +122,23 @@ def build_plans(
 
 def call_plans(a: int, b: int, planner: str = "greedy", *, workload: Workload, cluster: Optional[Cluster] = None,
                stride: int = 1, max_live: Optional[int] = None, keep=None, masked: bool = False,
-               slabs: bool = True) -> Tuple[Plan, Plan]:
+               slabs: bool = True, scale: float = 1.0) -> Tuple[Plan, Plan]:
     """(forward, backward) plans of one call on an a x b mesh for the unmasked layer ``workload``.
 
     ``masked``: the call's mask may leave blocks empty (documents, chunks, a window), so the full plans
     split their chains both ways (a document or a window reaches its neighbours on both sides) and are
-    pruned to ``keep``, the tile blocks some rank needs (None: every block). ``slabs=False``: the
-    mask's lower blocks can need a KV chunk's second piece (its engine's ``zigzag_keys``), so no KV
-    chunk is kept in a slab."""
-    full = build_plans(a, b, planner, cluster=cluster, workload=workload, stride=stride, max_live=max_live,
-                       chains="both-ways" if masked else "auto")
+    pruned to ``keep``, the tile blocks some rank needs (None: every block); where the mask keeps every
+    tile block (documents cut over every chunk, say), so the plan runs as planned, it is planned for
+    ``scale`` (:func:`plan_scale` of the masked layer: the kept blocks' time against an unmasked
+    block's; transfers then hide behind shorter blocks), within the live chunks of the unscaled plan of
+    each phase (never more memory; that plan where the scaled one needs more). A pruned plan keeps the
+    unscaled order (measured: planning it for the scale is slower there). ``slabs=False``: the mask's lower blocks can need a KV chunk's second piece (its engine's
+    ``zigzag_keys``), so no KV chunk is kept in a slab."""
+    if masked and scale != 1.0 and planner == "greedy" and (keep is None or len(keep) == a * b):
+        full = _scaled_plans(a, b, cluster or default_cluster(), workload, stride, max_live, float(scale))
+    else:
+        full = build_plans(a, b, planner, cluster=cluster, workload=workload, stride=stride, max_live=max_live,
+                           chains="both-ways" if masked else "auto")
     if keep is not None:
         full = prune(full[0], keep), prune(full[1], keep)
     if not slabs:
@@ -138,18 +146,56 @@ def call_plans(a: int, b: int, planner: str = "greedy", *, workload: Workload, c
     return full
 
 
+#: the smallest :func:`plan_scale` (a layer whose kept blocks are lighter still plans as at this one)
+MIN_PLAN_SCALE = 1.0 / 16
+
+
+def plan_scale(masked: Workload, cluster: Cluster, chunks: int) -> float:
+    """The mean time (forward + backward) of the blocks a masked layer keeps on ``chunks`` chunks over
+    an unmasked block's, rounded to a power of two in [:data:`MIN_PLAN_SCALE`, 1]: what its full plans
+    are planned for (:func:`call_plans`). Rounded so a run's changing batches share a few plans (the
+    cache stays bounded) and every rank gets the same from the same (agreed) mask."""
+    if not masked.pruned:
+        return 1.0
+    fwd, bwd = (masked.block_times(cluster, backward, chunks) for backward in (False, True))
+    kept = (fwd + bwd) > 0
+    if not kept.any():
+        return 1.0
+    plain = masked.unmasked
+    base = plain.mean_block_time(cluster, False, chunks) + plain.mean_block_time(cluster, True, chunks)
+    ratio = float((fwd + bwd)[kept].mean()) / base
+    return float(min(1.0, max(MIN_PLAN_SCALE, 2.0 ** round(math.log2(ratio)))))
+
+
+@lru_cache(maxsize=64)  # a few scales per layer and shape
+def _scaled_plans(a, b, cluster, workload, stride, max_live, scale) -> Tuple[Plan, Plan]:
+    """The full masked-layer plans planned for blocks ``scale`` times an unmasked one, each phase within
+    the live chunks of its unscaled plan (that plan where the scaled one would need more)."""
+    full = build_plans(a, b, cluster=cluster, workload=workload, stride=stride, max_live=max_live,
+                       chains="both-ways")
+    peaks = tuple(validate(p) for p in full)
+    try:
+        tuned = build_plans(a, b, cluster=cluster, workload=replace(workload, plan_scale=scale), stride=stride,
+                            max_live=max(peaks), chains="both-ways")
+    except ValueError:  # no scaled plan within the unscaled one's memory: keep it
+        return full
+    return tuple(t if validate(t) <= peak else f for t, f, peak in zip(tuned, full, peaks))
+
+
 @lru_cache(maxsize=256)
 def document_plans(a: int, b: int, planner: str = "greedy", *, cluster: Optional[Cluster] = None,
                    workload: Workload, stride: int = 1, max_live: Optional[int] = None) -> Tuple[Plan, Plan]:
     """(forward, backward) plans for a masked ``workload`` (documents, chunks, a window), as
-    ``mesh_attention`` runs them (:func:`call_plans`)."""
+    ``mesh_attention`` runs them (:func:`call_plans`, planned for its :func:`plan_scale`)."""
+    scale = plan_scale(workload, cluster or default_cluster(), a * b)
     return call_plans(a, b, planner, workload=workload.unmasked, cluster=cluster, stride=stride, max_live=max_live,
-                      keep=workload.needed(a, b), masked=True, slabs=workload.blocks(a * b).zigzag_keys)
+                      keep=workload.needed(a, b), masked=True, slabs=workload.blocks(a * b).zigzag_keys, scale=scale)
 
 
 def clear_plan_cache() -> None:
     """Forget every plan built so far (benchmarks time planning from scratch)."""
     _greedy_plans.cache_clear()
+    _scaled_plans.cache_clear()
     document_plans.cache_clear()
 
 
