@@ -11,7 +11,9 @@ what the rank then does before its first attention call of the micro-batch: the 
 token order, and for the call's mask (documents, or the split layout's Arranged mask) its resolve,
 prepare (kernel, block engine, the cached full plans pruned to the blocks needed), agreement fields
 (plan digests) and this rank's kernel calls (``Prepared.for_rank``), as attention.py runs them.
-Collectives and device copies are left out. The full plans depend only on the mesh and layer, so
+Collectives and device copies are left out. The launcher chooses in the data loader (its
+workers, ahead of the step: megatron/layout.py ``LaidOutDataset``), so the step itself only
+*decodes* the layout handed over (printed last) and prepares the call. The full plans depend only on the mesh and layer, so
 one warm-up call builds them first. Prints the median and max over the draws, in ms (host timings:
 noisy on a shared machine).
 """
@@ -33,6 +35,7 @@ from megatron_mesh_cp.call import agreement, call_mask, prepare, resolve  # noqa
 from megatron_mesh_cp.planning import Workload, choose_layout, load_cluster, sample_documents  # noqa: E402
 from megatron_mesh_cp.planning import ulysses_inner  # noqa: E402
 from megatron_mesh_cp.runtime import Documents, PlanOptions  # noqa: E402
+from megatron_mesh_cp.runtime.layouts import decode, encode  # noqa: E402
 from megatron_mesh_cp.virtual import VirtualMesh  # noqa: E402
 
 N, SEQ, CLUSTER = 256, 1 << 20, "h100-ib400"
@@ -46,6 +49,15 @@ def choice_seconds(lengths, u, a, b, cluster, w, stride):
     t0, c0 = time.perf_counter(), time.process_time()
     choice = choose_layout(lengths, a, b, cluster, ulysses_inner(u, w) if u > 1 else w, stride=stride)
     return (time.perf_counter() - t0, time.process_time() - c0), choice
+
+
+def decode_seconds(arr, lengths, chunks):
+    """(wall, CPU) seconds of the step's share when the data loader chose the layout ahead
+    (megatron/layout.py LaidOutDataset): decoding the layout it handed over."""
+    code, work = encode(arr)
+    t0, c0 = time.perf_counter(), time.process_time()
+    decode(code, work, lengths, chunks)  # its token order is part of the preparation
+    return time.perf_counter() - t0, time.process_time() - c0
 
 
 def preparation_seconds(arr, mesh, local, rank: int = 0):
@@ -85,14 +97,16 @@ def main(argv=None) -> None:
     print(f"n = {N}, {SEQ} tokens, a2a+mesh {u}x{a}x{b}, {args.heads}/{args.kv_heads} heads, {CLUSTER}; "
           f"{args.draws} draws per set (host ms, wall / CPU: the median draw's, and the slowest's wall)")
     for title, kw, seed0 in SETS:
-        picks, chosen, prepared = [], [], []
+        picks, chosen, prepared, decoded = [], [], [], []
         for seed in range(seed0, seed0 + args.draws):
             lengths = sample_documents(SEQ, seed=seed, **kw).lengths
             sec, choice = choice_seconds(lengths, u, a, b, cluster, w, u)
             picks.append(sec)
             chosen.append(choice.describe().split(" (")[0].replace("layout ", ""))
             prepared.append(preparation_seconds(choice.arrangement, mesh, local))
-        print(f"{title}: choice {_ms(picks)}, preparation {_ms(prepared)} (chosen: {', '.join(chosen)})")
+            decoded.append(decode_seconds(choice.arrangement, lengths, a * b))
+        print(f"{title}: choice {_ms(picks)}, preparation {_ms(prepared)} (chosen: {', '.join(chosen)}); "
+              f"chosen ahead by the data loader, the step decodes it in {_ms(decoded)}")
 
 
 def _ms(times) -> str:

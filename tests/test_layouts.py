@@ -270,3 +270,52 @@ def test_candidates_search_in_lockstep_as_one_by_one():
             for g, w in zip(got, want):
                 assert all(np.array_equal(x, y) for x, y in zip(g.runs, w.runs)) and np.array_equal(g.work, w.work)
                 assert g.mask == w.mask
+
+
+def test_a_layout_encoded_for_the_step_decodes_to_itself():
+    """What the data loader hands the step (runtime/layouts.encode) decodes to the same layout, only for
+    the micro-batch it was made for; the launcher's dataset attaches it to each sample (picklable for
+    the loader's workers)."""
+    import pickle
+
+    from megatron_mesh_cp.megatron.layout import AHEAD_FIELDS, LaidOutDataset, LayoutPolicy, _choice_of
+    from megatron_mesh_cp.planning import Workload, load_cluster
+    from megatron_mesh_cp.runtime.layouts import decode, encode
+
+    lengths = [300, 7, 9, 64, 33, 1, 2] + [4] * 38
+    lengths.append(1024 - sum(lengths))
+    for arr in laid_out(lengths, 8, shape=(2, 4)):
+        back = decode(*encode(arr), lengths, 8)
+        assert (back.name, back.split, back.given, back.shape, back.mask) == (arr.name, arr.split, arr.given, arr.shape,
+                                                                              arr.mask)
+        assert np.array_equal(back.work, arr.work) and back.balance == arr.balance
+        assert (arr.order is None and back.order is None) or np.array_equal(arr.order, back.order)
+        with pytest.raises(ValueError, match="does not lay out this micro-batch"):
+            decode(*encode(arr), lengths[1:] + [lengths[0]], 8)
+
+    w = Workload(seq_local=128, heads=4, kv_heads=4, head_dim=64)
+    ds = pickle.loads(pickle.dumps(LaidOutDataset(_Tokens(lengths), LayoutPolicy("auto", 8, (2, 4), load_cluster("h100-ib400"),
+                                                                          w), eod=0)))
+    assert ds.split == "train" and len(ds) == 2
+    sample = ds[0]
+    arr = decode(sample["mesh_layout"], sample["mesh_layout_work"].numpy(), lengths, 8)
+    choice = _choice_of(arr, sample["mesh_layout_report"].tolist())
+    assert choice is not None and choice.host_seconds > 0 and {n for n, _, _ in choice.candidates} >= {"zigzag", "tiled"}
+    assert set(AHEAD_FIELDS) <= set(sample)
+
+
+class _Tokens(torch.utils.data.Dataset):
+    """Samples of documents ``lengths``, each ending with the EOD token 0 (as Megatron's GPTDataset's)."""
+
+    split = "train"
+
+    def __init__(self, lengths):
+        self.lengths = lengths
+
+    def __len__(self):
+        return 2
+
+    def __getitem__(self, i):
+        t = torch.arange(1, sum(self.lengths) + 1) % 97 + 1
+        t[torch.tensor(np.cumsum(self.lengths)[:-1] - 1)] = 0
+        return {"tokens": t}

@@ -118,6 +118,8 @@ def test_mesh_composes_with_megatron_feature(runs, name):
     assert dl <= 1e-5 and dg <= 1e-5, (name, dl, dg)
     assert got["attention_calls"] > 0 and got["mesh_shape"] == RUNS[name][1]["mesh_shape"]
     assert got["packed_attention_calls"] == got["attention_calls"]  # every call masked documents
+    lay = got["layouts"]  # each micro-batch's layout chosen by the data loader (TP: broadcast with the documents)
+    assert lay["chosen_ahead"] == sum(lay["micro_batches"].values()) > 0, lay
     if RUNS[name][1].get("mesh_layout") == "split":  # the documents ran cut into pieces
         assert any(k.startswith("split:") for k in got["layouts"]["micro_batches"]), got["layouts"]
     assert ref["losses"][-1][1] < ref["losses"][0][1]  # it learns

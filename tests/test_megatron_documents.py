@@ -55,6 +55,8 @@ def test_document_masking_matches_megatrons_dense_mask(runs, name):
     ran = got["layouts"]["micro_batches"]
     assert got["layout"] == {"mesh2x2": "split", "a2a2x1x2": "auto"}[name] and got["document_batches_reordered"] > 0, got
     assert sum(ran.values()) == 2 * ITERS, ran  # every micro-batch laid out once (2 per iteration)
+    # each chosen where its sample was loaded (the data loader), not on the step's critical path
+    assert got["layouts"]["chosen_ahead"] == 2 * ITERS and got["layouts"]["ahead_choice_ms_mean"] > 0, got["layouts"]
     if name == "mesh2x2":
         assert all(k.startswith("split:") for k in ran), ran
     assert 1.0 <= got["layouts"]["busiest_over_mean_mean"] <= got["layouts"]["busiest_over_mean_max"], got["layouts"]

@@ -29,7 +29,8 @@ import torch
 
 log = logging.getLogger("megatron_mesh_cp")
 
-__all__ = ["LAYOUT_CHOICES", "LaidOutParams", "BatchLayout", "CURRENT", "lay_out", "install_rotary"]
+__all__ = ["LAYOUT_CHOICES", "LaidOutParams", "BatchLayout", "CURRENT", "lay_out", "install_rotary", "LayoutPolicy",
+           "LaidOutDataset", "wrap_datasets", "AHEAD_FIELDS"]
 
 #: --mesh-layout values: auto (chosen per micro-batch), or one layout every micro-batch
 LAYOUT_CHOICES = ("auto", "zigzag", "balanced", "tiled", "split")
@@ -72,57 +73,152 @@ def _mesh_dims(args):
     return 1, 1, int(args.context_parallel_size)
 
 
-def choose(lengths, args):
-    """The Arrangement this micro-batch runs (``--mesh-layout``) and, for auto, the choice's report."""
+@dataclass(frozen=True)
+class LayoutPolicy:
+    """How this run lays out a micro-batch (``--mesh-layout``, the mesh, the cost model's layer and
+    cluster): a picklable value, so the data loader's workers choose with it ahead of the step."""
+
+    layout: str
+    chunks: int
+    shape: tuple  # (a, b) of the mesh
+    cluster: object = None  # auto and tiled: the cost model's inputs
+    inner: object = None
+    stride: int = 1
+    whole_documents: bool = False  # auto narrowed: documents stay whole
+
+    def choose(self, lengths):
+        """The Arrangement of documents ``lengths`` and, for auto, the choice's report."""
+        from ..planning import choose_layout
+        from ..planning import tile_weights
+        from ..runtime import arrange
+
+        chunks, layout = self.chunks, self.layout
+        if layout in ("zigzag", "balanced"):
+            return arrange(lengths, chunks, layout), None
+        if layout == "split":
+            piece = sum(lengths) // (2 * chunks)
+            count = max(1, sum(1 for x in lengths if x > 2 * piece))  # every document longer than a chunk
+            for k in range(count, 0, -1):
+                try:
+                    return arrange(lengths, chunks, "split", split=k), None
+                except ValueError:
+                    continue
+            return arrange(lengths, chunks, "balanced"), None
+        if layout == "tiled":  # this mesh's ranks balanced by the cost model's call weights
+            return arrange(lengths, chunks, "tiled", shape=self.shape,
+                           weights=tile_weights(self.inner, self.cluster)), None
+        narrowed = {"max_split": 0} if self.whole_documents else {}
+        choice = choose_layout(lengths, *self.shape, self.cluster, self.inner, stride=self.stride, **narrowed)
+        return choice.arrangement, choice
+
+
+def policy(args) -> LayoutPolicy:
+    """This run's :class:`LayoutPolicy` (its arguments resolved by the launcher)."""
+    from ..planning import default_cluster
     from ..planning import load_cluster
     from ..planning import ulysses_inner
-    from ..planning import choose_layout
-    from ..planning import default_cluster
-    from ..planning import tile_weights
-    from ..runtime import arrange
     from .cp_layer import attention_workload
     from .settings import options
 
     u, a, b = _mesh_dims(args)
-    chunks = a * b
     layout = options().layout
-    if layout == "zigzag":
-        return arrange(lengths, chunks, "zigzag"), None
-    if layout == "balanced":
-        return arrange(lengths, chunks, "balanced"), None
-    if layout == "split":
-        piece = sum(lengths) // (2 * chunks)
-        count = max(1, sum(1 for x in lengths if x > 2 * piece))  # every document longer than a chunk
-        for k in range(count, 0, -1):
-            try:
-                return arrange(lengths, chunks, "split", split=k), None
-            except ValueError:
-                continue
-        return arrange(lengths, chunks, "balanced"), None
+    if layout not in ("auto", "tiled"):
+        return LayoutPolicy(layout, a * b, (a, b))
     w = attention_workload(args)
-    inner = ulysses_inner(u, w) if u > 1 else w
     cluster = options().cluster or (load_cluster(args.mesh_cluster) if getattr(args, "mesh_cluster", None)
                                    else default_cluster())
-    if layout == "tiled":  # this mesh's ranks balanced by the cost model's call weights
-        return arrange(lengths, chunks, "tiled", shape=(a, b), weights=tile_weights(inner, cluster)), None
-    narrowed = {"max_split": 0} if options().whole_documents else {}  # auto narrowed: documents stay whole
-    choice = choose_layout(lengths, a, b, cluster, inner, stride=args.tensor_model_parallel_size * u, **narrowed)
-    return choice.arrangement, choice
+    return LayoutPolicy(layout, a * b, (a, b), cluster, ulysses_inner(u, w) if u > 1 else w,
+                        args.tensor_model_parallel_size * u, options().whole_documents)
 
 
-def lay_out(batch: dict, params, args):
+def choose(lengths, args):
+    """The Arrangement this micro-batch runs (``--mesh-layout``) and, for auto, the choice's report."""
+    return policy(args).choose(lengths)
+
+
+#: the fields a :class:`LaidOutDataset` sample adds (runtime.layouts.encode, and auto's report)
+AHEAD_FIELDS = ("mesh_layout", "mesh_layout_work", "mesh_layout_report")
+
+
+class LaidOutDataset(torch.utils.data.Dataset):
+    """A Megatron dataset whose samples carry their token layout, chosen where the sample is loaded --
+    in the data loader's worker processes, ahead of the step that trains on it (``--num-workers`` > 0)
+    -- rather than on the step's critical path. Everything else is the wrapped dataset's."""
+
+    def __init__(self, dataset, rule: LayoutPolicy, eod: int) -> None:
+        self.dataset, self.rule, self.eod = dataset, rule, int(eod)
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getattr__(self, name):  # split, index_split, config, ... (not while unpickling)
+        if name in ("dataset", "rule", "eod") or name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(self.dataset, name)
+
+    def __getitem__(self, idx):
+        from ..runtime import documents_from_eod
+        from ..runtime.layouts import encode
+
+        sample = dict(self.dataset[idx])
+        t0 = time.perf_counter()
+        cu = documents_from_eod(torch.as_tensor(sample["tokens"]).reshape(-1), self.eod)
+        arr, choice = self.rule.choose((cu[1:] - cu[:-1]).tolist())
+        code, work = encode(arr)
+        sample["mesh_layout"], sample["mesh_layout_work"] = torch.from_numpy(code), torch.from_numpy(work)
+        sample["mesh_layout_report"] = torch.tensor(_report(choice, time.perf_counter() - t0), dtype=torch.float64)
+        return sample
+
+
+def _label_id(label: str) -> int:
+    name, _, k = label.partition(":")
+    return LAYOUT_CHOICES.index(name) + 8 * int(k or 0)
+
+
+def _label_of(i: int) -> str:
+    name, k = LAYOUT_CHOICES[int(i) % 8], int(i) // 8
+    return f"{name}:{k}" if k else name
+
+
+def _report(choice, seconds: float) -> list:
+    """auto's report as floats: [host seconds, predicted seconds, (label id, seconds, balance) per candidate]."""
+    if choice is None:
+        return [seconds]
+    return [seconds, choice.seconds] + [v for n, s, bal in choice.candidates for v in (_label_id(n), s, bal)]
+
+
+def _choice_of(arr, report):
+    """The LayoutChoice a :func:`_report` describes (None: not auto's)."""
+    from ..planning import LayoutChoice
+
+    r = [float(v) for v in report]
+    if len(r) < 2:
+        return None
+    cands = tuple((_label_of(r[i]), r[i + 1], r[i + 2]) for i in range(2, len(r), 3))
+    return LayoutChoice(arr, r[1], cands, r[0])
+
+
+def wrap_datasets(datasets, args, eod: int):
+    """``datasets`` (train, valid, test; None where not built) as :class:`LaidOutDataset`s."""
+    rule = policy(args)
+    return tuple(None if d is None else LaidOutDataset(d, rule, eod) for d in datasets)
+
+
+def lay_out(batch: dict, params, args, ahead=None):
     """The micro-batch re-laid by its layout (before the CP split): ``(batch, params)`` with the tokens,
-    labels, loss mask and position ids in the layout's order and the attention's documents."""
+    labels, loss mask and position ids in the layout's order and the attention's documents. ``ahead``:
+    the layout the data loader chose for it (:data:`AHEAD_FIELDS`' tensors), else chosen here."""
     t0 = time.perf_counter()
-    batch, params, arr, choice = _lay_out(batch, params, args)
+    batch, params, arr, choice, chose = _lay_out(batch, params, args, ahead)
     from .settings import COUNTERS
 
-    if COUNTERS.note_layout(arr, choice, time.perf_counter() - t0):  # the first micro-batch: what runs
-        log.info("mesh layout of the first micro-batch: %s", choice.describe() if choice else arr.describe())
+    if COUNTERS.note_layout(arr, choice, time.perf_counter() - t0, ahead=chose):  # the first micro-batch: what runs
+        where = " (chosen by the data loader)" if ahead is not None else ""
+        log.info("mesh layout of the first micro-batch%s: %s", where, choice.describe() if choice else arr.describe())
     return batch, params
 
 
-def _lay_out(batch: dict, params, args):
+def _lay_out(batch: dict, params, args, ahead=None):
     global LaidOutParams
     from dataclasses import fields
 
@@ -130,23 +226,31 @@ def _lay_out(batch: dict, params, args):
 
     cu = params.cu_seqlens_q
     lengths = (cu[1:] - cu[:-1]).tolist()
-    arr, choice = choose(lengths, args)
+    if ahead is not None:  # chosen in the data loader: this batch's documents, checked
+        from ..runtime.layouts import decode
+
+        code, work, report = (t.reshape(-1).cpu().numpy() for t in ahead)
+        u, a, b = _mesh_dims(args)
+        arr = decode(code, work, lengths, a * b)
+        choice, chose = _choice_of(arr, report), float(report[0])
+    else:
+        (arr, choice), chose = choose(lengths, args), None
     CURRENT.positions, CURRENT.name = None, arr.name
     if arr.order is None:
-        return batch, params, arr, choice
+        return batch, params, arr, choice, chose
     index = torch.from_numpy(arr.order).to(cu.device)
     batch = {k: (v.index_select(1, index.to(v.device)) if v is not None else None) for k, v in batch.items()}
     if isinstance(arr.mask, Documents):  # whole documents in a new order: new offsets, RoPE as it is
         new = torch.tensor(arr.mask.cu, dtype=cu.dtype, device=cu.device)
         return batch, type(params)(**{f.name: getattr(params, f.name) for f in fields(params)} | {
-            "cu_seqlens_q": new, "cu_seqlens_kv": new}), arr, choice
+            "cu_seqlens_q": new, "cu_seqlens_kv": new}), arr, choice, chose
     if LaidOutParams is None:
         LaidOutParams = _params_class()
     CURRENT.positions = index
     cuts = torch.tensor(arr.mask.cuts, dtype=cu.dtype, device=cu.device)
     kw = {f.name: getattr(params, f.name) for f in fields(params)}
     kw.update(cu_seqlens_q=cuts, cu_seqlens_kv=cuts, mesh_mask=arr.mask)
-    return batch, LaidOutParams(**kw), arr, choice
+    return batch, LaidOutParams(**kw), arr, choice, chose
 
 
 def install_rotary() -> None:

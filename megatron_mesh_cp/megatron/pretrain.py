@@ -233,21 +233,28 @@ def _get_batch(data_iterator):
             pipeline_model_parallel_size=args.pipeline_model_parallel_size,
             is_pipeline_first_stage=mpu.is_pipeline_first_stage(), is_pipeline_last_stage=mpu.is_pipeline_last_stage(),
         )
-    params = _documents(raw["tokens"] if raw is not None else None, args) if options().documents == "eod" else None
+    params = ahead = None
+    if options().documents == "eod":
+        from .layout import AHEAD_FIELDS
+
+        mine = None if raw is None or raw.get(AHEAD_FIELDS[0]) is None else tuple(raw[k] for k in AHEAD_FIELDS)
+        params, ahead = _documents(raw["tokens"] if raw is not None else None, args, mine)
     if params is not None:  # the micro-batch's layout (megatron/layout.py), agreed once over the CP group
         from .attention import agree_batch_documents
         from .layout import lay_out
 
-        batch, params = lay_out(batch, params, args)
+        batch, params = lay_out(batch, params, args, ahead)
         agree_batch_documents(params)
     batch = get_batch_on_this_cp_rank(batch, is_hybrid_cp=False, cp_group=mpu.get_context_parallel_group())
     return [batch.get(k) for k in keys] + [params]
 
 
-def _documents(tokens, args):
+def _documents(tokens, args, ahead=None):
     """--reset-attention-mask under mesh CP: this micro-batch's documents (ending at EOD tokens, as
     Megatron's dense mask has them) as global offsets, read on the first TP rank and broadcast to
-    the others, for every pipeline stage (the attention of every layer needs them)."""
+    the others, for every pipeline stage (the attention of every layer needs them); with them
+    ``ahead``, the layout the data loader chose (megatron/layout.py ``AHEAD_FIELDS``; None: none).
+    Returns ``(PackedSeqParams, ahead)``."""
     from megatron.core import mpu
     from megatron.core.packed_seq_params import PackedSeqParams
     from megatron.training import get_tokenizer
@@ -256,15 +263,20 @@ def _documents(tokens, args):
 
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     cu = documents_from_eod(tokens[0].to(device), get_tokenizer().eod) if tokens is not None else None
-    if args.tensor_model_parallel_size > 1:
+    if args.tensor_model_parallel_size > 1:  # one broadcast: sizes, then offsets and the layout (float64 as bits)
         group, src = mpu.get_tensor_model_parallel_group(), mpu.get_tensor_model_parallel_src_rank()
-        count = torch.tensor([cu.numel() if cu is not None else 0], dtype=torch.int64, device=device)
+        parts = [] if cu is None else [cu.to(torch.int64)] + [
+            t.reshape(-1).to(device).view(torch.int64) for t in (ahead or ())]
+        count = torch.tensor([p.numel() for p in parts] + [0] * (4 - len(parts)), dtype=torch.int64, device=device)
         torch.distributed.broadcast(count, src, group=group)
-        if cu is None:
-            cu = torch.empty(int(count.item()), dtype=torch.int32, device=device)
-        torch.distributed.broadcast(cu, src, group=group)
+        flat = torch.cat(parts) if parts else torch.empty(int(count.sum()), dtype=torch.int64, device=device)
+        torch.distributed.broadcast(flat, src, group=group)
+        pieces = flat.split(count.tolist())
+        cu = pieces[0].to(torch.int32)
+        ahead = (pieces[1], pieces[2].view(torch.float64), pieces[3].view(torch.float64)) if count[1] else None
     s = args.seq_length
-    return PackedSeqParams(qkv_format="sbhd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=s, max_seqlen_kv=s)
+    return PackedSeqParams(qkv_format="sbhd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=s,
+                           max_seqlen_kv=s), ahead
 
 
 def _loss_func(loss_mask, output_tensor):
@@ -290,6 +302,8 @@ def datasets_provider(train_val_test_num_samples, vp_stage=None):
     from megatron.training import get_args
     from megatron.training.utils import get_blend_and_blend_per_split
 
+    from .settings import options
+
     args = get_args()
     blend, blend_per_split = get_blend_and_blend_per_split(args)
     config = GPTDatasetConfig(
@@ -303,7 +317,12 @@ def datasets_provider(train_val_test_num_samples, vp_stage=None):
     )
     cls = MockGPTDataset if args.mock_data else GPTDataset
     built = lambda: mpu.get_tensor_model_parallel_rank() == 0  # noqa: E731
-    return BlendedMegatronDatasetBuilder(cls, train_val_test_num_samples, built, config).build()
+    datasets = BlendedMegatronDatasetBuilder(cls, train_val_test_num_samples, built, config).build()
+    if options().documents == "eod" and args.context_parallel_size > 1:  # layouts chosen where samples load
+        from .layout import wrap_datasets
+
+        datasets = wrap_datasets(datasets, args, config.tokenizer.eod)
+    return datasets
 
 
 datasets_provider.is_distributed = True

@@ -49,6 +49,8 @@ class MeshCounters:
     balance_max: float = 0.0
     host_sum: float = 0.0  # seconds the launcher spent laying micro-batches out (choice + re-laying)
     host_max: float = 0.0
+    ahead: int = 0  # micro-batches whose layout the data loader chose (off the step's critical path)
+    ahead_sum: float = 0.0  # seconds those choices took there
 
     def count_call(self, query: torch.Tensor, key: torch.Tensor, n: int, training: bool, packed: bool = False,
                    v_head_dim: Optional[int] = None) -> None:
@@ -62,9 +64,13 @@ class MeshCounters:
         self.calls += 1
         self.packed_calls += int(packed)
 
-    def note_layout(self, arrangement, choice=None, seconds: float = 0.0) -> bool:
+    def note_layout(self, arrangement, choice=None, seconds: float = 0.0, ahead: Optional[float] = None) -> bool:
         """One micro-batch laid out (runtime.layouts.Arrangement; ``choice``: auto's report) in
-        ``seconds`` of host time; True for the run's first."""
+        ``seconds`` of host time; ``ahead``: the seconds the data loader took to choose its layout
+        (None: chosen here, inside ``seconds``); True for the run's first."""
+        if ahead is not None:
+            self.ahead += 1
+            self.ahead_sum += ahead
         name = f"split:{arrangement.split}" if arrangement.split else arrangement.name
         first = not self.layouts
         self.layouts[name] += 1
@@ -81,7 +87,9 @@ class MeshCounters:
             return None
         return {"micro_batches": dict(self.layouts), "busiest_over_mean_mean": round(self.balance_sum / total, 4),
                 "busiest_over_mean_max": round(self.balance_max, 4), "relaid": self.relaid,
-                "host_ms_mean": round(1e3 * self.host_sum / total, 3), "host_ms_max": round(1e3 * self.host_max, 3)}
+                "host_ms_mean": round(1e3 * self.host_sum / total, 3), "host_ms_max": round(1e3 * self.host_max, 3),
+                "chosen_ahead": self.ahead,
+                "ahead_choice_ms_mean": round(1e3 * self.ahead_sum / self.ahead, 3) if self.ahead else None}
 
 
 @lru_cache(maxsize=64)

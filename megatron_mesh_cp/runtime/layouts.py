@@ -356,9 +356,50 @@ def splits_cross_every_piece(lengths: Sequence[int], chunks: int) -> bool:
     return max(lengths) >= 2 * chunks
 
 
+def encode(arr: Arrangement) -> Tuple[np.ndarray, np.ndarray]:
+    """``arr`` as two flat arrays a data-loader worker can hand over (the launcher chooses each
+    micro-batch's layout there, ahead of its step): int64 ``[kind, split, given, a, b, runs, doc...,
+    pos..., length...]`` and the tiled layout's per-rank work (float64, empty otherwise)."""
+    doc, pos, length = arr.runs
+    a, b = arr.shape if arr.shape else (0, 0)
+    head = [TOKEN_LAYOUTS.index(arr.name), arr.split, int(arr.given), a, b, len(doc)]
+    work = np.zeros(0) if arr.rank_work is None else np.asarray(arr.rank_work, dtype=np.float64)
+    return np.concatenate((np.asarray(head, dtype=np.int64), doc, pos, length)).astype(np.int64), work
+
+
+def decode(code, rank_work, lengths: Sequence[int], chunks: int, causal: bool = True) -> Arrangement:
+    """The :class:`Arrangement` :func:`encode` gave, for the micro-batch of documents ``lengths``;
+    ``ValueError`` when the code does not lay out exactly these documents (a stale or foreign code)."""
+    x = _check(lengths, chunks)
+    c = np.asarray(code, dtype=np.int64).ravel()
+    if len(c) < 6 or not 0 <= c[0] < len(TOKEN_LAYOUTS) or len(c) != 6 + 3 * int(c[5]):
+        raise ValueError(f"not a token layout's code ({len(c)} values)")
+    kind, split, given, a, b, k = (int(v) for v in c[:6])
+    doc, pos, length = c[6:6 + k], c[6 + k:6 + 2 * k], c[6 + 2 * k:]
+    if (doc < 0).any() or (doc >= len(x)).any() or (length < 1).any() or (pos < 0).any():
+        raise ValueError("a token layout's code names documents or runs this micro-batch does not have")
+    seen = np.zeros(len(x), dtype=np.int64)
+    np.add.at(seen, doc, length)
+    if not np.array_equal(seen, x) or (pos + length > x[doc]).any():
+        raise ValueError("a token layout's code does not lay out this micro-batch's documents (its lengths "
+                         f"{seen.tolist()[:6]}..., the batch's {x.tolist()[:6]}...)")
+    name = TOKEN_LAYOUTS[kind]
+    runs, work = _runs_work(doc, pos, length, x, chunks, causal)
+    if split:
+        mask = _mask_of(doc, pos, length, f"split {split}")
+        mask.check(int(x.sum()), chunks, causal)  # every document's positions tiled exactly once
+    else:
+        if (pos != 0).any() or not np.array_equal(length, x[doc]):
+            raise ValueError("a whole-document layout's code cuts a document")
+        mask = Documents(tuple(int(v) for v in np.concatenate(([0], np.cumsum(length)))))
+    rw = None if len(rank_work) == 0 else np.asarray(rank_work, dtype=np.float64)
+    return Arrangement(name, mask, work, runs, _starts(x), split=split, given=bool(given),
+                       shape=(a, b) if a else (), rank_work=rw)
+
+
 def positions_of(arr: Arrangement, total: int) -> np.ndarray:
     """The original sequence position of every x' token (the rotary positions RoPE must use)."""
     return np.arange(total) if arr.order is None else arr.order
 
 
-__all__ += ["positions_of"]
+__all__ += ["positions_of", "encode", "decode"]
