@@ -515,7 +515,9 @@ def _print_summary(s: Dict) -> None:
         flag = s.get("layout_note") or f"--mesh-layout {s['layout']}"
         log.info(f"token layouts ({flag}): {ran}; busiest / mean work (chunks; ranks for tiled) "
                  f"{lay['busiest_over_mean_mean']:.2f} on average (max {lay['busiest_over_mean_max']:.2f}); "
-                 f"{lay['host_ms_mean']:.1f} ms host time per micro-batch (max {lay['host_ms_max']:.1f})")
+                 f"{lay['host_ms_mean']:.1f} ms host time per micro-batch (max {lay['host_ms_max']:.1f})"
+                 + (f"; {lay['chosen_ahead']} chosen ahead by the data loader ({lay['ahead_choice_ms_mean']:.1f} ms "
+                    "each there)" if lay.get("chosen_ahead") else ""))
     log.info(f"done in {s['seconds']:.1f} s")
 
 
