@@ -318,7 +318,8 @@ def datasets_provider(train_val_test_num_samples, vp_stage=None):
     cls = MockGPTDataset if args.mock_data else GPTDataset
     built = lambda: mpu.get_tensor_model_parallel_rank() == 0  # noqa: E731
     datasets = BlendedMegatronDatasetBuilder(cls, train_val_test_num_samples, built, config).build()
-    if options().documents == "eod" and args.context_parallel_size > 1:  # layouts chosen where samples load
+    if (options().documents == "eod" and args.context_parallel_size > 1
+            and args.dataloader_type in ("single", "cyclic")):  # layouts chosen where samples load (Megatron's loader)
         from .layout import wrap_datasets
 
         datasets = wrap_datasets(datasets, args, config.tokenizer.eod)
