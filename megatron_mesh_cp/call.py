@@ -348,10 +348,11 @@ def plan(spec: CallSpec):
         w = Workload(seq_local=q[0], heads=q[2], kv_heads=k[2], head_dim=spec.head_dim, batch=spec.batch,
                      causal=spec.causal, bytes_per_element=spec.dtype.itemsize,
                      partial_bytes=(spec.partial_dtype or lse_dtype(spec.dtype)).itemsize, head_dim_v=spec.v_head_dim)
-        scale = plan_scale(replace(w, mask=spec.mask), opts.cluster or default_cluster(), spec.shape.n) \
-            if blocks.pruned else 1.0
+        keep, n = blocks.needed(spec.shape), spec.shape.n
+        scale = plan_scale(replace(w, mask=spec.mask), opts.cluster or default_cluster(), n) \
+            if blocks.pruned and (keep is None or len(keep) == n) else 1.0  # only a plan that runs as planned
         plans = call_plans(spec.shape.a, spec.shape.b, spec.planner, workload=w, cluster=opts.cluster,
-                           stride=opts.stride * spec.ulysses, max_live=opts.max_live, keep=blocks.needed(spec.shape),
+                           stride=opts.stride * spec.ulysses, max_live=opts.max_live, keep=keep,
                            masked=blocks.pruned, slabs=blocks.zigzag_keys, scale=scale)
     else:
         from .runtime.prune import prune, without_slabs

@@ -187,9 +187,10 @@ def document_plans(a: int, b: int, planner: str = "greedy", *, cluster: Optional
                    workload: Workload, stride: int = 1, max_live: Optional[int] = None) -> Tuple[Plan, Plan]:
     """(forward, backward) plans for a masked ``workload`` (documents, chunks, a window), as
     ``mesh_attention`` runs them (:func:`call_plans`, planned for its :func:`plan_scale`)."""
-    scale = plan_scale(workload, cluster or default_cluster(), a * b)
+    keep = workload.needed(a, b)
+    scale = plan_scale(workload, cluster or default_cluster(), a * b) if keep is None or len(keep) == a * b else 1.0
     return call_plans(a, b, planner, workload=workload.unmasked, cluster=cluster, stride=stride, max_live=max_live,
-                      keep=workload.needed(a, b), masked=True, slabs=workload.blocks(a * b).zigzag_keys, scale=scale)
+                      keep=keep, masked=True, slabs=workload.blocks(a * b).zigzag_keys, scale=scale)
 
 
 def clear_plan_cache() -> None:
