@@ -3,13 +3,14 @@
 ``--mesh-layout`` (``auto`` by default): the launcher's ``get_batch`` reads the micro-batch's
 documents (its EOD tokens), builds the layout (runtime/layouts.py) -- ``auto`` the one the cost
 model predicts fastest for this mesh and layer (planning/layouts.py), never one it predicts slower
-than the balanced document order; ``tiled`` balances the ranks of the configured (u, a, b) mesh --
+than the balanced document order; ``tiled`` balances the ranks of the configured (u, a, b) mesh,
+``tiled-cut`` re-lays a few of that order's documents in place to balance them further --
 and re-lays tokens, labels, loss mask and position ids with its order before
 ``get_batch_on_this_cp_rank`` splits them. Every rank of every pipeline stage computes the same
 layout from the same offsets (the searches are seeded), and the CP group agrees on the resulting
 mask once per micro-batch (``attention.agree_batch``).
 
-A layout that cuts documents (``split``) moves a document's pieces apart in the sequence, so RoPE
+A layout that cuts documents (``split``, ``tiled-cut``) moves a document's pieces apart in the sequence, so RoPE
 must rotate each token at its own position: :func:`install_rotary` makes Megatron's
 ``RotaryEmbedding`` take the current micro-batch's order (the embedding of the original positions,
 re-laid, then sliced per CP rank as Megatron slices it) -- Llama-3.1's scaled frequencies included,
@@ -32,7 +33,7 @@ log = logging.getLogger("megatron_mesh_cp")
 __all__ = ["LAYOUT_CHOICES", "LaidOutParams", "BatchLayout", "CURRENT", "lay_out", "install_rotary"]
 
 #: --mesh-layout values: auto (chosen per micro-batch), or one layout every micro-batch
-LAYOUT_CHOICES = ("auto", "zigzag", "balanced", "tiled", "split")
+LAYOUT_CHOICES = ("auto", "zigzag", "balanced", "tiled", "tiled-cut", "split")
 
 
 def _params_class():
@@ -105,6 +106,8 @@ def choose(lengths, args):
                                    else default_cluster())
     if layout == "tiled":  # this mesh's ranks balanced by the cost model's call weights
         return arrange(lengths, chunks, "tiled", shape=(a, b), weights=tile_weights(inner, cluster)), None
+    if layout == "tiled-cut":  # ... and a few documents re-laid in place (runtime/tile_cut.py)
+        return arrange(lengths, chunks, "tiled-cut", shape=(a, b), weights=tile_weights(inner, cluster)), None
     narrowed = {"max_split": 0} if options().whole_documents else {}  # auto narrowed: documents stay whole
     choice = choose_layout(lengths, a, b, cluster, inner, stride=args.tensor_model_parallel_size * u, **narrowed)
     return choice.arrangement, choice

@@ -470,6 +470,8 @@ def _masking(args) -> str:
             "split": "; the longest documents split over every chunk, the others reordered around them (--mesh-layout "
                      "split)",
             "tiled": "; documents reordered per micro-batch to balance the mesh's ranks (--mesh-layout tiled)",
+            "tiled-cut": "; documents reordered per micro-batch to balance the mesh's ranks, a few re-laid in place "
+                         "(--mesh-layout tiled-cut)",
             "zigzag": "; documents in the dataset's order (--mesh-layout zigzag)",
         }[options().layout]
         return "from EOD (--reset-attention-mask), unpadded; blocks and chunks no document needs are pruned" + layout
@@ -661,7 +663,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     exits.install()
     from .settings import options
 
-    cuts = options().layout == "split" or (options().layout == "auto" and not options().whole_documents)
+    cuts = options().layout in ("split", "tiled-cut") or (options().layout == "auto" and not options().whole_documents)
     if options().documents == "eod" and cuts:  # layouts that cut documents: each piece rotated at its positions
         from .layout import install_rotary
 

@@ -12,6 +12,11 @@ layout's work per chunk is exact and cheap. Four layouts:
 * ``tiled``: whole documents reordered so the *ranks* of the a x b mesh that runs them carry
   near-equal block cost (runtime/tile_balance.py: a rank computes a tile of blocks, and where a
   document crosses pieces decides which rank does that work); the mask stays plain documents;
+* ``tiled-cut``: the tiled order with a few documents rotated in place (positions ``[r, L)`` then
+  ``[0, r)`` over the tokens the tiled order gives them: runtime/tile_cut.py), moving cross-piece
+  work from the busiest ranks to lighter ones without making any tile block non-empty that the
+  tiled order leaves empty (same chunks sent); the mask is
+  :class:`~megatron_mesh_cp.runtime.masks.arranged.Arranged`;
 * ``split``: the longest documents cut the way TE's THD partition cuts every document -- 2N pieces,
   pieces g and 2N-1-g to chunk g, unpadded (uneven by a token at most) -- so each spreads its work
   evenly; piece g ends piece g of x' and piece 2N-1-g starts piece 2N-1-g, so in chunk g they are
@@ -34,13 +39,14 @@ from typing import List, Optional, Sequence, Tuple
 import numpy as np
 
 from .balance import balance_order, balance_orders
-from .tile_balance import tile_order, tile_work
+from .tile_balance import PAIRS, tile_order, tile_work
+from .tile_cut import cut_documents
 from .masks import Documents, Mask, arranged_of
 
 __all__ = ["TOKEN_LAYOUTS", "Arrangement", "arrange", "arrange_whole", "arrange_splits", "splits_cross_every_piece",
            "token_work", "chunk_of_piece"]
 
-TOKEN_LAYOUTS = ("zigzag", "balanced", "tiled", "split")
+TOKEN_LAYOUTS = ("zigzag", "balanced", "tiled", "tiled-cut", "split")
 #: the split layout's balance search (its whole documents around the split ones): at most this many
 #: moves, stopping after SPLIT_PATIENCE that did not lower the busiest chunk -- a quarter of the
 #: balanced layout's, so auto's split candidates cost its host time less (scripts/layout_quality.py:
@@ -61,6 +67,7 @@ class Arrangement:
     runs: Tuple[np.ndarray, np.ndarray, np.ndarray] = field(repr=False)
     starts: np.ndarray = field(repr=False)  # each document's first token in x
     split: int = 0
+    cut: int = 0  # tiled-cut: documents rotated in place (two segments each)
     given: bool = False  # x' is x (the documents as given)
     shape: Tuple[int, ...] = ()  # (a, b): the mesh a tiled layout balances the ranks of
     rank_work: Optional[np.ndarray] = field(default=None, repr=False)  # tiled: each rank's attention pairs
@@ -306,6 +313,13 @@ def arrange(lengths: Sequence[int], chunks: int, layout: str = "balanced", *, ca
         order = tile_order(x.tolist(), a, b, causal=causal, weights=weights, seed=seed, start=start)
         return replace(_whole(x, order, chunks, causal, "tiled"), shape=(a, b),
                        rank_work=tile_work(x.tolist(), a, b, causal=causal, orders=[order])[0])
+    if layout == "tiled-cut":
+        if shape is None or len(shape) != 2 or int(shape[0]) * int(shape[1]) != chunks:
+            raise ValueError(f"the tiled-cut layout balances the ranks of an a x b mesh of {chunks} chunks: pass "
+                             f"shape=(a, b) with a * b = {chunks}, not {shape!r}")
+        a, b = int(shape[0]), int(shape[1])
+        return tiled_cut(arrange(x.tolist(), chunks, "tiled", causal=causal, seed=seed, shape=(a, b),
+                                 weights=weights, start=start), causal=causal, weights=weights)
     if layout == "split":
         if not 1 <= split <= len(x):
             raise ValueError(f"the split layout cuts 1 .. {len(x)} documents, not {split}")
@@ -329,6 +343,54 @@ def arrange_whole(lengths: Sequence[int], chunks: int, *, causal: bool = True, s
     if shape is not None:
         out.append(arrange(x.tolist(), chunks, "tiled", causal=causal, seed=seed, shape=shape, weights=weights,
                            start=bal.runs[0]))
+    return out
+
+
+def tiled_cut(tiled: Arrangement, *, causal: bool = True,
+              weights: Optional[Tuple[float, float, float, float]] = None) -> Arrangement:
+    """The ``tiled-cut`` layout from a ``tiled`` one: its documents in place, a few rotated
+    (runtime/tile_cut.py) where that lowers the busiest rank's modelled cost and every block it makes
+    non-empty lies in a tile block the tiled layout keeps. Without the causal mask a rotation moves
+    no work (a document's pairs per chunk pair are fixed by its footprint): the tiled order as it is."""
+    if tiled.name != "tiled" or not tiled.shape:
+        raise ValueError("tiled_cut starts from a tiled layout (arrange(..., 'tiled', shape=(a, b)))")
+    a, b = tiled.shape
+    n = a * b
+    order = tiled.runs[0]
+    lengths = tiled.runs[2][np.argsort(order)]
+    w = PAIRS if weights is None else tuple(float(v) for v in weights)
+    total = int(lengths.sum())
+    m = total // (2 * n)
+    relaid = [None] * len(lengths)
+    if causal and n > 1:
+        whole = _mask_of(order, np.zeros(len(order), dtype=np.int64), lengths[order], "tiled")
+        kept = np.zeros((a, b), dtype=bool)
+        ne = whole.bind(n, total, True).nonempty()
+        i, j = np.nonzero(ne)
+        kept[(j % a - i % a) % a, (i // a - j // a) % b] = True
+        base = np.full(n, w[0] + (w[1] + w[2]) * 2 * m)  # each rank's own (diagonal) varlen call
+        relaid, _ = cut_documents(lengths, order, a, b, weights=w, kept=kept, base=base)
+    doc, pos, length = [], [], []
+    for d in order.tolist():
+        for p, l in relaid[d] or [(0, int(lengths[d]))]:
+            doc.append(d)
+            pos.append(p)
+            length.append(l)
+    doc, pos, length = (np.asarray(v, dtype=np.int64) for v in (doc, pos, length))
+    runs, work = _runs_work(doc, pos, length, lengths, n, causal)
+    cut = sum(r is not None for r in relaid)
+    mask = _mask_of(doc, pos, length, "tiled-cut")
+    return Arrangement("tiled-cut", mask, work, runs, tiled.starts, cut=cut, shape=(a, b),
+                       rank_work=_rank_pairs(mask, a, b, total, causal))
+
+
+def _rank_pairs(mask: Mask, a: int, b: int, total: int, causal: bool) -> np.ndarray:
+    """Every rank's attention pairs on the a x b mesh, from the mask's block engine (exact)."""
+    n = a * b
+    blocks = mask.bind(n, total, causal)
+    out = np.zeros(n)
+    for i, j in zip(*np.nonzero(blocks.nonempty())):
+        out[(i // a) * a + j % a] += sum(s.pairs for s in blocks.block(int(i), int(j)))
     return out
 
 
