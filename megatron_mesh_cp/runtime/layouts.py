@@ -44,7 +44,7 @@ from .tile_cut import cut_documents
 from .masks import Documents, Mask, arranged_of
 
 __all__ = ["TOKEN_LAYOUTS", "Arrangement", "arrange", "arrange_whole", "arrange_splits", "splits_cross_every_piece",
-           "token_work", "chunk_of_piece"]
+           "tiled_cut", "token_work", "chunk_of_piece"]
 
 TOKEN_LAYOUTS = ("zigzag", "balanced", "tiled", "tiled-cut", "split")
 #: the split layout's balance search (its whole documents around the split ones): at most this many
@@ -57,7 +57,7 @@ SPLIT_ITERS, SPLIT_PATIENCE = 1024, 256
 @dataclass(frozen=True, eq=False)
 class Arrangement:
     """One micro-batch's layout: the ``mask`` of x', each chunk's attention pairs (``work``), what it
-    is called (``name``, ``split``: documents cut) and its runs (``runs``: per run of x' tokens, its
+    is called (``name``, ``split``: documents cut, ``cut``: documents re-laid in place) and its runs (``runs``: per run of x' tokens, its
     document, first position and length, in x' order); :attr:`order` (x' = x[order]) is made from
     the runs on first use (only the layout that runs needs it)."""
 
@@ -91,6 +91,8 @@ class Arrangement:
 
     def describe(self) -> str:
         cut = f", {self.split} document{'s' if self.split != 1 else ''} split" if self.split else ""
+        if self.cut:
+            cut = f", {self.cut} document{'s' if self.cut != 1 else ''} re-laid in place"
         mesh = f" (ranks of the {self.shape[0]}x{self.shape[1]} mesh balanced)" if self.shape else ""
         what = "chunk" if self.rank_work is None else "rank"
         return f"{self.name}{cut}{mesh}: busiest / mean {what} work {self.balance:.2f}"
@@ -348,10 +350,12 @@ def arrange_whole(lengths: Sequence[int], chunks: int, *, causal: bool = True, s
 
 def tiled_cut(tiled: Arrangement, *, causal: bool = True,
               weights: Optional[Tuple[float, float, float, float]] = None) -> Arrangement:
-    """The ``tiled-cut`` layout from a ``tiled`` one: its documents in place, a few rotated
-    (runtime/tile_cut.py) where that lowers the busiest rank's modelled cost and every block it makes
-    non-empty lies in a tile block the tiled layout keeps. Without the causal mask a rotation moves
-    no work (a document's pairs per chunk pair are fixed by its footprint): the tiled order as it is."""
+    """The ``tiled-cut`` layout from a ``tiled`` one: its documents in place, a few re-laid inside
+    their tokens (runtime/tile_cut.py) where that lowers the busiest rank's modelled cost and every
+    block it makes non-empty lies in a tile block the tiled layout keeps; ``weights``: the tiled
+    search's kernel-call model (default: pairs). Without the causal mask a re-lay moves no work (a
+    document's pairs per chunk pair are fixed by its footprint): the tiled order as it is, as an
+    Arranged mask."""
     if tiled.name != "tiled" or not tiled.shape:
         raise ValueError("tiled_cut starts from a tiled layout (arrange(..., 'tiled', shape=(a, b)))")
     a, b = tiled.shape
@@ -361,15 +365,10 @@ def tiled_cut(tiled: Arrangement, *, causal: bool = True,
     w = PAIRS if weights is None else tuple(float(v) for v in weights)
     total = int(lengths.sum())
     m = total // (2 * n)
-    relaid = [None] * len(lengths)
+    relaid, rank_pairs = [None] * len(lengths), tiled.rank_work
     if causal and n > 1:
-        whole = _mask_of(order, np.zeros(len(order), dtype=np.int64), lengths[order], "tiled")
-        kept = np.zeros((a, b), dtype=bool)
-        ne = whole.bind(n, total, True).nonempty()
-        i, j = np.nonzero(ne)
-        kept[(j % a - i % a) % a, (i // a - j // a) % b] = True
         base = np.full(n, w[0] + (w[1] + w[2]) * 2 * m)  # each rank's own (diagonal) varlen call
-        relaid, _ = cut_documents(lengths, order, a, b, weights=w, kept=kept, base=base)
+        relaid, _, rank_pairs = cut_documents(lengths, order, a, b, weights=w, base=base)
     doc, pos, length = [], [], []
     for d in order.tolist():
         for p, l in relaid[d] or [(0, int(lengths[d]))]:
@@ -380,18 +379,7 @@ def tiled_cut(tiled: Arrangement, *, causal: bool = True,
     runs, work = _runs_work(doc, pos, length, lengths, n, causal)
     cut = sum(r is not None for r in relaid)
     mask = _mask_of(doc, pos, length, "tiled-cut")
-    return Arrangement("tiled-cut", mask, work, runs, tiled.starts, cut=cut, shape=(a, b),
-                       rank_work=_rank_pairs(mask, a, b, total, causal))
-
-
-def _rank_pairs(mask: Mask, a: int, b: int, total: int, causal: bool) -> np.ndarray:
-    """Every rank's attention pairs on the a x b mesh, from the mask's block engine (exact)."""
-    n = a * b
-    blocks = mask.bind(n, total, causal)
-    out = np.zeros(n)
-    for i, j in zip(*np.nonzero(blocks.nonempty())):
-        out[(i // a) * a + j % a] += sum(s.pairs for s in blocks.block(int(i), int(j)))
-    return out
+    return Arrangement("tiled-cut", mask, work, runs, tiled.starts, cut=cut, shape=(a, b), rank_work=rank_pairs)
 
 
 def arrange_splits(lengths: Sequence[int], chunks: int, splits: int, *, causal: bool = True,

@@ -112,8 +112,9 @@ def _candidates(start: int, length: int, m: int, rotations: int):
 
 
 def _costs(start, lo, size, pos, m, n, a, weights, kept):
-    """[R, n]: every rank's modelled cost of one document per candidate re-lay, and [R]: whether each
-    candidate's non-empty cross-chunk blocks all lie in ``kept`` tile blocks ([a, b] bool)."""
+    """Per candidate re-lay of one document (rows of the parts): every rank's modelled cost [R, n],
+    its attention pairs [R, n] (exact), and whether its non-empty cross-chunk blocks all lie in
+    ``kept`` tile blocks ([a, b] bool) -- or, with ``kept`` None, the tile blocks they lie in [R, a, b]."""
     call, row, key, pair = weights
     n2, b = 2 * n, n // a
     s = size.astype(np.float64)
@@ -126,14 +127,22 @@ def _costs(start, lo, size, pos, m, n, a, weights, kept):
     same = ci == cj
     in_run = same & (lo[:, None, :] < lo[:, :, None])  # same chunk, rows in position order: the varlen call
     own = qk & ~in_run  # a call of its own: off the diagonal, or a dense rectangle in the own block
-    c = pair * s[:, :, None] * s[:, None, :] * qk + own * (call + row * s[:, :, None] + key * s[:, None, :])
-    owner = (ci // a) * a + cj % a
-    out = np.zeros(R * n)
-    np.add.at(out, (owner + (np.arange(R) * n)[:, None, None]).ravel(), c.ravel())
-    np.add.at(out, (chunk + (np.arange(R) * n)[:, None]).ravel(), (pair * s * (s + 1) / 2).ravel())
+    cross = s[:, :, None] * s[:, None, :] * qk
+    calls = own * (call + row * s[:, :, None] + key * s[:, None, :])
+    at = (((ci // a) * a + cj % a) + (np.arange(R) * n)[:, None, None]).ravel()  # the owner of each pair
+    diag = (chunk + (np.arange(R) * n)[:, None]).ravel()
+    pairs = np.bincount(at, weights=cross.ravel(), minlength=R * n)
+    pairs += np.bincount(diag, weights=(s * (s + 1) / 2).ravel(), minlength=R * n)
+    cost = pair * pairs + np.bincount(at, weights=calls.ravel(), minlength=R * n)
     qo, ko = (cj % a - ci % a) % a, (ci // a - cj // a) % b
-    ok = ~(qk & ~same & ~kept[qo, ko]).reshape(R, -1).any(axis=1)
-    return out.reshape(R, n), ok
+    hit = qk & ~same
+    if kept is None:
+        used = np.zeros((R, a, b), dtype=bool)
+        r = np.broadcast_to(np.arange(R)[:, None, None], hit.shape)
+        used[r[hit], qo[hit], ko[hit]] = True
+        return cost.reshape(R, n), pairs.reshape(R, n), used
+    ok = ~(hit & ~kept[qo, ko]).reshape(R, -1).any(axis=1)
+    return cost.reshape(R, n), pairs.reshape(R, n), ok
 
 
 def _smooth(t: np.ndarray) -> np.ndarray:
@@ -146,23 +155,27 @@ def _smooth(t: np.ndarray) -> np.ndarray:
 
 
 def cut_documents(lengths: Sequence[int], order: Sequence[int], a: int, b: int, *, weights,
-                  kept: np.ndarray, rounds: int = ROUNDS, rotations: int = ROTATIONS,
-                  base: Optional[np.ndarray] = None) -> Tuple[List[Optional[List[Tuple[int, int]]]], np.ndarray]:
+                  rounds: int = ROUNDS, rotations: int = ROTATIONS, base: Optional[np.ndarray] = None
+                  ) -> Tuple[List[Optional[List[Tuple[int, int]]]], np.ndarray, np.ndarray]:
     """Each document's re-lay for documents laid whole in ``order`` on the a x b mesh (causal): None
-    (whole) or its runs in x' order as (first position, length); and every rank's modelled cost.
-    ``kept`` ([a, b] bool): the tile blocks a re-lay may make non-empty; ``base`` ([a*b]): each
-    rank's cost outside the documents (default: none)."""
+    (whole) or its runs in x' order as (first position, length); every rank's modelled cost and its
+    attention pairs (exact). A re-lay may make non-empty only blocks in the tile blocks the whole
+    documents keep; ``base`` ([a*b]): each rank's cost outside the documents (default: none)."""
     x = np.asarray(lengths, dtype=np.int64)
     n = a * b
     m = int(x.sum()) // (2 * n)
     o = np.asarray(order, dtype=np.int64)
     starts = np.empty(len(x), dtype=np.int64)
     starts[o] = np.concatenate(([0], np.cumsum(x[o])))[:-1]
-    cost = np.zeros((len(x), n))
+    cost, pairs = np.zeros((len(x), n)), np.zeros((len(x), n))
+    kept = np.zeros((a, b), dtype=bool)
+    kept[0, 0] = True
     for d in range(len(x)):  # every document whole: one part per piece it crosses
         edges = _edges(int(starts[d]), int(x[d]), m)[None, :]
         lo = edges[:, :-1]
-        cost[d] = _costs(int(starts[d]), lo, np.diff(edges, axis=1), lo, m, n, a, weights, kept)[0][0]
+        c, p, used = _costs(int(starts[d]), lo, np.diff(edges, axis=1), lo, m, n, a, weights, None)
+        cost[d], pairs[d] = c[0], p[0]
+        kept |= used[0]
     cuts = [d for d in range(len(x)) if starts[d] // m != (starts[d] + x[d] - 1) // m]  # over 2+ pieces
     cand: dict = {}
 
@@ -170,14 +183,14 @@ def cut_documents(lengths: Sequence[int], order: Sequence[int], a: int, b: int, 
         """Document d's re-lays that keep to the kept tile blocks, and their costs (made on first use)."""
         if d not in cand:
             lo, size, pos = _candidates(int(starts[d]), int(x[d]), m, rotations)
-            c, ok = _costs(int(starts[d]), lo, size, pos, m, n, a, weights, kept)
-            cand[d] = (lo[ok], size[ok], pos[ok], c[ok])
+            c, p, ok = _costs(int(starts[d]), lo, size, pos, m, n, a, weights, kept)
+            cand[d] = (lo[ok], size[ok], pos[ok], c[ok], p[ok])
         return cand[d]
 
     total = cost.sum(0) + (0.0 if base is None else np.asarray(base, dtype=np.float64))
     scale = float(total.mean())
     pick: dict = {}
-    best_max, best_pick, best_total = float(total.max()), {}, total
+    best_max, best_pick, best_total, best_pairs = float(total.max()), {}, total, pairs.sum(0)
     f = _smooth(total / scale)
     for _ in range(rounds):
         g = int(np.argmax(total))
@@ -196,8 +209,9 @@ def cut_documents(lengths: Sequence[int], order: Sequence[int], a: int, b: int, 
         total = total - cost[d] + cand[d][3][k]
         cost[d] = cand[d][3][k]
         pick[d] = k
+        pairs[d] = cand[d][4][k]
         if float(total.max()) < best_max:
-            best_max, best_pick, best_total = float(total.max()), dict(pick), total
+            best_max, best_pick, best_total, best_pairs = float(total.max()), dict(pick), total, pairs.sum(0)
     pick, total = best_pick, best_total
     out: List[Optional[List[Tuple[int, int]]]] = [None] * len(x)
     for d, k in pick.items():
@@ -211,4 +225,4 @@ def cut_documents(lengths: Sequence[int], order: Sequence[int], a: int, b: int, 
             else:
                 merged.append((p, l))
         out[d] = None if len(merged) == 1 else merged
-    return out, total
+    return out, total, best_pairs
