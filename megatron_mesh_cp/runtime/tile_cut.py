@@ -10,7 +10,8 @@ which of them holds the earlier positions, so a re-lay moves work between the ow
 blocks (inside a row group: rank i and rank j). The re-lays tried (:func:`_candidates`):
 
 * every order of the document's piece-aligned parts (each part one run of positions: no new
-  segment inside a piece; documents over at most MAX_PARTS pieces), each also
+  segment inside a piece; over more than MAX_PARTS pieces the identity and every swap of two
+  parts), each also
 * rotated in position space by ``L * k / ROTATIONS`` (one part cut in two), or
 * interleaved: in position order part p's last ``t`` positions moved behind the next part q
   (positions p1 | q | p2), ``t = size(p) * k / INTERLEAVES``: t * size(q) of their pairs turn from
@@ -21,10 +22,10 @@ already keeps (no chunk sent that the tiled layout does not send: the same bytes
 cost per rank is the linear kernel-call model of runtime/tile_balance.py (per call, Q row, key and
 pair) per pair of parts -- an approximation of the calls the block engine makes; the planner
 prices the result exactly and auto takes it only when that is faster. A greedy descent: each round
-scores every re-lay of every document giving the busiest rank work (vectorised, each document's
-re-lays priced once on first use) by the sum of (rank cost / mean) ** 16, a smooth stand-in for
-the busiest rank, takes the best, and stops when none lowers it; it keeps the state whose busiest
-rank was lowest. Deterministic: every rank computes the same re-lays from the same lengths.
+scores every re-lay of every document giving the busiest rank work (where none helps, the next
+busiest's, up to the TOP-th; vectorised, each document's re-lays priced once on first use) by the
+sum of (rank cost / mean) ** 16, a smooth stand-in for the busiest rank, takes the best, and stops
+when none lowers it; it keeps the state whose busiest rank was lowest. Deterministic: every rank computes the same re-lays from the same lengths.
 """
 
 from __future__ import annotations
@@ -44,6 +45,9 @@ MAX_PARTS = 3
 INTERLEAVES = 8
 #: the smooth objective's power is 2 ** POWER (:func:`_smooth`)
 POWER = 4
+#: each round tries the documents giving the busiest rank work, or where none lowers the objective the
+#: next busiest's, up to the TOP-th
+TOP = 4
 #: at most this many greedy rounds (one re-lay taken per round)
 ROUNDS = 96
 
@@ -54,17 +58,28 @@ def _edges(start: int, length: int, m: int) -> np.ndarray:
     return np.concatenate(([0], inner, [length]))
 
 
+def _swaps(k: int) -> List[Tuple[int, ...]]:
+    """The identity order of k parts and every order with two of its parts swapped."""
+    out = [tuple(range(k))]
+    for i in range(k):
+        for j in range(i + 1, k):
+            p = list(range(k))
+            p[i], p[j] = j, i
+            out.append(tuple(p))
+    return out
+
+
 def _candidates(start: int, length: int, m: int, rotations: int):
     """A document's re-lays over its footprint x'[start, start + length) as parts ([R, P] each: x'
     offset, size, first position; zero-size parts pad): every order of its piece-aligned parts (each
-    part one run of positions; up to MAX_PARTS parts, else only the identity), each rotated in
+    part one run of positions; over more than MAX_PARTS parts :func:`_swaps`), each rotated in
     position space by ``length * k / rotations`` (position p to (p + r) mod L: the part holding
     position L - r is cut in two) or interleaved with the part after one of its parts (module
     docstring). Row 0 is the document whole."""
     edges = _edges(start, length, m)
     k = len(edges) - 1
     sizes = np.diff(edges)
-    perms = np.array(list(permutations(range(k))) if k <= MAX_PARTS else [tuple(range(k))], dtype=np.int64)
+    perms = np.array(list(permutations(range(k))) if k <= MAX_PARTS else _swaps(k), dtype=np.int64)
     rank = np.argsort(perms, axis=1)  # where each part comes in the position order
     p_pos = ((rank[:, None, :] < rank[:, :, None]) * sizes[None, None, :]).sum(axis=2)  # [perm, part]
     rot = np.unique(np.concatenate(([0], (length * np.arange(1, rotations) / rotations).astype(np.int64))))
@@ -112,14 +127,15 @@ def _candidates(start: int, length: int, m: int, rotations: int):
 
 
 def _costs(start, lo, size, pos, m, n, a, weights, kept):
-    """Per candidate re-lay of one document (rows of the parts): every rank's modelled cost [R, n],
+    """Per candidate re-lay of one document at x' offset ``start`` (rows of the parts; ``start`` may
+    be one per row): every rank's modelled cost [R, n],
     its attention pairs [R, n] (exact), and whether its non-empty cross-chunk blocks all lie in
     ``kept`` tile blocks ([a, b] bool) -- or, with ``kept`` None, the tile blocks they lie in [R, a, b]."""
     call, row, key, pair = weights
     n2, b = 2 * n, n // a
     s = size.astype(np.float64)
     R = len(s)
-    piece = (start + lo) // m
+    piece = np.minimum((np.reshape(start, (-1, 1)) + lo) // m, n2 - 1)  # (a zero-size pad may sit at the end)
     chunk = np.minimum(piece, n2 - 1 - piece)
     qk = pos[:, :, None] >= pos[:, None, :] + size[:, None, :]  # [R, query part, key part]: key before query
     qk &= (size[:, :, None] > 0) & (size[:, None, :] > 0)
@@ -167,15 +183,15 @@ def cut_documents(lengths: Sequence[int], order: Sequence[int], a: int, b: int, 
     o = np.asarray(order, dtype=np.int64)
     starts = np.empty(len(x), dtype=np.int64)
     starts[o] = np.concatenate(([0], np.cumsum(x[o])))[:-1]
-    cost, pairs = np.zeros((len(x), n)), np.zeros((len(x), n))
     kept = np.zeros((a, b), dtype=bool)
     kept[0, 0] = True
-    for d in range(len(x)):  # every document whole: one part per piece it crosses
-        edges = _edges(int(starts[d]), int(x[d]), m)[None, :]
-        lo = edges[:, :-1]
-        c, p, used = _costs(int(starts[d]), lo, np.diff(edges, axis=1), lo, m, n, a, weights, None)
-        cost[d], pairs[d] = c[0], p[0]
-        kept |= used[0]
+    # every document whole, one row each: one part per piece it crosses (zero-size parts pad)
+    edges = [_edges(int(starts[d]), int(x[d]), m) for d in range(len(x))]
+    width = max(len(e) for e in edges)
+    ends = np.array([np.pad(e, (0, width - len(e)), constant_values=e[-1]) for e in edges])
+    lo = ends[:, :-1]
+    cost, pairs, used = _costs(starts, lo, np.diff(ends, axis=1), lo, m, n, a, weights, None)
+    kept |= used.any(axis=0)
     cuts = [d for d in range(len(x)) if starts[d] // m != (starts[d] + x[d] - 1) // m]  # over 2+ pieces
     cand: dict = {}
 
@@ -193,16 +209,18 @@ def cut_documents(lengths: Sequence[int], order: Sequence[int], a: int, b: int, 
     best_max, best_pick, best_total, best_pairs = float(total.max()), {}, total, pairs.sum(0)
     f = _smooth(total / scale)
     for _ in range(rounds):
-        g = int(np.argmax(total))
         move = None
-        for d in cuts:
-            if cost[d, g] <= 0:  # only a document giving the busiest rank work can lower it
-                continue
-            c = candidates(d)[3]
-            fd = _smooth((total[None, :] - cost[d][None, :] + c) / scale)
-            k = int(np.argmin(fd))
-            if fd[k] < f * (1 - 1e-9) and (move is None or fd[k] < move[2]):
-                move = (d, k, float(fd[k]))
+        for g in np.argsort(-total, kind="stable")[:TOP]:  # the busiest rank first, the next where it is stuck
+            for d in cuts:
+                if cost[d, g] <= 0:  # only a document giving this rank work
+                    continue
+                c = candidates(d)[3]
+                fd = _smooth((total[None, :] - cost[d][None, :] + c) / scale)
+                k = int(np.argmin(fd))
+                if fd[k] < f * (1 - 1e-9) and (move is None or fd[k] < move[2]):
+                    move = (d, k, float(fd[k]))
+            if move is not None:
+                break
         if move is None:
             break
         d, k, f = move
