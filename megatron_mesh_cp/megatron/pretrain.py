@@ -465,7 +465,8 @@ def _masking(args) -> str:
             # narrowed auto: its note already says the cost model chooses (no nested repeat of it)
             "auto": ("; each micro-batch's token layout: " + options().layout_note if options().layout_note else
                      "; each micro-batch's token layout chosen by the cost model (--mesh-layout auto: zigzag, "
-                     "balanced or tiled document order, or the longest documents split over every chunk)"),
+                     "balanced or tiled document order, tiled with a few documents re-laid in place, or the "
+                     "longest documents split over every chunk)"),
             "balanced": "; documents reordered per micro-batch to balance the zigzag chunks (--mesh-layout balanced)",
             "split": "; the longest documents split over every chunk, the others reordered around them (--mesh-layout "
                      "split)",
