@@ -11,7 +11,7 @@ blocks (inside a row group: rank i and rank j). The re-lays tried (:func:`_candi
 
 * every order of the document's piece-aligned parts (each part one run of positions: no new
   segment inside a piece; over more than MAX_PARTS pieces the identity and every swap of two
-  parts), each also
+  parts, over more than MAX_SWAPS the identity alone), each also
 * rotated in position space by ``L * k / ROTATIONS`` (one part cut in two), or
 * interleaved: in position order part p's last ``t`` positions moved behind the next part q
   (positions p1 | q | p2), ``t = size(p) * k / INTERLEAVES``: t * size(q) of their pairs turn from
@@ -41,6 +41,8 @@ __all__ = ["cut_documents", "ROTATIONS", "INTERLEAVES", "MAX_PARTS", "ROUNDS"]
 ROTATIONS = 8
 #: documents over at most this many pieces are tried in every order of their pieces
 MAX_PARTS = 3
+#: ... over at most this many in the identity order and every swap of two parts (more: the identity)
+MAX_SWAPS = 6
 #: interleaves of two parts tried at size * k / INTERLEAVES for 0 < k < INTERLEAVES
 INTERLEAVES = 8
 #: the smooth objective's power is 2 ** POWER (:func:`_smooth`)
@@ -72,14 +74,16 @@ def _swaps(k: int) -> List[Tuple[int, ...]]:
 def _candidates(start: int, length: int, m: int, rotations: int):
     """A document's re-lays over its footprint x'[start, start + length) as parts ([R, P] each: x'
     offset, size, first position; zero-size parts pad): every order of its piece-aligned parts (each
-    part one run of positions; over more than MAX_PARTS parts :func:`_swaps`), each rotated in
+    part one run of positions; over more than MAX_PARTS parts :func:`_swaps`, over more than
+    MAX_SWAPS the identity), each rotated in
     position space by ``length * k / rotations`` (position p to (p + r) mod L: the part holding
     position L - r is cut in two) or interleaved with the part after one of its parts (module
     docstring). Row 0 is the document whole."""
     edges = _edges(start, length, m)
     k = len(edges) - 1
     sizes = np.diff(edges)
-    perms = np.array(list(permutations(range(k))) if k <= MAX_PARTS else _swaps(k), dtype=np.int64)
+    perms = np.array(list(permutations(range(k))) if k <= MAX_PARTS else _swaps(k) if k <= MAX_SWAPS
+                     else [tuple(range(k))], dtype=np.int64)
     rank = np.argsort(perms, axis=1)  # where each part comes in the position order
     p_pos = ((rank[:, None, :] < rank[:, :, None]) * sizes[None, None, :]).sum(axis=2)  # [perm, part]
     rot = np.unique(np.concatenate(([0], (length * np.arange(1, rotations) / rotations).astype(np.int64))))
