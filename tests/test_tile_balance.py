@@ -170,6 +170,20 @@ def test_tiled_cut_lowers_the_busiest_rank_within_the_tiled_tile_blocks():
     choice = choose_layout(lengths, 2, 16, cluster, inner, stride=8)
     seconds = dict((name, s) for name, s, _ in choice.candidates)
     assert choice.arrangement.name == "tiled-cut" and seconds["tiled-cut"] < seconds["tiled"], seconds
+    # the simulator's path: --layout tiled-cut (and auto) laid out for the mesh, priced as auto priced it
+    from dataclasses import replace
+
+    from megatron_mesh_cp.planning.bounds import mesh_bound
+    from megatron_mesh_cp.planning.layouts import resolve_layout
+    from megatron_mesh_cp.simulate import parse_layouts
+
+    assert parse_layouts("tiled,tiled-cut") == ["tiled", "tiled-cut"]
+    docs = UnpaddedDocuments(tuple(lengths))
+    fixed = resolve_layout(replace(inner, mask=docs.with_layout("tiled-cut")), 2, 16, cluster, 8)
+    assert fixed.mask.layout == "tiled-cut" and fixed.mask.arranged(32) == cut.mask
+    assert mesh_bound(2, 16, cluster, fixed, 8) == pytest.approx(seconds["tiled-cut"], rel=1e-12)
+    auto = resolve_layout(replace(inner, mask=docs.with_layout("auto")), 2, 16, cluster, 8)
+    assert auto.mask.layout == "tiled-cut" and auto.mask.arranged(32) == cut.mask
     assert "tiled-cut" not in dict((n, s) for n, s, _ in choose_layout(lengths, 2, 16, cluster, inner, stride=8,
                                                                         max_split=0).candidates)
     assert arrange(lengths, 32, "tiled-cut", causal=False, shape=(2, 16)).cut == 0
