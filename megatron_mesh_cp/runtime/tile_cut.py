@@ -24,7 +24,7 @@ pair) per pair of parts -- an approximation of the calls the block engine makes;
 prices the result exactly and auto takes it only when that is faster. A greedy descent: each round
 scores every re-lay of every document giving the busiest rank work (where none helps, the next
 busiest's, up to the TOP-th; vectorised, each document's re-lays priced once on first use) by the
-sum of (rank cost / mean) ** 16, a smooth stand-in for the busiest rank, takes the best, and stops
+sum of (rank cost / mean) ** 32, a smooth stand-in for the busiest rank, takes the best, and stops
 when none lowers it; it keeps the state whose busiest rank was lowest. Deterministic: every rank computes the same re-lays from the same lengths.
 """
 
@@ -46,7 +46,7 @@ MAX_SWAPS = 6
 #: interleaves of two parts tried at size * k / INTERLEAVES for 0 < k < INTERLEAVES
 INTERLEAVES = 8
 #: the smooth objective's power is 2 ** POWER (:func:`_smooth`)
-POWER = 4
+POWER = 5
 #: each round tries the documents giving the busiest rank work, or where none lowers the objective the
 #: next busiest's, up to the TOP-th
 TOP = 4
