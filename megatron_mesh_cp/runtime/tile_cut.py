@@ -22,10 +22,12 @@ already keeps (no chunk sent that the tiled layout does not send: the same bytes
 cost per rank is the linear kernel-call model of runtime/tile_balance.py (per call, Q row, key and
 pair) per pair of parts -- an approximation of the calls the block engine makes; the planner
 prices the result exactly and auto takes it only when that is faster. A greedy descent: each round
-scores every re-lay of every document giving the busiest rank work (where none helps, the next
-busiest's, up to the TOP-th; vectorised, each document's re-lays priced once on first use) by the
-sum of (rank cost / mean) ** 32, a smooth stand-in for the busiest rank, takes the best, and stops
-when none lowers it; it keeps the state whose busiest rank was lowest. Deterministic: every rank computes the same re-lays from the same lengths.
+scores every re-lay of every document giving the busiest rank over MIN_SHARE of a mean rank's work
+(where none helps, the next busiest's, up to the TOP-th; vectorised, each document's re-lays priced
+once on first use) by the sum of (rank cost / mean) ** 32, a smooth stand-in for the busiest rank,
+takes the best, and stops when none lowers it; it keeps the state whose busiest rank was lowest.
+The grids are sized for host time (about 8 ms per micro-batch on one core at 45 documents over 32
+chunks). Deterministic: every rank computes the same re-lays from the same lengths.
 """
 
 from __future__ import annotations
@@ -35,21 +37,23 @@ from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
-__all__ = ["cut_documents", "ROTATIONS", "INTERLEAVES", "MAX_PARTS", "ROUNDS"]
+__all__ = ["cut_documents", "ROTATIONS", "INTERLEAVES", "MAX_PARTS", "MAX_SWAPS", "TOP", "MIN_SHARE", "ROUNDS"]
 
 #: rotations tried per order of parts: r = L * k / ROTATIONS for k < ROTATIONS
-ROTATIONS = 8
+ROTATIONS = 4
 #: documents over at most this many pieces are tried in every order of their pieces
 MAX_PARTS = 3
 #: ... over at most this many in the identity order and every swap of two parts (more: the identity)
 MAX_SWAPS = 6
 #: interleaves of two parts tried at size * k / INTERLEAVES for 0 < k < INTERLEAVES
-INTERLEAVES = 8
+INTERLEAVES = 4
 #: the smooth objective's power is 2 ** POWER (:func:`_smooth`)
 POWER = 5
 #: each round tries the documents giving the busiest rank work, or where none lowers the objective the
 #: next busiest's, up to the TOP-th
 TOP = 4
+#: ... and of those only the ones giving it more than this share of the mean rank's cost
+MIN_SHARE = 0.1
 #: at most this many greedy rounds (one re-lay taken per round)
 ROUNDS = 96
 
@@ -216,7 +220,7 @@ def cut_documents(lengths: Sequence[int], order: Sequence[int], a: int, b: int, 
         move = None
         for g in np.argsort(-total, kind="stable")[:TOP]:  # the busiest rank first, the next where it is stuck
             for d in cuts:
-                if cost[d, g] <= 0:  # only a document giving this rank work
+                if cost[d, g] <= MIN_SHARE * scale:  # only a document giving this rank work
                     continue
                 c = candidates(d)[3]
                 fd = _smooth((total[None, :] - cost[d][None, :] + c) / scale)
