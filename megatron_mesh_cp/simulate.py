@@ -45,7 +45,7 @@ def parse_layouts(text: str) -> list:
         UnpaddedDocuments((2,)).with_layout(name)  # ValueError naming the choices
         out.append(name)
     if not out:
-        raise ValueError("--layout needs at least one of auto, zigzag, balanced, tiled, split:K")
+        raise ValueError("--layout needs at least one of auto, zigzag, balanced, tiled, tiled-cut, split:K")
     return out
 
 
@@ -99,7 +99,8 @@ def main(argv=None) -> int:
                          "--mesh-layout: auto (default: per mesh the one the cost model picks), zigzag (as drawn or "
                          "read), balanced (whole documents reordered so the zigzag chunks carry near-equal work), "
                          "tiled (whole documents reordered so the mesh's ranks, each a tile of blocks, carry "
-                         "near-equal work), or split:K (the K longest documents cut into pieces over every chunk). "
+                         "near-equal work), tiled-cut (that order with a few documents re-laid in place to even "
+                         "the ranks further), or split:K (the K longest documents cut into pieces over every chunk). "
                          "TE's THD partition balances every order")
     pk.add_argument("--kernel-tile", type=int, default=0, metavar="T",
                     help="price document blocks in whole TxT kernel tiles per document segment (flash-style); "

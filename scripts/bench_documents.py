@@ -6,7 +6,7 @@
 Two document sets (log-uniform 4K-64K; a heavy-tailed power law, most documents under 4K and a few
 over 256K), MHA 32/32 and GQA 32/8, d = 128, bf16, h100-ib400: TE's Ring and USP on the padded THD
 layout (every chunk sent), our Ring 1xn, mesh (auto) and a2a+mesh (auto) unpadded with pruned
-plans, a2a+mesh in each token layout (zigzag, balanced, tiled, split:K) and auto's per-mesh choice; then
+plans, a2a+mesh in each token layout (zigzag, balanced, tiled, tiled-cut, split:K) and auto's per-mesh choice; then
 where the mesh family's time goes (kept blocks, bytes vs the full plans, the busiest rank's compute
 vs the mean), and the earlier padded-THD-vs-unpacked comparison. Every figure is simulated.
 """
@@ -36,7 +36,7 @@ from megatron_mesh_cp.runtime import plan_traffic  # noqa: E402
 
 N, SEQ, CLUSTER = 256, 1 << 20, "h100-ib400"
 #: a2a+mesh is also priced in each fixed token layout (auto: the layout chosen per mesh, the launcher's default)
-LAYOUTS = ("zigzag", "balanced", "tiled", "split:1", "split:2", "split:3")
+LAYOUTS = ("zigzag", "balanced", "tiled", "tiled-cut", "split:1", "split:2", "split:3")
 #: the goals, a2a+mesh (auto layout) vs USP: {set: {kv heads: ratio}}, and busiest / mean block work on every set
 TARGET = {"Log": {32: 5.0, 8: 2.5}, "Heavy": {32: 2.0, 8: 1.15}}
 BALANCE_GOAL = 1.15

@@ -20,7 +20,8 @@ def relaid_exactness(ctx, shape, lengths, layout, split, heads, kv_heads, seed=0
     (the reference re-laid the same way), bytes sent vs the plans' (plus the all-to-all under a2a+mesh)."""
     mesh = _mesh(ctx, shape)
     n, g, u = mesh.size, mesh.position, mesh.ulysses
-    arr = arrange(lengths, n // u, layout, split=split, shape=tuple(shape[-2:]) if layout == "tiled" else None)
+    per_mesh = layout in ("tiled", "tiled-cut")
+    arr = arrange(lengths, n // u, layout, split=split, shape=tuple(shape[-2:]) if per_mesh else None)
     t = sum(lengths)
     gen = torch.Generator().manual_seed(seed)
     q, k, v, do = (torch.randn(t, x, 8, generator=gen, dtype=torch.float64) for x in (heads, kv_heads, kv_heads, heads))

@@ -41,6 +41,7 @@ def laid_out(lengths, chunks, causal=True, shape=None):
     out = [arrange(lengths, chunks, "zigzag", causal=causal), arrange(lengths, chunks, "balanced", causal=causal)]
     for s in ([shape] if shape else valid_shapes(chunks)):
         out.append(arrange(lengths, chunks, "tiled", causal=causal, shape=s, weights=(1.0, 0.1, 0.1, 1.0)))
+        out.append(arrange(lengths, chunks, "tiled-cut", causal=causal, shape=s, weights=(1.0, 0.1, 0.1, 1.0)))
     for k in (1, 2):
         if k <= len(lengths):
             try:
@@ -237,9 +238,10 @@ def test_layout_choice_is_pinned(draw, label, seconds):
     choice = choose_layout(lengths, 2, 16, cluster, inner, stride=8, candidates=pinned)
     assert [(n, s) for n, s, _ in choice.candidates] == seconds
     assert choice.seconds == dict(seconds)[label] and choice.describe().startswith(f"layout {label} ")
-    # auto's own candidates: tiled as well, the split ones only where their exact bound lets them win
+    # auto's own candidates: tiled and tiled-cut as well, the split ones only where their exact bound lets
+    # them win
     again = choose_layout(lengths, 2, 16, cluster, inner, stride=8)
-    priced = [(n, s) for n, s, _ in again.candidates if n != "tiled"]
+    priced = [(n, s) for n, s, _ in again.candidates if n not in ("tiled", "tiled-cut")]
     assert priced == seconds[:len(priced)] and again.seconds <= choice.seconds
     bound = full_comm_bound(2, 16, cluster, inner, 8)
     assert all(s >= bound for n, s in seconds if n.startswith("split"))  # the bound is one
@@ -284,8 +286,10 @@ def test_a_layout_encoded_for_the_step_decodes_to_itself():
 
     lengths = [300, 7, 9, 64, 33, 1, 2] + [4] * 38
     lengths.append(1024 - sum(lengths))
-    for arr in laid_out(lengths, 8, shape=(2, 4)):
+    cut = arrange(lengths, 8, "tiled-cut", shape=(2, 4), weights=(1.0, 0.1, 0.1, 1.0))
+    for arr in laid_out(lengths, 8, shape=(2, 4)) + [cut]:
         back = decode(*encode(arr), lengths, 8)
+        assert back.cut == arr.cut
         assert (back.name, back.split, back.given, back.shape, back.mask) == (arr.name, arr.split, arr.given, arr.shape,
                                                                               arr.mask)
         assert np.array_equal(back.work, arr.work) and back.balance == arr.balance

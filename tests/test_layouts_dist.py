@@ -1,5 +1,6 @@
 """Token layouts on real gloo process groups: a long document split over every chunk among short ones
-(split:1) and whole documents reordered (balanced, and tiled for the mesh's ranks), on mesh 2x2 and
+(split:1), whole documents reordered (balanced, and tiled for the mesh's ranks) and tiled-cut (on 2x2
+one document re-laid in place), on mesh 2x2 and
 a2a+mesh 2x1x2, against the float64 reference of the documents in their own order; every rank sends
 exactly its plans' bytes."""
 
@@ -13,7 +14,7 @@ LENGTHS = [61, 3, 9, 1, 14, 5, 2, 9]  # S = 104 on 4 ranks: a document over half
 
 
 @pytest.mark.parametrize("shape,heads", [((2, 2), (4, 2)), ((2, 1, 2), (4, 2))], ids=["2x2-gqa", "a2a2x1x2-gqa"])
-@pytest.mark.parametrize("layout,split", [("split", 1), ("balanced", 0), ("tiled", 0)])
+@pytest.mark.parametrize("layout,split", [("split", 1), ("balanced", 0), ("tiled", 0), ("tiled-cut", 0)])
 def test_relaid_documents_exact_on_process_groups(pools, shape, heads, layout, split):
     per_rank = pools.get(4).run("rank_tasks_layouts:relaid_exactness", shape, LENGTHS, layout, split, *heads,
                                 seed=len(shape))

@@ -119,7 +119,7 @@ def test_multi_token_prediction_over_documents_is_refused():
 
 
 def test_layouts_the_model_cannot_re_lay_are_refused_or_narrowed_with_the_reason():
-    """--mesh-layout split cuts documents into pieces: refused where the model cannot follow the pieces
+    """--mesh-layout split (and tiled-cut) cuts documents into pieces: refused where the model cannot follow the pieces
     (a sliding window, MLA's own rotary, other position embeddings), naming why; auto there keeps
     documents whole and says so; layouts without --reset-attention-mask are refused; the older
     --mesh-document-order must agree with --mesh-layout."""
@@ -131,13 +131,14 @@ def test_layouts_the_model_cannot_re_lay_are_refused_or_narrowed_with_the_reason
                 create_attention_mask_in_dataloader=False)
     for extra, why in ((dict(window_size=(127, 0)), "a sliding window (--window-size)"),
                        (dict(position_embedding_type="yarn"), "--position-embedding-type yarn does not follow")):
-        with pytest.raises(MeshArgumentError, match=r"--mesh-layout split cuts documents into pieces, which "
-                                                    + re.escape(why)):
-            apply_mesh_args(_flat(**{**base, **extra}, mesh_layout="split"), [])
+        for cut in ("split", "tiled-cut"):
+            with pytest.raises(MeshArgumentError, match=f"--mesh-layout {cut} cuts documents into pieces, which "
+                                                        + re.escape(why)):
+                apply_mesh_args(_flat(**{**base, **extra}, mesh_layout=cut), [])
         apply_mesh_args(_flat(**{**base, **extra}), [])
         assert options().layout == "auto" and options().whole_documents and why in options().layout_note
         assert ("; each micro-batch's token layout: --mesh-layout auto keeps documents whole (zigzag, balanced or "
-                "tiled, by the cost model): split cuts them into pieces, which ") in _masking(_flat())
+                "tiled, by the cost model): split and tiled-cut cut them into pieces, which ") in _masking(_flat())
     apply_mesh_args(_flat(**base), [])
     assert options().layout == "auto" and options().layout_note == "" and not options().whole_documents
     with pytest.raises(MeshArgumentError, match="--mesh-layout lays out the documents of --reset-attention-mask"):

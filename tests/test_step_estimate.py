@@ -63,7 +63,7 @@ def test_the_estimate_prices_each_micro_batch_as_it_runs_and_prints_the_layout()
     resolved = settings.options()
     estimates = {}
     try:
-        for layout in ("zigzag", "balanced", "tiled", "split", "auto"):
+        for layout in ("zigzag", "balanced", "tiled", "tiled-cut", "split", "auto"):
             settings.configure(replace(resolved, layout=layout))
             estimates[layout] = se.estimate(args, 8, cluster, skewed)
         settings.configure(replace(resolved, layout="auto", whole_documents=True))  # auto where pieces cannot run
@@ -78,6 +78,7 @@ def test_the_estimate_prices_each_micro_batch_as_it_runs_and_prints_the_layout()
     assert balanced.layout.busiest_over_mean < given.layout.busiest_over_mean
     assert "balanced 1 of 1" in balanced.layout.name and "zigzag 1 of 1" in given.layout.name
     assert "tiled 1 of 1" in estimates["tiled"].layout.name  # the ranks of the 1x4 inner mesh balanced
+    assert "tiled-cut 1 of 1" in estimates["tiled-cut"].layout.name
     # split: the long document cut over the chunks evens them out; auto takes the fastest its model predicts
     split, auto = estimates["split"], estimates["auto"]
     assert split.layout.busiest_over_mean < balanced.layout.busiest_over_mean and "split:1 1 of 1" in split.layout.name

@@ -133,3 +133,74 @@ def test_a_tiled_layout_reports_the_rank_balance_it_optimises():
     assert tiled.balance != pytest.approx(tiled.work.max() / tiled.work.mean(), rel=1e-6)
     assert "busiest / mean rank work" in tiled.describe()
     assert "busiest / mean chunk work" in arrange(lengths, 8, "balanced").describe()
+
+
+def test_tiled_cut_lowers_the_busiest_rank_within_the_tiled_tile_blocks():
+    """tiled-cut on 4K-64K documents, a2a+mesh's inner 2x16 mesh (GQA) priced by the cost model: a few
+    documents re-laid in place, every chunk holding the same tokens' documents as the tiled layout, no
+    tile block kept that the tiled one leaves empty (same chunks sent), the busiest rank's pairs lower;
+    its rank pairs are the block engine's exact pairs; every rank builds the same; auto takes it where
+    its bound is lower, and without the causal mask nothing is cut."""
+    from megatron_mesh_cp.planning import Workload, load_cluster, ulysses_inner
+    from megatron_mesh_cp.planning.layouts import choose_layout, tile_weights
+    from megatron_mesh_cp.runtime.layouts import tiled_cut
+    from megatron_mesh_cp.runtime.masks.spans import needed_blocks
+    from megatron_mesh_cp.runtime.topology import MeshShape
+
+    cluster = load_cluster("h100-ib400")
+    inner = ulysses_inner(8, Workload(seq_local=(1 << 20) // 256, heads=32, kv_heads=8, head_dim=128,
+                                      partial_bytes=2))
+    lengths = sample_documents(1 << 20, 4096, 65536, seed=0).lengths
+    weights = tile_weights(inner, cluster)
+    tiled = arrange(lengths, 32, "tiled", shape=(2, 16), weights=weights)
+    cut = arrange(lengths, 32, "tiled-cut", shape=(2, 16), weights=weights)
+    assert cut.cut >= 2 and cut.balance < tiled.balance - 0.03, (cut.cut, cut.balance, tiled.balance)
+    assert "re-laid in place" in cut.describe()
+    total, shape = sum(lengths), MeshShape(2, 16)
+    blocks, whole = cut.mask.bind(32, total, True), tiled.mask.bind(32, total, True)
+    assert needed_blocks(blocks.nonempty(), shape) <= needed_blocks(whole.nonempty(), shape)
+    pairs = np.zeros(32)
+    for i, j in zip(*np.nonzero(blocks.nonempty())):
+        pairs[shape.owner(int(i), int(j))] += sum(s.pairs for s in blocks.block(int(i), int(j)))
+    assert np.allclose(pairs, cut.rank_work) and pairs.sum() == pytest.approx(tiled.rank_work.sum())
+    doc_of = lambda arr: np.repeat(arr.runs[0], arr.runs[2])  # noqa: E731 (each x' token's document)
+    assert np.array_equal(doc_of(cut), doc_of(tiled))  # documents in place
+    again = tiled_cut(tiled, weights=weights)
+    assert np.array_equal(again.order, cut.order) and again.mask == cut.mask
+    choice = choose_layout(lengths, 2, 16, cluster, inner, stride=8)
+    seconds = dict((name, s) for name, s, _ in choice.candidates)
+    assert choice.arrangement.name == "tiled-cut" and seconds["tiled-cut"] < seconds["tiled"], seconds
+    # the simulator's path: --layout tiled-cut (and auto) laid out for the mesh, priced as auto priced it
+    from dataclasses import replace
+
+    from megatron_mesh_cp.planning.bounds import mesh_bound
+    from megatron_mesh_cp.planning.layouts import resolve_layout
+    from megatron_mesh_cp.simulate import parse_layouts
+
+    assert parse_layouts("tiled,tiled-cut") == ["tiled", "tiled-cut"]
+    docs = UnpaddedDocuments(tuple(lengths))
+    fixed = resolve_layout(replace(inner, mask=docs.with_layout("tiled-cut")), 2, 16, cluster, 8)
+    assert fixed.mask.layout == "tiled-cut" and fixed.mask.arranged(32) == cut.mask
+    assert mesh_bound(2, 16, cluster, fixed, 8) == pytest.approx(seconds["tiled-cut"], rel=1e-12)
+    auto = resolve_layout(replace(inner, mask=docs.with_layout("auto")), 2, 16, cluster, 8)
+    assert auto.mask.layout == "tiled-cut" and auto.mask.arranged(32) == cut.mask
+    assert "tiled-cut" not in dict((n, s) for n, s, _ in choose_layout(lengths, 2, 16, cluster, inner, stride=8,
+                                                                        max_split=0).candidates)
+    assert arrange(lengths, 32, "tiled-cut", causal=False, shape=(2, 16)).cut == 0
+    with pytest.raises(ValueError, match="shape=\\(a, b\\)"):
+        arrange([8, 8], 2, "tiled-cut")
+    with pytest.raises(ValueError, match="starts from a tiled layout"):
+        tiled_cut(arrange(lengths, 32, "balanced"))
+
+
+def test_tiled_cut_cuts_documents_of_the_exactness_mixes():
+    """The float64 exactness test (tests/test_layouts.py) runs tiled-cut layouts that do re-lay documents."""
+    import random
+
+    from megatron_mesh_cp import valid_shapes
+    from test_layouts import document_mixes
+
+    for n in (4, 6, 8):
+        cut = [arrange(lengths, n, "tiled-cut", shape=s, weights=(1.0, 0.1, 0.1, 1.0)).cut
+               for lengths in document_mixes(8 * n, random.Random(n))[:4] for s in valid_shapes(n)]
+        assert max(cut) >= 1, (n, cut)

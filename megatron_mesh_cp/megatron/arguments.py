@@ -71,7 +71,8 @@ def add_mesh_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="with --reset-attention-mask under mesh CP: each micro-batch's token layout; auto (default) the one the "
              "cost model predicts fastest, zigzag the dataset's order, balanced whole documents reordered to even the "
              "zigzag chunks, tiled whole documents reordered to even the mesh's ranks (each computes a tile of "
-             "blocks), split the longest documents cut into pieces over every chunk (exact in every case)")
+             "blocks), tiled-cut that order with a few documents re-laid in place to even them further, split the "
+             "longest documents cut into pieces over every chunk (exact in every case)")
     add("--mesh-document-order", choices=("balanced", "given"), default=None,
         help="the older name of --mesh-layout balanced / zigzag")
     add("--mesh-pack-doc-tokens", type=int, default=None,
@@ -172,14 +173,14 @@ def _check_document_masking(args, launcher: bool, opts: dict) -> None:
             f"none to lay out in this run ({why}): drop it")
     if opts["documents"] == "eod":
         cuts = _why_not_split(args)
-        if layout == "split" and cuts:
-            raise MeshArgumentError(f"--mesh-layout split cuts documents into pieces, which {cuts}; use --mesh-layout "
-                                    "auto, tiled, balanced or zigzag (auto then keeps documents whole)")
+        if layout in ("split", "tiled-cut") and cuts:
+            raise MeshArgumentError(f"--mesh-layout {layout} cuts documents into pieces, which {cuts}; use "
+                                    "--mesh-layout auto, tiled, balanced or zigzag (auto then keeps documents whole)")
         opts["layout"] = layout
         if layout == "auto" and cuts:  # said in the dry run and the log: auto keeps documents whole here
             opts["whole_documents"] = True
             opts["layout_note"] = (f"--mesh-layout auto keeps documents whole (zigzag, balanced or tiled, by the cost "
-                                   f"model): split cuts them into pieces, "
+                                   f"model): split and tiled-cut cut them into pieces, "
                                    f"which {cuts}")
     else:
         opts["layout"] = "zigzag"

@@ -3,13 +3,14 @@
 ``--mesh-layout`` (``auto`` by default): the launcher's ``get_batch`` reads the micro-batch's
 documents (its EOD tokens), builds the layout (runtime/layouts.py) -- ``auto`` the one the cost
 model predicts fastest for this mesh and layer (planning/layouts.py), never one it predicts slower
-than the balanced document order; ``tiled`` balances the ranks of the configured (u, a, b) mesh --
+than the balanced document order; ``tiled`` balances the ranks of the configured (u, a, b) mesh,
+``tiled-cut`` re-lays a few of that order's documents in place to balance them further --
 and re-lays tokens, labels, loss mask and position ids with its order before
 ``get_batch_on_this_cp_rank`` splits them. Every rank of every pipeline stage computes the same
 layout from the same offsets (the searches are seeded), and the CP group agrees on the resulting
 mask once per micro-batch (``attention.agree_batch``).
 
-A layout that cuts documents (``split``) moves a document's pieces apart in the sequence, so RoPE
+A layout that cuts documents (``split``, ``tiled-cut``) moves a document's pieces apart in the sequence, so RoPE
 must rotate each token at its own position: :func:`install_rotary` makes Megatron's
 ``RotaryEmbedding`` take the current micro-batch's order (the embedding of the original positions,
 re-laid, then sliced per CP rank as Megatron slices it) -- Llama-3.1's scaled frequencies included,
@@ -33,7 +34,7 @@ __all__ = ["LAYOUT_CHOICES", "LaidOutParams", "BatchLayout", "CURRENT", "lay_out
            "LaidOutDataset", "wrap_datasets", "AHEAD_FIELDS"]
 
 #: --mesh-layout values: auto (chosen per micro-batch), or one layout every micro-batch
-LAYOUT_CHOICES = ("auto", "zigzag", "balanced", "tiled", "split")
+LAYOUT_CHOICES = ("auto", "zigzag", "balanced", "tiled", "tiled-cut", "split")
 
 
 def _params_class():
@@ -104,8 +105,9 @@ class LayoutPolicy:
                 except ValueError:
                     continue
             return arrange(lengths, chunks, "balanced"), None
-        if layout == "tiled":  # this mesh's ranks balanced by the cost model's call weights
-            return arrange(lengths, chunks, "tiled", shape=self.shape,
+        if layout in ("tiled", "tiled-cut"):  # this mesh's ranks balanced by the cost model's call weights
+            # (tiled-cut: and a few documents re-laid in place, runtime/tile_cut.py)
+            return arrange(lengths, chunks, layout, shape=self.shape,
                            weights=tile_weights(self.inner, self.cluster)), None
         narrowed = {"max_split": 0} if self.whole_documents else {}
         choice = choose_layout(lengths, *self.shape, self.cluster, self.inner, stride=self.stride, **narrowed)
@@ -122,7 +124,7 @@ def policy(args) -> LayoutPolicy:
 
     u, a, b = _mesh_dims(args)
     layout = options().layout
-    if layout not in ("auto", "tiled"):
+    if layout not in ("auto", "tiled", "tiled-cut"):
         return LayoutPolicy(layout, a * b, (a, b))
     w = attention_workload(args)
     cluster = options().cluster or (load_cluster(args.mesh_cluster) if getattr(args, "mesh_cluster", None)

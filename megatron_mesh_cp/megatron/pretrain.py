@@ -485,11 +485,14 @@ def _masking(args) -> str:
             # narrowed auto: its note already says the cost model chooses (no nested repeat of it)
             "auto": ("; each micro-batch's token layout: " + options().layout_note if options().layout_note else
                      "; each micro-batch's token layout chosen by the cost model (--mesh-layout auto: zigzag, "
-                     "balanced or tiled document order, or the longest documents split over every chunk)"),
+                     "balanced or tiled document order, tiled with a few documents re-laid in place, or the "
+                     "longest documents split over every chunk)"),
             "balanced": "; documents reordered per micro-batch to balance the zigzag chunks (--mesh-layout balanced)",
             "split": "; the longest documents split over every chunk, the others reordered around them (--mesh-layout "
                      "split)",
             "tiled": "; documents reordered per micro-batch to balance the mesh's ranks (--mesh-layout tiled)",
+            "tiled-cut": "; documents reordered per micro-batch to balance the mesh's ranks, a few re-laid in place "
+                         "(--mesh-layout tiled-cut)",
             "zigzag": "; documents in the dataset's order (--mesh-layout zigzag)",
         }[options().layout]
         return "from EOD (--reset-attention-mask), unpadded; blocks and chunks no document needs are pruned" + layout
@@ -683,7 +686,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     exits.install()
     from .settings import options
 
-    cuts = options().layout == "split" or (options().layout == "auto" and not options().whole_documents)
+    cuts = options().layout in ("split", "tiled-cut") or (options().layout == "auto" and not options().whole_documents)
     if options().documents == "eod" and cuts:  # layouts that cut documents: each piece rotated at its positions
         from .layout import install_rotary
 

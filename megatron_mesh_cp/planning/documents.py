@@ -57,6 +57,9 @@ class UnpaddedDocuments(SpanMask):
     #: carry near-equal block cost (runtime/tile_balance.py); ``mesh`` (a, b) and ``weights`` (its
     #: kernel-call cost model) are set per mesh by ``resolve_layout``
     tiled: bool = False
+    #: with ``tiled``: the ``tiled-cut`` layout, a few documents of the tiled order re-laid in place
+    #: (runtime/tile_cut.py), run as its re-laid (``Arranged``) mask
+    cut: bool = False
     mesh: Tuple[int, ...] = ()
     weights: Tuple[float, ...] = ()
 
@@ -71,9 +74,9 @@ class UnpaddedDocuments(SpanMask):
                              "drop empty documents")
         if self.tile < 0:
             raise ValueError(f"kernel tile {self.tile} must be >= 0 (0: count exact pairs)")
-        if self.split and self.tile:
-            raise ValueError("the split layout's blocks are priced by their exact pairs; give the documents kernel "
-                             "tile 0")
+        if (self.split or self.cut) and self.tile:
+            raise ValueError("a layout cutting documents (split, tiled-cut) has its blocks priced by their exact "
+                             "pairs; give the documents kernel tile 0")
         object.__setattr__(self, "lengths", tuple(int(x) for x in self.lengths))
 
     @property
@@ -104,18 +107,20 @@ class UnpaddedDocuments(SpanMask):
         return replace(self, tile=tile)
 
     def with_balance(self, balanced: bool) -> "UnpaddedDocuments":
-        return replace(self, balanced=bool(balanced), split=0, auto=False, tiled=False, mesh=(), weights=())
+        return replace(self, balanced=bool(balanced), split=0, auto=False, tiled=False, cut=False, mesh=(),
+                       weights=())
 
     def with_layout(self, layout: str) -> "UnpaddedDocuments":
         """The same documents run in ``layout``: ``zigzag``, ``balanced``, ``tiled`` (the mesh's ranks
-        balanced), ``split:K`` (the K longest cut) or ``auto`` (chosen per mesh by the cost model)."""
+        balanced), ``tiled-cut`` (tiled, a few documents re-laid in place), ``split:K`` (the K longest
+        cut) or ``auto`` (chosen per mesh by the cost model)."""
         name, _, k = layout.partition(":")
-        if name not in ("zigzag", "balanced", "tiled", "split", "auto") or (name == "split") != bool(k) or (
-                k and not k.isdigit()):
-            raise ValueError(f"unknown layout {layout!r}; choose zigzag, balanced, tiled, split:K (K documents cut) "
-                             "or auto")
+        if name not in ("zigzag", "balanced", "tiled", "tiled-cut", "split", "auto") or (
+                (name == "split") != bool(k)) or (k and not k.isdigit()):
+            raise ValueError(f"unknown layout {layout!r}; choose zigzag, balanced, tiled, tiled-cut, split:K (K "
+                             "documents cut) or auto")
         return replace(self, balanced=name == "balanced", split=int(k) if k else 0, auto=name == "auto",
-                       tiled=name == "tiled", mesh=(), weights=())
+                       tiled=name in ("tiled", "tiled-cut"), cut=name == "tiled-cut", mesh=(), weights=())
 
     def for_mesh(self, a: int, b: int, weights) -> "UnpaddedDocuments":
         """The tiled layout made concrete for the a x b mesh and its kernel-call cost ``weights``."""
@@ -128,7 +133,7 @@ class UnpaddedDocuments(SpanMask):
         if self.auto:
             return "auto"
         if self.tiled:
-            return "tiled"
+            return "tiled-cut" if self.cut else "tiled"
         return f"split:{self.split}" if self.split else "balanced" if self.balanced else "zigzag"
 
     def arranged(self, chunks: int, causal: bool = True):
@@ -142,7 +147,7 @@ class UnpaddedDocuments(SpanMask):
                 mesh = "x".join(map(str, self.mesh)) or "none"
                 raise ValueError(f"the tiled layout balances one mesh's ranks ({mesh} set, {chunks} chunks asked): "
                                  "resolve it for the mesh first (planning.layouts.resolve_layout)")
-            return _tiled(self, bool(causal))
+            return _tiled_cut(self, bool(causal)) if self.cut else _tiled(self, bool(causal))
         if self.split:
             return _split(self, chunks, bool(causal))
         return _balanced(self, chunks, bool(causal)) if self.balanced else self
@@ -171,6 +176,9 @@ class UnpaddedDocuments(SpanMask):
             return text + f"; run in the split layout ({self.split} longest split)"
         if self.tiled:
             mesh = f" of the {self.mesh[0]}x{self.mesh[1]} mesh" if self.mesh else " of each mesh"
+            if self.cut:
+                return text + f"; run in the order balancing the ranks{mesh}, a few documents re-laid in place " \
+                              "(tiled-cut)"
             return text + f"; run in the order balancing the ranks{mesh} (tiled)"
         return text + ("; run in the order balancing each mesh's zigzag chunks" if self.balanced else "")
 
@@ -186,6 +194,12 @@ def _tiled(docs: UnpaddedDocuments, causal: bool) -> UnpaddedDocuments:
     arr = arrange(docs.lengths, a * b, "tiled", causal=causal, shape=(a, b), weights=docs.weights or None)
     return UnpaddedDocuments(tuple(docs.lengths[i] for i in arr.runs[0]), docs.tile,
                              (docs.label + ", " if docs.label else "") + f"tiled for the {a}x{b} mesh")
+
+
+@lru_cache(maxsize=64)
+def _tiled_cut(docs: UnpaddedDocuments, causal: bool):
+    a, b = docs.mesh
+    return arrange(docs.lengths, a * b, "tiled-cut", causal=causal, shape=(a, b), weights=docs.weights or None).mask
 
 
 @lru_cache(maxsize=64)

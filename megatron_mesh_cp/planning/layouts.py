@@ -3,12 +3,13 @@
 For one micro-batch's document lengths and the mesh that runs it, every candidate layout -- the
 zigzag as given, the balanced document order, the tiled one (whole documents ordered so this mesh's
 ranks carry near-equal block cost, searched on :func:`tile_weights`, the cost model's seconds per
-kernel call), and the split layout cutting the 1, 2, ... longest documents -- is priced on the
+kernel call), the tiled-cut one (that order with a few documents re-laid in place, runtime/tile_cut.py,
+where the model cannot re-lay pieces not offered), and the split layout cutting the 1, 2, ... longest documents -- is priced on the
 calibrated cost model the way auto shape prices a tile:
 :func:`~megatron_mesh_cp.planning.bounds.mesh_bound` of the layer with that layout's mask, i.e.
 per phase the larger of the busiest rank's block seconds (each block as the kernel calls the mask
 leaves it) and the bytes of the transfers some rank needs over its links. The fastest wins; ties go
-to the earlier candidate (zigzag, then balanced, then tiled, then fewer documents split), so a
+to the earlier candidate (zigzag, then balanced, then tiled, then tiled-cut, then fewer documents split), so a
 layout that only matches today's is never taken over it. Deterministic: every rank chooses the same from the same
 lengths.
 """
@@ -22,7 +23,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..runtime.layouts import Arrangement, arrange_splits, arrange_whole, splits_cross_every_piece
+from ..runtime.layouts import Arrangement, arrange_splits, arrange_whole, splits_cross_every_piece, tiled_cut
 from ..runtime.tile_balance import BUDGET, search_entries
 from .bounds import full_comm_bound, mesh_bound
 from .cluster import Cluster, Workload
@@ -76,16 +77,22 @@ def candidate_layouts(lengths: Sequence[int], chunks: int, causal: bool = True,
                       weights: Optional[Tuple[float, float, float, float]] = None) -> List[Arrangement]:
     """zigzag, balanced, tiled (with ``shape``, the (a, b) mesh whose ranks it balances by ``weights``,
     searched from the balanced order; only where its host budget affords at least 8 rounds of 32
-    moves: not at CP = 256 chunks of 1M tokens, say), and split over the 1 .. ``max_split`` longest
+    moves: not at CP = 256 chunks of 1M tokens, say) and tiled-cut (from it; with ``max_split`` >= 1,
+    as it cuts documents), and split over the 1 .. ``max_split`` longest
     documents longer than a piece (a shorter one cannot hold the busiest piece; the ones that do not
     fit are skipped)."""
-    return (_whole_candidates(lengths, chunks, causal, shape, weights)
+    return (_whole_candidates(lengths, chunks, causal, shape, weights, cut=max_split >= 1)
             + arrange_splits(lengths, chunks, _split_count(lengths, chunks, max_split), causal=causal))
 
 
-def _whole_candidates(lengths, chunks, causal, shape, weights) -> List[Arrangement]:
+def _whole_candidates(lengths, chunks, causal, shape, weights, cut: bool) -> List[Arrangement]:
+    """zigzag, balanced and (where its budget allows) tiled, and with ``cut`` the tiled-cut layout
+    from that tiled one (causal only: without the mask a re-lay moves no work)."""
     tiled = shape is not None and chunks > 1 and 8 * 32 * search_entries(lengths, chunks, causal) <= BUDGET
-    return arrange_whole(lengths, chunks, causal=causal, shape=shape if tiled else None, weights=weights)
+    out = arrange_whole(lengths, chunks, causal=causal, shape=shape if tiled else None, weights=weights)
+    if tiled and cut and causal:
+        out.append(tiled_cut(out[-1], causal=causal, weights=weights))
+    return out
 
 
 def _split_count(lengths: Sequence[int], chunks: int, max_split: int) -> int:
@@ -104,14 +111,15 @@ def choose_layout(lengths: Sequence[int], a: int, b: int, cluster: Cluster, w: W
     least :func:`~megatron_mesh_cp.planning.bounds.full_comm_bound`, and when a whole-document layout
     is priced at or below that their searches are skipped (ties go to the earlier candidate anyway:
     the choice is the same). ``max_split``: the most documents a split candidate cuts (0: documents
-    stay whole, where the model cannot re-lay pieces)."""
+    stay whole, where the model cannot re-lay pieces: no tiled-cut either)."""
     t0 = time.perf_counter()
     n = a * b
     if sum(lengths) != w.seq_local * n:
         raise ValueError(f"the documents span {sum(lengths)} tokens but {n} chunks of {w.seq_local} tokens hold "
                          f"{w.seq_local * n}")
     own = candidates is None
-    cands = _whole_candidates(lengths, n, w.causal, (a, b), tile_weights(w, cluster)) if own else list(candidates)
+    cands = (_whole_candidates(lengths, n, w.causal, (a, b), tile_weights(w, cluster), cut=max_split >= 1) if own
+             else list(candidates))
     rows = [_priced(arr, a, b, cluster, w, stride) for arr in cands]
     if own:
         skip = max_split < 1 or (splits_cross_every_piece(lengths, n)

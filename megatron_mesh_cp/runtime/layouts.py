@@ -12,6 +12,11 @@ layout's work per chunk is exact and cheap. Four layouts:
 * ``tiled``: whole documents reordered so the *ranks* of the a x b mesh that runs them carry
   near-equal block cost (runtime/tile_balance.py: a rank computes a tile of blocks, and where a
   document crosses pieces decides which rank does that work); the mask stays plain documents;
+* ``tiled-cut``: the tiled order with a few documents rotated in place (positions ``[r, L)`` then
+  ``[0, r)`` over the tokens the tiled order gives them: runtime/tile_cut.py), moving cross-piece
+  work from the busiest ranks to lighter ones without making any tile block non-empty that the
+  tiled order leaves empty (same chunks sent); the mask is
+  :class:`~megatron_mesh_cp.runtime.masks.arranged.Arranged`;
 * ``split``: the longest documents cut the way TE's THD partition cuts every document -- 2N pieces,
   pieces g and 2N-1-g to chunk g, unpadded (uneven by a token at most) -- so each spreads its work
   evenly; piece g ends piece g of x' and piece 2N-1-g starts piece 2N-1-g, so in chunk g they are
@@ -34,13 +39,14 @@ from typing import List, Optional, Sequence, Tuple
 import numpy as np
 
 from .balance import balance_order, balance_orders
-from .tile_balance import tile_order, tile_work
+from .tile_balance import PAIRS, tile_order, tile_work
+from .tile_cut import cut_documents
 from .masks import Documents, Mask, arranged_of
 
 __all__ = ["TOKEN_LAYOUTS", "Arrangement", "arrange", "arrange_whole", "arrange_splits", "splits_cross_every_piece",
-           "token_work", "chunk_of_piece"]
+           "tiled_cut", "token_work", "chunk_of_piece"]
 
-TOKEN_LAYOUTS = ("zigzag", "balanced", "tiled", "split")
+TOKEN_LAYOUTS = ("zigzag", "balanced", "tiled", "tiled-cut", "split")
 #: the split layout's balance search (its whole documents around the split ones): at most this many
 #: moves, stopping after SPLIT_PATIENCE that did not lower the busiest chunk -- a quarter of the
 #: balanced layout's, so auto's split candidates cost its host time less (scripts/layout_quality.py:
@@ -51,7 +57,7 @@ SPLIT_ITERS, SPLIT_PATIENCE = 1024, 256
 @dataclass(frozen=True, eq=False)
 class Arrangement:
     """One micro-batch's layout: the ``mask`` of x', each chunk's attention pairs (``work``), what it
-    is called (``name``, ``split``: documents cut) and its runs (``runs``: per run of x' tokens, its
+    is called (``name``, ``split``: documents cut, ``cut``: documents re-laid in place) and its runs (``runs``: per run of x' tokens, its
     document, first position and length, in x' order); :attr:`order` (x' = x[order]) is made from
     the runs on first use (only the layout that runs needs it)."""
 
@@ -61,6 +67,7 @@ class Arrangement:
     runs: Tuple[np.ndarray, np.ndarray, np.ndarray] = field(repr=False)
     starts: np.ndarray = field(repr=False)  # each document's first token in x
     split: int = 0
+    cut: int = 0  # tiled-cut: documents rotated in place (two segments each)
     given: bool = False  # x' is x (the documents as given)
     shape: Tuple[int, ...] = ()  # (a, b): the mesh a tiled layout balances the ranks of
     rank_work: Optional[np.ndarray] = field(default=None, repr=False)  # tiled: each rank's attention pairs
@@ -84,6 +91,8 @@ class Arrangement:
 
     def describe(self) -> str:
         cut = f", {self.split} document{'s' if self.split != 1 else ''} split" if self.split else ""
+        if self.cut:
+            cut = f", {self.cut} document{'s' if self.cut != 1 else ''} re-laid in place"
         mesh = f" (ranks of the {self.shape[0]}x{self.shape[1]} mesh balanced)" if self.shape else ""
         what = "chunk" if self.rank_work is None else "rank"
         return f"{self.name}{cut}{mesh}: busiest / mean {what} work {self.balance:.2f}"
@@ -306,6 +315,13 @@ def arrange(lengths: Sequence[int], chunks: int, layout: str = "balanced", *, ca
         order = tile_order(x.tolist(), a, b, causal=causal, weights=weights, seed=seed, start=start)
         return replace(_whole(x, order, chunks, causal, "tiled"), shape=(a, b),
                        rank_work=tile_work(x.tolist(), a, b, causal=causal, orders=[order])[0])
+    if layout == "tiled-cut":
+        if shape is None or len(shape) != 2 or int(shape[0]) * int(shape[1]) != chunks:
+            raise ValueError(f"the tiled-cut layout balances the ranks of an a x b mesh of {chunks} chunks: pass "
+                             f"shape=(a, b) with a * b = {chunks}, not {shape!r}")
+        a, b = int(shape[0]), int(shape[1])
+        return tiled_cut(arrange(x.tolist(), chunks, "tiled", causal=causal, seed=seed, shape=(a, b),
+                                 weights=weights, start=start), causal=causal, weights=weights)
     if layout == "split":
         if not 1 <= split <= len(x):
             raise ValueError(f"the split layout cuts 1 .. {len(x)} documents, not {split}")
@@ -330,6 +346,40 @@ def arrange_whole(lengths: Sequence[int], chunks: int, *, causal: bool = True, s
         out.append(arrange(x.tolist(), chunks, "tiled", causal=causal, seed=seed, shape=shape, weights=weights,
                            start=bal.runs[0]))
     return out
+
+
+def tiled_cut(tiled: Arrangement, *, causal: bool = True,
+              weights: Optional[Tuple[float, float, float, float]] = None) -> Arrangement:
+    """The ``tiled-cut`` layout from a ``tiled`` one: its documents in place, a few re-laid inside
+    their tokens (runtime/tile_cut.py) where that lowers the busiest rank's modelled cost and every
+    block it makes non-empty lies in a tile block the tiled layout keeps; ``weights``: the tiled
+    search's kernel-call model (default: pairs). Without the causal mask a re-lay moves no work (a
+    document's pairs per chunk pair are fixed by its footprint): the tiled order as it is, as an
+    Arranged mask."""
+    if tiled.name != "tiled" or not tiled.shape:
+        raise ValueError("tiled_cut starts from a tiled layout (arrange(..., 'tiled', shape=(a, b)))")
+    a, b = tiled.shape
+    n = a * b
+    order = tiled.runs[0]
+    lengths = tiled.runs[2][np.argsort(order)]
+    w = PAIRS if weights is None else tuple(float(v) for v in weights)
+    total = int(lengths.sum())
+    m = total // (2 * n)
+    relaid, rank_pairs = [None] * len(lengths), tiled.rank_work
+    if causal and n > 1:
+        base = np.full(n, w[0] + (w[1] + w[2]) * 2 * m)  # each rank's own (diagonal) varlen call
+        relaid, _, rank_pairs = cut_documents(lengths, order, a, b, weights=w, base=base)
+    doc, pos, length = [], [], []
+    for d in order.tolist():
+        for p, l in relaid[d] or [(0, int(lengths[d]))]:
+            doc.append(d)
+            pos.append(p)
+            length.append(l)
+    doc, pos, length = (np.asarray(v, dtype=np.int64) for v in (doc, pos, length))
+    runs, work = _runs_work(doc, pos, length, lengths, n, causal)
+    cut = sum(r is not None for r in relaid)
+    mask = _mask_of(doc, pos, length, "tiled-cut")
+    return Arrangement("tiled-cut", mask, work, runs, tiled.starts, cut=cut, shape=(a, b), rank_work=rank_pairs)
 
 
 def arrange_splits(lengths: Sequence[int], chunks: int, splits: int, *, causal: bool = True,
@@ -358,11 +408,11 @@ def splits_cross_every_piece(lengths: Sequence[int], chunks: int) -> bool:
 
 def encode(arr: Arrangement) -> Tuple[np.ndarray, np.ndarray]:
     """``arr`` as two flat arrays a data-loader worker can hand over (the launcher chooses each
-    micro-batch's layout there, ahead of its step): int64 ``[kind, split, given, a, b, runs, doc...,
+    micro-batch's layout there, ahead of its step): int64 ``[kind, split, cut, given, a, b, runs, doc...,
     pos..., length...]`` and the tiled layout's per-rank work (float64, empty otherwise)."""
     doc, pos, length = arr.runs
     a, b = arr.shape if arr.shape else (0, 0)
-    head = [TOKEN_LAYOUTS.index(arr.name), arr.split, int(arr.given), a, b, len(doc)]
+    head = [TOKEN_LAYOUTS.index(arr.name), arr.split, arr.cut, int(arr.given), a, b, len(doc)]
     work = np.zeros(0) if arr.rank_work is None else np.asarray(arr.rank_work, dtype=np.float64)
     return np.concatenate((np.asarray(head, dtype=np.int64), doc, pos, length)).astype(np.int64), work
 
@@ -372,10 +422,10 @@ def decode(code, rank_work, lengths: Sequence[int], chunks: int, causal: bool = 
     ``ValueError`` when the code does not lay out exactly these documents (a stale or foreign code)."""
     x = _check(lengths, chunks)
     c = np.asarray(code, dtype=np.int64).ravel()
-    if len(c) < 6 or not 0 <= c[0] < len(TOKEN_LAYOUTS) or len(c) != 6 + 3 * int(c[5]):
+    if len(c) < 7 or not 0 <= c[0] < len(TOKEN_LAYOUTS) or len(c) != 7 + 3 * int(c[6]):
         raise ValueError(f"not a token layout's code ({len(c)} values)")
-    kind, split, given, a, b, k = (int(v) for v in c[:6])
-    doc, pos, length = c[6:6 + k], c[6 + k:6 + 2 * k], c[6 + 2 * k:]
+    kind, split, cut, given, a, b, k = (int(v) for v in c[:7])
+    doc, pos, length = c[7:7 + k], c[7 + k:7 + 2 * k], c[7 + 2 * k:]
     if (doc < 0).any() or (doc >= len(x)).any() or (length < 1).any() or (pos < 0).any():
         raise ValueError("a token layout's code names documents or runs this micro-batch does not have")
     seen = np.zeros(len(x), dtype=np.int64)
@@ -385,15 +435,15 @@ def decode(code, rank_work, lengths: Sequence[int], chunks: int, causal: bool = 
                          f"{seen.tolist()[:6]}..., the batch's {x.tolist()[:6]}...)")
     name = TOKEN_LAYOUTS[kind]
     runs, work = _runs_work(doc, pos, length, x, chunks, causal)
-    if split:
-        mask = _mask_of(doc, pos, length, f"split {split}")
+    if split or name == "tiled-cut":  # documents in pieces: the Arranged mask its builder makes
+        mask = _mask_of(doc, pos, length, f"split {split}" if split else name)
         mask.check(int(x.sum()), chunks, causal)  # every document's positions tiled exactly once
     else:
         if (pos != 0).any() or not np.array_equal(length, x[doc]):
             raise ValueError("a whole-document layout's code cuts a document")
         mask = Documents(tuple(int(v) for v in np.concatenate(([0], np.cumsum(length)))))
     rw = None if len(rank_work) == 0 else np.asarray(rank_work, dtype=np.float64)
-    return Arrangement(name, mask, work, runs, _starts(x), split=split, given=bool(given),
+    return Arrangement(name, mask, work, runs, _starts(x), split=split, cut=cut, given=bool(given),
                        shape=(a, b) if a else (), rank_work=rw)
 
 
