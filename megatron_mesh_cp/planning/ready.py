@@ -2,20 +2,23 @@
 
 Pruning (runtime/prune.py) keeps the full plan's op order, so a kept compute whose chunk arrives
 late sits where it was, and a reduction partial whose blocks sat late in the full plan leaves late
-and its neighbour waits for it. :func:`ready_orders` list-schedules the pruned plan's ops on one
+and its neighbour waits for it. :func:`ready_order` list-schedules the pruned plan's ops on one
 representative rank (a scalar model of the replay's semantics: one compute stream; one channel per
 ring, both directions and gathers and reductions alike in issue order; the network transfers of
-both rings queue on the NIC): each compute is issued when its chunks are ready (ties: those feeding
-the partial nearest completion first, or plan order), each reduction partial as soon as every
-compute feeding it is done and the partial it forwards has arrived, each gather as soon as its
-chunk is there (per ring in the pruned plan's order), each ``Free`` right after the chunk's last
-use. The set of transfers is the pruned plan's, so its bytes are unchanged; only the order moves.
+both rings queue on the NIC): each resource takes, among its ops whose inputs are there when it is
+free, the one with the longest tail (or plan order, gathers breadth first), each reduction partial
+as soon as every compute feeding it is done and the partial it forwards has arrived, each ``Free``
+right after the chunk's last use. The set of transfers is the pruned plan's, so its bytes are
+unchanged; only the order moves.
 
 The representative rank is a statistic over the ranks of each compute's seconds (mean, max, or the
-slowest rank's own), so a few candidate orders come out; :func:`reordered_plans` (planning/
-schedule.py's caller) keeps the one the full replay (planning/replay.py) scores fastest, or the
-pruned order if none beats it. Everything is a deterministic function of the plan, the masked
-workload and the cluster, so every rank derives the same plan.
+slowest rank's own), so a few candidate orders come out (:data:`VARIANTS`); :func:`reorder` (called
+by planning/schedule.py's ``call_plans``, which the executor and the simulator share) keeps the one
+the full replay (planning/replay.py) scores fastest, or the pruned order if none beats it, within
+the live-chunk limit and the full plan's pool bytes. Plans over :data:`MAX_RANK_OPS` rank x ops keep
+the pruned order (the host cost cap). Everything is a deterministic function of the plan, the
+masked workload and the cluster, so every rank derives the same plan (and the call's agreement
+compares plan digests).
 """
 
 from __future__ import annotations
@@ -27,7 +30,8 @@ import numpy as np
 from ..runtime.plan import (GATHER_KINDS, REDUCE_KINDS, RING_OF, Compute, Free, Plan, PlanError, Transfer,
                             partial_offset, payload, validate)
 
-__all__ = ["ready_order", "ready_orders", "reorder", "link_costs", "TIES", "STATS", "MAX_RANK_OPS", "VARIANTS", "scored_reorder"]
+__all__ = ["ready_order", "ready_orders", "reorder", "scored_reorder", "link_costs", "TIES", "STATS", "MAX_RANK_OPS",
+           "VARIANTS"]
 
 #: how a resource chooses among ops ready at once: the longest tail (chain of ops waiting on it) first, or
 #: plan order (gathers: breadth first, the nearer hop of either chain before the farther one)
