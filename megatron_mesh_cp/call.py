@@ -349,11 +349,13 @@ def plan(spec: CallSpec):
                      causal=spec.causal, bytes_per_element=spec.dtype.itemsize,
                      partial_bytes=(spec.partial_dtype or lse_dtype(spec.dtype)).itemsize, head_dim_v=spec.v_head_dim)
         keep, n = blocks.needed(spec.shape), spec.shape.n
-        scale = plan_scale(replace(w, mask=spec.mask), opts.cluster or default_cluster(), n) \
+        layer = replace(w, mask=spec.mask) if blocks.pruned else None  # the masked layer: plans re-ordered for it
+        scale = plan_scale(layer, opts.cluster or default_cluster(), n) \
             if blocks.pruned and (keep is None or len(keep) == n) else 1.0  # only a plan that runs as planned
         plans = call_plans(spec.shape.a, spec.shape.b, spec.planner, workload=w, cluster=opts.cluster,
                            stride=opts.stride * spec.ulysses, max_live=opts.max_live, keep=keep,
-                           masked=blocks.pruned, slabs=blocks.zigzag_keys, scale=scale)
+                           masked=blocks.pruned, slabs=blocks.zigzag_keys, scale=scale, layer=layer,
+                           reorder=opts.reorder)
     else:
         from .runtime.prune import prune, without_slabs
 

@@ -44,7 +44,7 @@ from ..runtime.layout import BlockCase, kernel_calls
 from ..runtime.plan import (BACKWARD, FORWARD, ChunkDims, Compute, Free, Plan, Transfer, payload, slab_containing,
                             RING_OF)
 
-__all__ = ["PhaseResult", "replay"]
+__all__ = ["PhaseResult", "replay", "replay_costs", "ring_links"]
 
 @dataclass
 class PhaseResult:
@@ -130,18 +130,10 @@ def _block_durations(plan: Plan, w: Workload, cluster: Cluster, backward: bool):
     return out, calls
 
 
-def replay(
-    plan: Plan,
-    cluster: Cluster,
-    w: Workload,
-    *,
-    stride: int = 1,
-    record: Optional[int] = 0,
-) -> PhaseResult:
-    """Replay ``plan`` on all ranks of its mesh; CP position p sits on GPU ``p * stride``."""
-    a, b = plan.a, plan.b
-    n = a * b
-    pos = np.arange(n)
+def ring_links(a: int, b: int, cluster: Cluster, stride: int = 1):
+    """Per (ring, direction): every rank's neighbour, and whether its hop crosses nodes, with that
+    hop's bandwidth, latency and overlap slowdown (arrays over the a x b ranks)."""
+    pos = np.arange(a * b)
     r, c = pos // a, pos % a
     nxt = {
         ("row", 1): r * a + (c + 1) % a, ("row", -1): r * a + (c - 1) % a,
@@ -152,11 +144,39 @@ def replay(
     bw = {k: np.where(v, cluster.inter_bw, cluster.intra_bw) for k, v in inter.items()}
     lat = {k: np.where(v, cluster.inter_lat, cluster.intra_lat) for k, v in inter.items()}
     slow = {k: np.where(v, cluster.overlap_slowdown_inter, cluster.overlap_slowdown_intra) for k, v in inter.items()}
-    dims = workload_dims(w)
-    backward = plan.phase == BACKWARD
-    blocks, calls = _block_durations(plan, w, cluster, backward)
-    # documents or a window: a rank waits only for the chunks of the blocks it runs (none for an empty one)
+    return nxt, inter, bw, lat, slow
+
+
+def replay_costs(plan: Plan, cluster: Cluster, w: Workload, stride: int = 1) -> tuple:
+    """What a replay of ``plan`` prices its ops with, independent of their order: :func:`ring_links`,
+    the payload dims, every compute's seconds and kernel calls per rank, and (documents or a window)
+    which blocks each rank runs -- it waits only for the chunks of those (none for an empty one)."""
+    n = plan.a * plan.b
+    blocks, calls = _block_durations(plan, w, cluster, plan.phase == BACKWARD)
     runs = w.nonempty(n) if w.pruned else None
+    return ring_links(plan.a, plan.b, cluster, stride) + (workload_dims(w), blocks, calls, runs)
+
+
+def replay(
+    plan: Plan,
+    cluster: Cluster,
+    w: Workload,
+    *,
+    stride: int = 1,
+    record: Optional[int] = 0,
+    costs: Optional[tuple] = None,
+    bound: Optional[float] = None,
+) -> PhaseResult:
+    """Replay ``plan`` on all ranks of its mesh; CP position p sits on GPU ``p * stride``. ``costs``:
+    :func:`replay_costs` of a plan with the same ops (scoring re-orderings of one plan computes them once).
+    ``bound``: stop once a rank's compute stream passes it (the phase cannot end sooner); the result's
+    ``finish`` is then infinite (a candidate that cannot beat the best so far costs less to score)."""
+    a, b = plan.a, plan.b
+    n = a * b
+    pos = np.arange(n)
+    r, c = pos // a, pos % a
+    nxt, inter, bw, lat, slow, dims, blocks, calls, runs = costs or replay_costs(plan, cluster, w, stride)
+    backward = plan.phase == BACKWARD
 
     compute_free = np.zeros(n)
     host_free = np.zeros(n)  # when the host has issued everything so far (it runs ahead of the GPU)
@@ -174,10 +194,18 @@ def replay(
     in_flight: Dict[Tuple[str, int], List[Tuple[np.ndarray, np.ndarray]]] = {k: [] for k in nxt}
     last_compute = (np.zeros(n), np.zeros(n))
 
+    wires: Dict[str, tuple] = {}
+
+    def wire(kind: str):
+        """(payload specs, bytes) of one transfer of ``kind`` (looked up once per kind)."""
+        if kind not in wires:
+            specs = payload(plan.phase, kind, dims)
+            wires[kind] = (specs, sum(x.nbytes for x in specs))
+        return wires[kind]
+
     def fold(kind: str, off: int) -> None:
         nonlocal compute_free
-        specs = payload(plan.phase, kind, dims)
-        nbytes = sum(s.nbytes for s in specs)
+        nbytes = wire(kind)[1]
         for arr in incoming.pop((kind, off), []):
             start = np.maximum(compute_free, arr)
             dur = cluster.elementwise_time(3 * nbytes)
@@ -187,6 +215,8 @@ def replay(
                 timeline.append(("compute", float(start[record]), float(compute_free[record]), f"fold {kind}[{off}]"))
 
     for op in plan.ops:
+        if bound is not None and compute_free.max() > bound:
+            return PhaseResult(np.full(n, np.inf), busy, sent, by_cat, timeline, arrivals, host_free)
         if isinstance(op, Compute):
             if runs is None:
                 start = np.maximum(compute_free, arrival[("q", op.q)])
@@ -221,8 +251,7 @@ def replay(
             else:
                 fold(op.kind, op.src)
                 ready = compute_free.copy()
-            specs = payload(plan.phase, op.kind, dims)
-            nbytes = sum(s.nbytes for s in specs)
+            specs, nbytes = wire(op.kind)
             for s in specs:
                 by_cat[(plan.phase, s.category)] = by_cat.get((plan.phase, s.category), 0) + s.nbytes
             to = nxt[key]

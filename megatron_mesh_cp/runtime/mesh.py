@@ -20,17 +20,23 @@ __all__ = ["MeshLike", "PlanOptions", "CallCache", "DEFAULT_PLAN_OPTIONS"]
 class PlanOptions:
     """What greedy plans are tuned for: a cluster (a ``planning.Cluster``; None: ``$MESH_CP_CLUSTER``
     or h100-ib400), the GPU distance between consecutive CP ranks (Megatron: the TP size) and the
-    live-chunk limit plans keep to (None: none; ``--mesh-shape auto`` sets what fits its budget)."""
+    live-chunk limit plans keep to (None: none; ``--mesh-shape auto`` sets what fits its budget).
+    ``reorder``: whether pruned plans (documents, chunks, a window) run re-ordered by when their
+    chunks are ready (planning/ready.py): None where the simulator says it is faster, True always
+    (tests run re-ordered plans this way), False never."""
 
     cluster: Any = None
     stride: int = 1
     max_live: Optional[int] = None
+    reorder: Optional[bool] = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.stride, int) or self.stride < 1:
             raise ValueError(f"stride must be a positive int (GPUs between consecutive CP ranks), got {self.stride!r}")
         if self.max_live is not None and (not isinstance(self.max_live, int) or self.max_live < 2):
             raise ValueError(f"max_live must be an int >= 2 (live chunks) or None, got {self.max_live!r}")
+        if self.reorder not in (None, True, False):
+            raise ValueError(f"reorder must be None (where faster), True or False, got {self.reorder!r}")
 
 
 DEFAULT_PLAN_OPTIONS = PlanOptions()
