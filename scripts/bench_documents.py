@@ -300,7 +300,9 @@ def documents_page():
         "goal with the call's preparation <= 50 ms): " + "; ".join(
             f"{title.split(' documents')[0]}: {t * 1e3:.0f} ms" for title, t in hosts) + ". "
         "`python scripts/bench_layout_host.py` gives the median over fresh draws of each set, and the "
-        "preparation's share (3-6 ms).",
+        "preparation's share. The launcher makes this choice where the sample loads, in the data loader's "
+        "workers ahead of the step (`megatron/layout.py` `LaidOutDataset`); the step only decodes it (under 1 ms) "
+        "and prepares the call (its pruned plans re-ordered by `planning/ready.py`: 5-15 ms).",
         "",
         "Reading the tables. *Exposed comm* is the critical rank's idle time: with documents it includes waiting "
         "for partials and chunks from busier ranks, i.e. load imbalance, not only the wire. Megatron's ordinary "

@@ -74,7 +74,12 @@ def attention_peak_bytes(args) -> int:
         u, (a, b) = (1, sizes) if algo == "mesh" else (sizes[0], sizes[1:])
         inner = ulysses_inner(u, w) if u > 1 else w
         pool = 0
-        if a * b > 1:  # u = CP: one kernel call per phase, no mesh
+        if a * b > 1 and options().documents == "eod" and options().planner == "greedy":
+            # documents: the masked layer's plans, whichever batch (planned for its blocks' time)
+            from ..planning.schedule import masked_pool_bytes
+
+            pool = masked_pool_bytes(a, b, cluster, inner, stride=tp * u, max_live=options().max_live)
+        elif a * b > 1:  # u = CP: one kernel call per phase, no mesh
             fwd, bwd = build_plans(a, b, options().planner, cluster=cluster, workload=inner, stride=tp * u,
                                    max_live=options().max_live)
             pool = plan_peak_bytes(fwd, bwd, inner)

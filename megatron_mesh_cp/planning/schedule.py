@@ -26,13 +26,13 @@ from typing import List, Optional, Tuple
 
 from ..runtime.plan import BACKWARD, FORWARD, Compute, Op, Plan, PlanError, Transfer, validate
 from ..runtime.prune import prune, without_slabs
-from ..runtime.memory import peak_live_bytes
+from ..runtime.memory import layout as arena_layout, peak_live_bytes
 from .cluster import Cluster, Workload, load_cluster, workload_dims
 from .greedy import CONFIGS, PlanCost, greedy_plan, grouping_pays
 from .ready import VARIANTS, scored_reorder
 from .replay import replay, replay_costs
 
-__all__ = ["in_order_plan", "build_plans", "call_plans", "document_plans", "plan_scale", "PLANNERS", "default_cluster",
+__all__ = ["in_order_plan", "build_plans", "call_plans", "document_plans", "plan_scale", "masked_pool_bytes", "PLANNERS", "default_cluster",
            "DEFAULT_WORKLOAD", "clear_plan_cache"]
 
 PLANNERS = ("greedy", "in-order")
@@ -134,8 +134,8 @@ def call_plans(a: int, b: int, planner: str = "greedy", *, workload: Workload, c
     pruned to ``keep``, the tile blocks some rank needs (None: every block); where the mask keeps every
     tile block (documents cut over every chunk, say), so the plan runs as planned, it is planned for
     ``scale`` (:func:`plan_scale` of the masked layer: the kept blocks' time against an unmasked
-    block's; transfers then hide behind shorter blocks), within the live chunks of the unscaled plan of
-    each phase (never more memory; that plan where the scaled one needs more). A pruned plan keeps the
+    block's; transfers then hide behind shorter blocks), within ``max_live`` (else the unscaled plans'
+    live chunks and pool; :func:`masked_pool_bytes` is the most any batch can need). A pruned plan keeps the
     unscaled order (measured: planning it for the scale is slower there). ``slabs=False``: the mask's lower blocks can need a KV chunk's second piece (its engine's
     ``zigzag_keys``), so no KV chunk is kept in a slab. ``layer``: the masked layer (``workload`` with the
     call's mask); with it a pruned plan is re-ordered by when its chunks are ready (planning/ready.py:
@@ -189,6 +189,11 @@ def _ready(pruned: Plan, full: Plan, free: Plan, keep, slabs: bool, cluster: Clu
     return alt if t2 < t else plan
 
 
+def arena_bytes(plan: Plan, dims) -> int:
+    """The bytes of ``plan``'s pool arena (runtime/memory.py ``layout``: what its peak memory reports)."""
+    return arena_layout(plan, dims).nbytes
+
+
 #: the smallest :func:`plan_scale` (a layer whose kept blocks are lighter still plans as at this one)
 MIN_PLAN_SCALE = 1.0 / 16
 
@@ -212,17 +217,42 @@ def plan_scale(masked: Workload, cluster: Cluster, chunks: int) -> float:
 
 @lru_cache(maxsize=64)  # a few scales per layer and shape
 def _scaled_plans(a, b, cluster, workload, stride, max_live, scale) -> Tuple[Plan, Plan]:
-    """The full masked-layer plans planned for blocks ``scale`` times an unmasked one, each phase within
-    the live chunks of its unscaled plan (that plan where the scaled one would need more)."""
+    """The full masked-layer plans planned for blocks ``scale`` times an unmasked one, within the
+    caller's live-chunk limit ``max_live`` (its memory budget: auto shape's, or the user's); without
+    one, within each phase's unscaled live chunks and the pool the unscaled plans need (their larger
+    arena: one pool serves both phases). That phase's unscaled plan where the scaled one does not fit."""
     full = build_plans(a, b, cluster=cluster, workload=workload, stride=stride, max_live=max_live,
                        chains="both-ways")
     peaks = tuple(validate(p) for p in full)
     try:
         tuned = build_plans(a, b, cluster=cluster, workload=replace(workload, plan_scale=scale), stride=stride,
-                            max_live=max(peaks), chains="both-ways")
-    except ValueError:  # no scaled plan within the unscaled one's memory: keep it
+                            max_live=max(peaks) if max_live is None else max_live, chains="both-ways")
+    except ValueError:  # no scaled plan within the limit: keep the unscaled ones
         return full
-    return tuple(t if validate(t) <= peak else f for t, f, peak in zip(tuned, full, peaks))
+    if max_live is not None:
+        return tuned
+    dims = workload_dims(workload)
+    pool = max(arena_bytes(f, dims) for f in full)
+    return tuple(t if validate(t) <= peak and arena_bytes(t, dims) <= pool else f
+                 for t, f, peak in zip(tuned, full, peaks))
+
+
+def masked_pool_bytes(a: int, b: int, cluster: Cluster, workload: Workload, stride: int = 1,
+                      max_live: Optional[int] = None) -> int:
+    """The pool a masked layer's plans can need on the a x b mesh, whatever its batches: the larger arena
+    of its full plans, unscaled and at every :func:`plan_scale` (pruning only frees chunks)."""
+    dims = workload_dims(workload)
+    scales, s = [1.0], 0.5
+    while s >= MIN_PLAN_SCALE:
+        scales.append(s)
+        s /= 2
+    out = 0
+    for scale in scales:
+        plans = (build_plans(a, b, cluster=cluster, workload=workload, stride=stride, max_live=max_live,
+                             chains="both-ways") if scale == 1.0
+                 else _scaled_plans(a, b, cluster, workload, stride, max_live, scale))
+        out = max(out, *(arena_bytes(p, dims) for p in plans))
+    return out
 
 
 @lru_cache(maxsize=256)
