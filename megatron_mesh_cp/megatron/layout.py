@@ -168,7 +168,9 @@ class LaidOutDataset(torch.utils.data.Dataset):
         arr, choice = self.rule.choose((cu[1:] - cu[:-1]).tolist())
         code, work = encode(arr)
         sample["mesh_layout"], sample["mesh_layout_work"] = torch.from_numpy(code), torch.from_numpy(work)
-        sample["mesh_layout_report"] = torch.tensor(_report(choice, time.perf_counter() - t0), dtype=torch.float64)
+        worker = torch.utils.data.get_worker_info() is not None  # else the main process, when the batch is fetched
+        sample["mesh_layout_report"] = torch.tensor(_report(choice, time.perf_counter() - t0, worker),
+                                                    dtype=torch.float64)
         return sample
 
 
@@ -182,11 +184,13 @@ def _label_of(i: int) -> str:
     return f"{name}:{k}" if k else name
 
 
-def _report(choice, seconds: float) -> list:
-    """auto's report as floats: [host seconds, predicted seconds, (label id, seconds, balance) per candidate]."""
+def _report(choice, seconds: float, worker: bool) -> list:
+    """The choice's report as floats: [host seconds, 1 if a loader worker made it, then for auto its
+    predicted seconds and (label id, seconds, balance) per candidate]."""
+    head = [seconds, float(worker)]
     if choice is None:
-        return [seconds]
-    return [seconds, choice.seconds] + [v for n, s, bal in choice.candidates for v in (_label_id(n), s, bal)]
+        return head
+    return head + [choice.seconds] + [v for n, s, bal in choice.candidates for v in (_label_id(n), s, bal)]
 
 
 def _choice_of(arr, report):
@@ -194,10 +198,10 @@ def _choice_of(arr, report):
     from ..planning import LayoutChoice
 
     r = [float(v) for v in report]
-    if len(r) < 2:
+    if len(r) < 3:
         return None
-    cands = tuple((_label_of(r[i]), r[i + 1], r[i + 2]) for i in range(2, len(r), 3))
-    return LayoutChoice(arr, r[1], cands, r[0])
+    cands = tuple((_label_of(r[i]), r[i + 1], r[i + 2]) for i in range(3, len(r), 3))
+    return LayoutChoice(arr, r[2], cands, r[0])
 
 
 def wrap_datasets(datasets, args, eod: int):
@@ -214,8 +218,13 @@ def lay_out(batch: dict, params, args, ahead=None):
     batch, params, arr, choice, chose = _lay_out(batch, params, args, ahead)
     from .settings import COUNTERS
 
-    if COUNTERS.note_layout(arr, choice, time.perf_counter() - t0, ahead=chose):  # the first micro-batch: what runs
-        where = " (chosen by the data loader)" if ahead is not None else ""
+    host, worker = time.perf_counter() - t0, None
+    if chose is not None:  # (seconds, in a loader worker); --num-workers 0: this process, when the batch was fetched
+        worker = chose[0] if chose[1] else None
+        host += 0.0 if chose[1] else chose[0]
+    if COUNTERS.note_layout(arr, choice, host, ahead=worker):  # the first micro-batch: what runs
+        where = (" (chosen by a data loader worker)" if worker is not None
+                 else " (chosen when the batch was fetched)" if chose is not None else "")
         log.info("mesh layout of the first micro-batch%s: %s", where, choice.describe() if choice else arr.describe())
     return batch, params
 
@@ -234,7 +243,7 @@ def _lay_out(batch: dict, params, args, ahead=None):
         code, work, report = (t.reshape(-1).cpu().numpy() for t in ahead)
         u, a, b = _mesh_dims(args)
         arr = decode(code, work, lengths, a * b)
-        choice, chose = _choice_of(arr, report), float(report[0])
+        choice, chose = _choice_of(arr, report), (float(report[0]), bool(report[1]))
     else:
         (arr, choice), chose = choose(lengths, args), None
     CURRENT.positions, CURRENT.name = None, arr.name

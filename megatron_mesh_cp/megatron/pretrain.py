@@ -509,7 +509,7 @@ def _print_summary(s: Dict) -> None:
     if s["attention_calls"]:
         mesh, ring = s["attention_bytes_sent_per_rank"], s["ring_bytes_per_rank"]
         n = s["context_parallel_size"]
-        every = " sending every chunk, as TE's does with documents" if s.get("layout") else ""
+        every = " sending every chunk, as TE's does with documents," if s.get("layout") else ""
         log.info(f"attention bytes sent by this rank: {mesh / 2**20:.2f} MiB over {s['attention_calls']} "
                  f"layer calls; Ring (1x{n}){every} would have sent {ring / 2**20:.2f} MiB "
                  f"({(1 - mesh / ring) if ring else 0:.1%} less with mesh)")
@@ -520,8 +520,8 @@ def _print_summary(s: Dict) -> None:
         log.info(f"token layouts ({flag}): {ran}; busiest / mean work (chunks; ranks for tiled) "
                  f"{lay['busiest_over_mean_mean']:.2f} on average (max {lay['busiest_over_mean_max']:.2f}); "
                  f"{lay['host_ms_mean']:.1f} ms host time per micro-batch (max {lay['host_ms_max']:.1f})"
-                 + (f"; {lay['chosen_ahead']} chosen ahead by the data loader ({lay['ahead_choice_ms_mean']:.1f} ms "
-                    "each there)" if lay.get("chosen_ahead") else ""))
+                 + (f"; {lay['chosen_ahead']} chosen ahead by data loader workers ({lay['ahead_choice_ms_mean']:.1f} "
+                    "ms each there)" if lay.get("chosen_ahead") else ""))
     log.info(f"done in {s['seconds']:.1f} s")
 
 

@@ -276,9 +276,18 @@ def dry_run_estimate(args, sequences: int = 8, seed: int = 0) -> StepEstimate:
     if getattr(args, "window_size", None) and args.context_parallel_size > 1:
         e = replace(e, warnings=e.warnings + (
             f"the step estimate prices attention without the sliding window (--window-size "
-            f"{','.join(str(x) for x in args.window_size)}), as is auto's layout choice among whole-document "
-            "layouts: an upper bound on the windowed step",))
+            f"{','.join(str(x) for x in args.window_size)}){_auto_too(args)}: an upper bound on the windowed "
+            "step",))
     return e
+
+
+def _auto_too(args) -> str:
+    """', as is auto's choice ...' where --mesh-layout auto chooses the documents' layout."""
+    from .settings import options
+
+    if getattr(args, "reset_attention_mask", False) and options().layout == "auto":
+        return ", as does --mesh-layout auto when it chooses among the layouts that keep documents whole"
+    return ""
 
 
 def _dry_run_estimate(args, sequences: int = 8, seed: int = 0) -> StepEstimate:
