@@ -323,3 +323,18 @@ class _Tokens(torch.utils.data.Dataset):
         t = torch.arange(1, sum(self.lengths) + 1) % 97 + 1
         t[torch.tensor(np.cumsum(self.lengths)[:-1] - 1)] = 0
         return {"tokens": t}
+
+
+def test_an_inconsistent_layout_code_is_refused():
+    """decode refuses a code whose header contradicts its runs (given, kind, split, mesh)."""
+    from megatron_mesh_cp.runtime.layouts import decode, encode
+
+    lengths = [40, 3, 5, 9, 7] + [2] * 10
+    lengths.append(128 - sum(lengths))
+    arr = arrange(lengths, 4, "balanced")
+    code, work = encode(arr)
+    for field, value in ((3, 1 - int(arr.given)), (1, 2), (4, 2)):  # given, split on a whole layout, a mesh
+        bad = code.copy()
+        bad[field] = value
+        with pytest.raises(ValueError, match="inconsistent"):
+            decode(bad, work, lengths, 4)

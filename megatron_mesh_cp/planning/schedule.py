@@ -141,7 +141,7 @@ def call_plans(a: int, b: int, planner: str = "greedy", *, workload: Workload, c
     call's mask); with it a pruned plan is re-ordered by when its chunks are ready (planning/ready.py:
     ``reorder=None`` where the replay says that is faster, ``True`` always, ``False`` never)."""
     if masked and scale != 1.0 and planner == "greedy" and (keep is None or len(keep) == a * b):
-        full = _scaled_plans(a, b, cluster or default_cluster(), workload, stride, max_live, float(scale))
+        full = _scaled_plans(a, b, cluster or default_cluster(), workload, stride, max_live, float(scale), slabs)
     else:
         full = build_plans(a, b, planner, cluster=cluster, workload=workload, stride=stride, max_live=max_live,
                            chains="both-ways" if masked else "auto")
@@ -216,7 +216,7 @@ def plan_scale(masked: Workload, cluster: Cluster, chunks: int) -> float:
 
 
 @lru_cache(maxsize=64)  # a few scales per layer and shape
-def _scaled_plans(a, b, cluster, workload, stride, max_live, scale) -> Tuple[Plan, Plan]:
+def _scaled_plans(a, b, cluster, workload, stride, max_live, scale, slabs: bool = True) -> Tuple[Plan, Plan]:
     """The full masked-layer plans planned for blocks ``scale`` times an unmasked one, each phase within
     the live chunks of its unscaled plan (that plan where the scaled one needs more). Their arena can
     still be larger (measured: heavy-tailed split:3 at n = 256, MHA 1443 -> 1571 MiB, within auto
@@ -229,7 +229,9 @@ def _scaled_plans(a, b, cluster, workload, stride, max_live, scale) -> Tuple[Pla
                             max_live=max(peaks), chains="both-ways")
     except ValueError:  # no scaled plan within the unscaled ones' live chunks: keep them
         return full
-    return tuple(t if validate(t) <= peak else f for t, f, peak in zip(tuned, full, peaks))
+    if not slabs:  # compared as they run: every KV chunk in its own buffer
+        peaks = tuple(validate(without_slabs(p)) for p in full)
+    return tuple(t if validate(t if slabs else without_slabs(t)) <= peak else f for t, f, peak in zip(tuned, full, peaks))
 
 
 def masked_pool_bytes(a: int, b: int, cluster: Cluster, workload: Workload, stride: int = 1,
@@ -243,10 +245,11 @@ def masked_pool_bytes(a: int, b: int, cluster: Cluster, workload: Workload, stri
         s /= 2
     out = 0
     for scale in scales:
-        plans = (build_plans(a, b, cluster=cluster, workload=workload, stride=stride, max_live=max_live,
-                             chains="both-ways") if scale == 1.0
-                 else _scaled_plans(a, b, cluster, workload, stride, max_live, scale))
-        out = max(out, *(arena_bytes(p, dims) for p in plans))
+        for slabs in (True, False):  # masks whose lower blocks need a KV chunk's second piece run without slabs
+            plans = (build_plans(a, b, cluster=cluster, workload=workload, stride=stride, max_live=max_live,
+                                 chains="both-ways") if scale == 1.0
+                     else _scaled_plans(a, b, cluster, workload, stride, max_live, scale, slabs))
+            out = max(out, *(arena_bytes(p if slabs else without_slabs(p), dims) for p in plans))
     return out
 
 

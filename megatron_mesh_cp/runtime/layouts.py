@@ -434,6 +434,11 @@ def decode(code, rank_work, lengths: Sequence[int], chunks: int, causal: bool = 
         raise ValueError("a token layout's code does not lay out this micro-batch's documents (its lengths "
                          f"{seen.tolist()[:6]}..., the batch's {x.tolist()[:6]}...)")
     name = TOKEN_LAYOUTS[kind]
+    identity = np.array_equal(doc, np.arange(len(x))) and not pos.any() and np.array_equal(length, x)
+    if (bool(given) != bool(identity) or (split > 0) != (name == "split") or (cut and name != "tiled-cut")
+            or (a and a * b != chunks) or (bool(a) != (name in ("tiled", "tiled-cut")))):
+        raise ValueError(f"a token layout's code is inconsistent ({name}, split {split}, cut {cut}, given {given}, "
+                         f"mesh {a}x{b} for {chunks} chunks)")
     runs, work = _runs_work(doc, pos, length, x, chunks, causal)
     if split or name == "tiled-cut":  # documents in pieces: the Arranged mask its builder makes
         mask = _mask_of(doc, pos, length, f"split {split}" if split else name)
