@@ -35,7 +35,7 @@ from megatron_mesh_cp.call import agreement, call_mask, prepare, resolve  # noqa
 from megatron_mesh_cp.planning import Workload, choose_layout, load_cluster, sample_documents  # noqa: E402
 from megatron_mesh_cp.planning import ulysses_inner  # noqa: E402
 from megatron_mesh_cp.runtime import Documents, PlanOptions  # noqa: E402
-from megatron_mesh_cp.runtime.layouts import decode, encode  # noqa: E402
+from megatron_mesh_cp.runtime import decode_layout as decode, encode_layout as encode  # noqa: E402
 from megatron_mesh_cp.virtual import VirtualMesh  # noqa: E402
 
 N, SEQ, CLUSTER = 256, 1 << 20, "h100-ib400"

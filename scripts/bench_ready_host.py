@@ -16,10 +16,10 @@ from __future__ import annotations
 import time
 
 from megatron_mesh_cp.planning import Workload, load_cluster
-from megatron_mesh_cp.planning.costs import ulysses_inner
-from megatron_mesh_cp.planning.documents import sample_documents
-from megatron_mesh_cp.planning.layouts import resolve_layout
-from megatron_mesh_cp.planning.schedule import call_plans
+from megatron_mesh_cp.planning import ulysses_inner
+from megatron_mesh_cp.planning import sample_documents
+from megatron_mesh_cp.planning import resolve_layout
+from megatron_mesh_cp.planning import call_plans
 
 CLUSTER = load_cluster("h100-ib400")
 #: (ulysses, a, b, max_live, kv heads): the shapes --mesh-shape auto picks for the issue's layer

@@ -76,7 +76,7 @@ def attention_peak_bytes(args) -> int:
         pool = 0
         if a * b > 1 and options().documents == "eod" and options().planner == "greedy":
             # documents: the masked layer's plans, whichever batch (planned for its blocks' time)
-            from ..planning.schedule import masked_pool_bytes
+            from ..planning import masked_pool_bytes
 
             pool = masked_pool_bytes(a, b, cluster, inner, stride=tp * u, max_live=options().max_live)
         elif a * b > 1:  # u = CP: one kernel call per phase, no mesh

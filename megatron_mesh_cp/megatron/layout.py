@@ -160,7 +160,7 @@ class LaidOutDataset(torch.utils.data.Dataset):
 
     def __getitem__(self, idx):
         from ..runtime import documents_from_eod
-        from ..runtime.layouts import encode
+        from ..runtime import encode_layout as encode
 
         sample = dict(self.dataset[idx])
         t0 = time.perf_counter()
@@ -238,7 +238,7 @@ def _lay_out(batch: dict, params, args, ahead=None):
     cu = params.cu_seqlens_q
     lengths = (cu[1:] - cu[:-1]).tolist()
     if ahead is not None:  # chosen in the data loader: this batch's documents, checked
-        from ..runtime.layouts import decode
+        from ..runtime import decode_layout as decode
 
         code, work, report = (t.reshape(-1).cpu().numpy() for t in ahead)
         u, a, b = _mesh_dims(args)

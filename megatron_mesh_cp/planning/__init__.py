@@ -19,6 +19,7 @@ from .packing import DISTRIBUTIONS, Packing, length_draws, parse_doc_range, pars
 from .replay import replay
 from .schedule import (
     PLANNERS, build_plans, call_plans, clear_plan_cache, default_cluster, document_plans, in_order_plan, plan_scale,
+    masked_pool_bytes,
 )
 from .shape_cache import cache_dir, cached_choice
 from .window_baselines import compare_windows, format_window_table, te_a2a_refusal
@@ -33,6 +34,6 @@ __all__ = [
     "UnpaddedDocuments", "read_documents", "sample_documents",
     "LayoutChoice", "candidate_layouts", "choose_layout", "resolve_layout", "tile_weights",
     "DISTRIBUTIONS", "Packing", "length_draws", "parse_doc_range", "parse_tokens", "read_packing", "sample_packing",
-    "replay", "PLANNERS", "build_plans", "call_plans", "clear_plan_cache", "default_cluster", "document_plans", "plan_scale",
+    "replay", "PLANNERS", "build_plans", "call_plans", "clear_plan_cache", "default_cluster", "document_plans", "plan_scale", "masked_pool_bytes",
     "in_order_plan", "cache_dir", "cached_choice", "compare_windows", "format_window_table", "te_a2a_refusal",
 ]
