@@ -20,7 +20,7 @@ from typing import Optional, Tuple, Union
 
 import torch
 
-from .planning import Workload, call_plans, default_cluster, plan_scale
+from .planning import Workload, call_plans
 from .runtime.agree import plan_digest
 from .runtime.kernels import BlockKernel, KernelNeeds, input_spec, lse_dtype, select_kernel
 from .runtime.layout import LAYOUTS, seq_dim
@@ -348,14 +348,10 @@ def plan(spec: CallSpec):
         w = Workload(seq_local=q[0], heads=q[2], kv_heads=k[2], head_dim=spec.head_dim, batch=spec.batch,
                      causal=spec.causal, bytes_per_element=spec.dtype.itemsize,
                      partial_bytes=(spec.partial_dtype or lse_dtype(spec.dtype)).itemsize, head_dim_v=spec.v_head_dim)
-        keep, n = blocks.needed(spec.shape), spec.shape.n
-        layer = replace(w, mask=spec.mask) if blocks.pruned else None  # the masked layer: plans re-ordered for it
-        scale = plan_scale(layer, opts.cluster or default_cluster(), n) \
-            if blocks.pruned and (keep is None or len(keep) == n) else 1.0  # only a plan that runs as planned
+        layer = replace(w, mask=spec.mask) if blocks.pruned else None  # the masked layer: plans planned for it
         plans = call_plans(spec.shape.a, spec.shape.b, spec.planner, workload=w, cluster=opts.cluster,
-                           stride=opts.stride * spec.ulysses, max_live=opts.max_live, keep=keep,
-                           masked=blocks.pruned, slabs=blocks.zigzag_keys, scale=scale, layer=layer,
-                           reorder=opts.reorder)
+                           stride=opts.stride * spec.ulysses, max_live=opts.max_live, keep=blocks.needed(spec.shape),
+                           masked=blocks.pruned, slabs=blocks.zigzag_keys, layer=layer, reorder=opts.reorder)
     else:
         from .runtime.prune import prune, without_slabs
 

@@ -100,13 +100,13 @@ def test_scaled_plans_run_exactly():
 def test_a_live_chunk_limit_bounds_the_scaled_plans_and_the_pool_covers_them():
     """With the caller's limit (auto shape's budget) the scaled plans stay within it; the pool a masked
     layer can need is at least every scale's arena (the dry run's estimate for documents)."""
-    from megatron_mesh_cp.planning.schedule import MIN_PLAN_SCALE, arena_bytes, masked_pool_bytes
-    from megatron_mesh_cp.planning.cluster import workload_dims
+    from megatron_mesh_cp.planning import plan_peak_bytes
+    from megatron_mesh_cp.planning.schedule import MIN_PLAN_SCALE, masked_pool_bytes
 
     w, limit = _layer(8), 12
     pool = masked_pool_bytes(2, 4, H100, w, max_live=limit)
     scale = 1.0
     while scale >= MIN_PLAN_SCALE:
         plans = call_plans(2, 4, workload=w, cluster=H100, masked=True, keep=None, scale=scale, max_live=limit)
-        assert all(validate(p) <= limit and arena_bytes(p, workload_dims(w)) <= pool for p in plans)
+        assert all(validate(p) <= limit for p in plans) and plan_peak_bytes(*plans, w) <= pool
         scale /= 2

@@ -26,8 +26,9 @@ from typing import List, Optional, Tuple
 
 from ..runtime.plan import BACKWARD, FORWARD, Compute, Op, Plan, PlanError, Transfer, validate
 from ..runtime.prune import prune, without_slabs
-from ..runtime.memory import layout as arena_layout, peak_live_bytes
+from ..runtime.memory import peak_live_bytes
 from .cluster import Cluster, Workload, load_cluster, workload_dims
+from .costs import plan_peak_bytes
 from .greedy import CONFIGS, PlanCost, greedy_plan, grouping_pays
 from .ready import VARIANTS, scored_reorder
 from .replay import replay, replay_costs
@@ -125,7 +126,7 @@ def build_plans(
 
 def call_plans(a: int, b: int, planner: str = "greedy", *, workload: Workload, cluster: Optional[Cluster] = None,
                stride: int = 1, max_live: Optional[int] = None, keep=None, masked: bool = False,
-               slabs: bool = True, scale: float = 1.0, layer: Optional[Workload] = None,
+               slabs: bool = True, scale: Optional[float] = None, layer: Optional[Workload] = None,
                reorder: Optional[bool] = None) -> Tuple[Plan, Plan]:
     """(forward, backward) plans of one call on an a x b mesh for the unmasked layer ``workload``.
 
@@ -133,14 +134,18 @@ def call_plans(a: int, b: int, planner: str = "greedy", *, workload: Workload, c
     split their chains both ways (a document or a window reaches its neighbours on both sides) and are
     pruned to ``keep``, the tile blocks some rank needs (None: every block); where the mask keeps every
     tile block (documents cut over every chunk, say), so the plan runs as planned, it is planned for
-    ``scale`` (:func:`plan_scale` of the masked layer: the kept blocks' time against an unmasked
+    ``scale`` (default :func:`plan_scale` of ``layer``: the kept blocks' time against an unmasked
     block's; transfers then hide behind shorter blocks), each phase within its unscaled plan's live
     chunks (:func:`masked_pool_bytes`: the most memory any batch can need). A pruned plan keeps the
-    unscaled order (measured: planning it for the scale is slower there). ``slabs=False``: the mask's lower blocks can need a KV chunk's second piece (its engine's
-    ``zigzag_keys``), so no KV chunk is kept in a slab. ``layer``: the masked layer (``workload`` with the
-    call's mask); with it a pruned plan is re-ordered by when its chunks are ready (planning/ready.py:
-    ``reorder=None`` where the replay says that is faster, ``True`` always, ``False`` never)."""
-    if masked and scale != 1.0 and planner == "greedy" and (keep is None or len(keep) == a * b):
+    unscaled order (measured: planning it for the scale is slower there). ``slabs=False``: the mask's
+    lower blocks can need a KV chunk's second piece (its engine's ``zigzag_keys``), so no KV chunk is
+    kept in a slab. ``layer``: the masked layer (``workload`` with the call's mask); with it a pruned
+    plan is re-ordered by when its chunks are ready (planning/ready.py: ``reorder=None`` where the
+    replay says that is faster, ``True`` always, ``False`` never)."""
+    every = keep is None or len(keep) == a * b
+    if scale is None:
+        scale = plan_scale(layer, cluster or default_cluster(), a * b) if masked and every and layer is not None else 1.0
+    if masked and scale != 1.0 and planner == "greedy" and every:
         full = _scaled_plans(a, b, cluster or default_cluster(), workload, stride, max_live, float(scale), slabs)
     else:
         full = build_plans(a, b, planner, cluster=cluster, workload=workload, stride=stride, max_live=max_live,
@@ -189,11 +194,6 @@ def _ready(pruned: Plan, full: Plan, free: Plan, keep, slabs: bool, cluster: Clu
     return alt if t2 < t else plan
 
 
-def arena_bytes(plan: Plan, dims) -> int:
-    """The bytes of ``plan``'s pool arena (runtime/memory.py ``layout``: what its peak memory reports)."""
-    return arena_layout(plan, dims).nbytes
-
-
 #: the smallest :func:`plan_scale` (a layer whose kept blocks are lighter still plans as at this one)
 MIN_PLAN_SCALE = 1.0 / 16
 
@@ -238,7 +238,6 @@ def masked_pool_bytes(a: int, b: int, cluster: Cluster, workload: Workload, stri
                       max_live: Optional[int] = None) -> int:
     """The pool a masked layer's plans can need on the a x b mesh, whatever its batches: the larger arena
     of its full plans, unscaled and at every :func:`plan_scale` (pruning only frees chunks)."""
-    dims = workload_dims(workload)
     scales, s = [1.0], 0.5
     while s >= MIN_PLAN_SCALE:
         scales.append(s)
@@ -249,7 +248,7 @@ def masked_pool_bytes(a: int, b: int, cluster: Cluster, workload: Workload, stri
             plans = (build_plans(a, b, cluster=cluster, workload=workload, stride=stride, max_live=max_live,
                                  chains="both-ways") if scale == 1.0
                      else _scaled_plans(a, b, cluster, workload, stride, max_live, scale, slabs))
-            out = max(out, *(arena_bytes(p if slabs else without_slabs(p), dims) for p in plans))
+            out = max(out, plan_peak_bytes(*(p if slabs else without_slabs(p) for p in plans), workload))
     return out
 
 
@@ -260,10 +259,8 @@ def document_plans(a: int, b: int, planner: str = "greedy", *, cluster: Optional
     """(forward, backward) plans for a masked ``workload`` (documents, chunks, a window), as
     ``mesh_attention`` runs them (:func:`call_plans`, planned for its :func:`plan_scale`; ``reorder`` as
     ``PlanOptions.reorder``)."""
-    keep = workload.needed(a, b)
-    scale = plan_scale(workload, cluster or default_cluster(), a * b) if keep is None or len(keep) == a * b else 1.0
     return call_plans(a, b, planner, workload=workload.unmasked, cluster=cluster, stride=stride, max_live=max_live,
-                      keep=keep, masked=True, slabs=workload.blocks(a * b).zigzag_keys, scale=scale,
+                      keep=workload.needed(a, b), masked=True, slabs=workload.blocks(a * b).zigzag_keys,
                       layer=workload, reorder=reorder)
 
 
