@@ -186,3 +186,26 @@ def test_reordered_window_and_documents_exact_against_float64(shape):
     assert any(p.name.endswith("+ready") for p in res["plans"])
     for p in res["plans"]:
         validate(p)
+
+
+@pytest.mark.parametrize("slabs", [True, False], ids=["slabs", "no-slabs"])
+def test_the_ready_orders_room_is_the_full_plans_pool_in_the_form_that_runs(monkeypatch, slabs):
+    """The pool a re-ordered plan must fit is the full plan's peak bytes as the call runs it: without
+    KV slabs where the mask needs that (split layouts), not the slab form's smaller pool."""
+    from megatron_mesh_cp.planning import schedule
+    from megatron_mesh_cp.planning.cluster import workload_dims
+    from megatron_mesh_cp.runtime.memory import peak_live_bytes
+    from megatron_mesh_cp.runtime.prune import without_slabs
+
+    docs = sample_documents(1 << 17, 512, 8192, seed=0).with_layout("balanced")
+    w = Workload(seq_local=4096, heads=32, kv_heads=8, head_dim=128, partial_bytes=2, mask=docs)  # plans with slabs
+    rooms, real = [], schedule.scored_reorder
+    monkeypatch.setattr(schedule, "scored_reorder", lambda plan, *a, room=None, **kw: (rooms.append(room),
+                                                                                      real(plan, *a, room=room, **kw))[1])
+    full = schedule.build_plans(2, 16, cluster=H100, workload=w.unmasked, stride=8, chains="both-ways")
+    call_plans(2, 16, workload=w.unmasked, cluster=H100, stride=8, keep=w.needed(2, 16), masked=True, slabs=slabs,
+               layer=w, reorder=True)
+    dims = workload_dims(w)
+    want = [peak_live_bytes(p if slabs else without_slabs(p), dims) for p in full]
+    assert rooms[:2] == want
+    assert any(p.slabs for p in full) and (slabs or want != [peak_live_bytes(p, dims) for p in full])

@@ -168,15 +168,15 @@ def call_plans(a: int, b: int, planner: str = "greedy", *, workload: Workload, c
 
 def _ready(pruned: Plan, full: Plan, free: Plan, keep, slabs: bool, cluster: Cluster, layer: Workload, stride: int,
            max_live: Optional[int], force: bool) -> Plan:
-    """The ready order of one phase's pruned plan (planning/ready.py), within ``full``'s pool bytes and
-    ``max_live``; backward, where the limit made ``full`` differ from the unlimited ``free`` plan, also
+    """The ready order of one phase's pruned plan (planning/ready.py), within ``full``'s pool bytes (in
+    the form that runs: without KV slabs where ``slabs`` is False) and ``max_live``; backward, where the limit made ``full`` differ from the unlimited ``free`` plan, also
     the first ready order of ``free`` pruned alike, kept if it replays faster still and fits the same
     pool and limit (``force`` applies to the first). Over 8 draws of 4K-64K documents on a2a+mesh 8x2x16
     this takes the backward 1% lower (0.33 ms on the issue's draw); forward it never won, so it is
     not tried there (each try is a replay and more: ~1.5 ms of host time)."""
     if pruned.tile is None:
         return pruned
-    room = peak_live_bytes(full, workload_dims(layer))
+    room = peak_live_bytes(full if slabs else without_slabs(full), workload_dims(layer))  # the form that runs
     second = free.ops != full.ops and pruned.phase == BACKWARD  # forward: never faster over 8 draws
     costs = replay_costs(pruned, cluster, layer, stride) if second else None  # shared when the computes are
     t, plan = scored_reorder(pruned, cluster, layer, stride=stride, max_live=max_live, room=room, force=force,
