@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """GPU checks for the block kernels, the executor on virtual ranks, block times and block-work efficiency.
 
-    python3 scripts/gpu_check.py --out-dir "$OUT"                       # on a CUDA machine (<= 8.2 min, H200)
+    python3 scripts/gpu_check.py --out-dir "$OUT"                       # on a CUDA machine (<= 8.7 min, H200)
     python3 scripts/gpu_check.py --device cpu --quick --out-dir x/      # CI run of every section on CPU
 
 Sections, each run in its own subprocess with its own time limit, so a crash, a sticky CUDA error or
@@ -56,6 +56,7 @@ SECTIONS = {  # name -> (title, time limit in seconds)
     "f": ("(f) Warm-call hygiene: a2a+mesh 2x2x2, bf16 partials, deterministic", 40),
     "g": ("(g) n = 16 at 64K tokens vs one monolithic call: block efficiency and host cost per kernel call", 90),
     "h": ("(h) Calls of changing shapes (documents): kernel caches, cuDNN graph builds, memory", 60),
+    "i": ("(i) What one more kernel call costs: D documents in one varlen call vs D calls", 30),
 }
 TABLES = dict(runtime_checks.TABLES, **document_checks.TABLES)  # per section: (column heads, row -> cells)
 LIMITS = {"bfloat16": 2e-2, "float16": 2e-2, "float32": 1e-3}
@@ -353,7 +354,8 @@ def run_section(args):
     if args.device == "cpu" and args.quick:
         torch.set_num_threads(1)  # tiny tensors: threads only add contention
     fn = {"a": section_a, "b": section_b, "c": section_c, "d": section_d, "e": runtime_checks.section_e,
-          "f": runtime_checks.section_f, "g": runtime_checks.section_g, "h": document_checks.section_h}[args.section]
+          "f": runtime_checks.section_f, "g": runtime_checks.section_g, "h": document_checks.section_h,
+          "i": document_checks.section_i}[args.section]
     t0 = time.time()
     res = dict(data=[])
     try:
@@ -372,7 +374,7 @@ def main():
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--quick", action="store_true", help="tiny sizes (CPU smoke run of this script)")
     p.add_argument("--out-dir", default=os.environ.get("OUT") or "gpu_check_out")
-    p.add_argument("--sections", default="abdcefgh", help="which sections to run, in order")
+    p.add_argument("--sections", default="abdcefghi", help="which sections to run, in order")
     p.add_argument("--section", help=argparse.SUPPRESS)
     p.add_argument("--part", help=argparse.SUPPRESS)
     args = p.parse_args()

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The prepared GPU check (a few minutes on one H200, hard limit ~8.2): kernel accuracy per backend,
+# The prepared GPU check (a few minutes on one H200, hard limit ~8.7): kernel accuracy per backend,
 # virtual-rank mesh attention for n = 4 and 16, a block-time sweep alone and under concurrent
 # copies, block-work efficiency, the executor on NCCL-like streams, warm-call hygiene, the host
 # cost per kernel call, and calls of changing shapes as documents make them (kernel caches, cuDNN

@@ -51,7 +51,8 @@ def test_gpu_check_script_smoke_on_cpu(tmp_path):
     deferred to the first wait) is bitwise equal to the same-stream run on slab plans for 2x2, 4x4
     and 8x2; warm a2a+mesh calls are bitwise equal with every pool at peak_live_bytes; the n = 16
     run reports its host cost per kernel call; (h) runs the torch kernel over calls of changing shapes
-    and mesh attention over batches of new documents."""
+    and mesh attention over batches of new documents; (i) times D documents in one varlen call
+    against D calls beside the simulator's price of both."""
     import json
 
     env = dict(os.environ, PYTHON=sys.executable, OUT=str(tmp_path))
@@ -61,7 +62,7 @@ def test_gpu_check_script_smoke_on_cpu(tmp_path):
     text = (tmp_path / "gpu_results.md").read_text()
     for section in ("(a) Block kernels", "(b) Mesh attention on virtual ranks", "(d) Block-time sweep", "(c) One rank's block work",
                     "(e) NCCL-like streams", "(f) Warm-call hygiene", "(g) n = 16 at 64K tokens",
-                    "(h) Calls of changing shapes"):
+                    "(h) Calls of changing shapes", "(i) What one more kernel call costs"):
         assert section in text
     assert "FAIL" not in text and "ERROR" not in text
     kernels = text.split("## (b)")[0]
@@ -71,6 +72,9 @@ def test_gpu_check_script_smoke_on_cpu(tmp_path):
     assert [r["n"] for r in raw["b"]["data"]] == [4, 16] and len(raw["c"]["data"]) == 2
     sweep = raw["d"]["data"][1:]
     assert len(sweep) == 8 and all(r["ms"] > 0 and r["ms_copies"] is None for r in sweep)  # no copy stream on CPU
+    calls = raw["i"]["data"]
+    assert [r["docs"] for r in calls] == [1, 4, 8] and all(r["one_ms"] > 0 and r["many_ms"] > 0 for r in calls)
+    assert all(r["model_many_ms"] > r["model_one_ms"] for r in calls[1:])  # the model charges every call its fixed costs
     streams = raw["e"]["data"]
     assert [r["shape"] for r in streams] == ["2x2", "4x4", "8x2"] and all(r["result"] == "ok" for r in streams)
     assert all(r["slabs"] != "()" and r["deliveries"] > 0 and "deferred" in r["transport"] for r in streams)
