@@ -338,3 +338,17 @@ def test_an_inconsistent_layout_code_is_refused():
         bad[field] = value
         with pytest.raises(ValueError, match="inconsistent"):
             decode(bad, work, lengths, 4)
+
+
+def test_label_ids_have_room_for_every_layout_name():
+    """auto's report packs a candidate as its name's index + LABEL_BASE x its split count: a name for every
+    layout, the same ids as before (base 8), and an import-time error if LAYOUT_CHOICES outgrows the base."""
+    from megatron_mesh_cp.megatron import layout
+
+    assert layout.LABEL_BASE == 8 and len(layout.LAYOUT_CHOICES) <= layout.LABEL_BASE
+    assert layout._label_id("zigzag") == 1 and layout._label_id("split:3") == 5 + 8 * 3
+    for label in list(layout.LAYOUT_CHOICES) + ["split:1", "split:4"]:
+        assert layout._label_of(layout._label_id(label)) == label
+    with pytest.raises(RuntimeError, match="9 layout names .* raise LABEL_BASE"):
+        layout._check_label_base(tuple(f"l{i}" for i in range(9)))
+

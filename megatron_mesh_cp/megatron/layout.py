@@ -35,6 +35,18 @@ __all__ = ["LAYOUT_CHOICES", "LaidOutParams", "BatchLayout", "CURRENT", "lay_out
 
 #: --mesh-layout values: auto (chosen per micro-batch), or one layout every micro-batch
 LAYOUT_CHOICES = ("auto", "zigzag", "balanced", "tiled", "tiled-cut", "split")
+#: auto's report names a candidate by one number: ``LAYOUT_CHOICES.index(name) + LABEL_BASE * k`` for ``name:k``
+#: (split into k pieces); room for this many layout names
+LABEL_BASE = 8
+
+
+def _check_label_base(choices=LAYOUT_CHOICES, base: int = LABEL_BASE) -> None:
+    if len(choices) > base:
+        raise RuntimeError(f"{len(choices)} layout names (LAYOUT_CHOICES) do not fit the report's label ids, "
+                           f"{base} names per split count (LABEL_BASE): raise LABEL_BASE")
+
+
+_check_label_base()
 
 
 def _params_class():
@@ -176,11 +188,11 @@ class LaidOutDataset(torch.utils.data.Dataset):
 
 def _label_id(label: str) -> int:
     name, _, k = label.partition(":")
-    return LAYOUT_CHOICES.index(name) + 8 * int(k or 0)
+    return LAYOUT_CHOICES.index(name) + LABEL_BASE * int(k or 0)
 
 
 def _label_of(i: int) -> str:
-    name, k = LAYOUT_CHOICES[int(i) % 8], int(i) // 8
+    name, k = LAYOUT_CHOICES[int(i) % LABEL_BASE], int(i) // LABEL_BASE
     return f"{name}:{k}" if k else name
 
 
