@@ -217,9 +217,16 @@ def _choice_of(arr, report):
 
 
 def wrap_datasets(datasets, args, eod: int):
-    """``datasets`` (train, valid, test; None where not built) as :class:`LaidOutDataset`s."""
+    """``datasets`` (train, valid, test; None where not built) as :class:`LaidOutDataset`s; a split that is a list
+    of datasets (Megatron's ``multiple_validation_sets``: one validation set per prefix) has each one wrapped."""
     rule = policy(args)
-    return tuple(None if d is None else LaidOutDataset(d, rule, eod) for d in datasets)
+
+    def wrap(d):
+        if isinstance(d, (list, tuple)):
+            return type(d)(wrap(x) for x in d)
+        return None if d is None else LaidOutDataset(d, rule, eod)
+
+    return tuple(wrap(d) for d in datasets)
 
 
 def lay_out(batch: dict, params, args, ahead=None):
