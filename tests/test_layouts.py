@@ -338,3 +338,29 @@ def test_an_inconsistent_layout_code_is_refused():
         bad[field] = value
         with pytest.raises(ValueError, match="inconsistent"):
             decode(bad, work, lengths, 4)
+
+
+def test_label_ids_have_room_for_every_layout_name():
+    """auto's report packs a candidate as its name's index + LABEL_BASE x its split count: a name for every
+    layout, the same ids as before (base 8), and an import-time error if LAYOUT_CHOICES outgrows the base."""
+    from megatron_mesh_cp.megatron import layout
+
+    assert layout.LABEL_BASE == 8 and len(layout.LAYOUT_CHOICES) <= layout.LABEL_BASE
+    assert layout._label_id("zigzag") == 1 and layout._label_id("split:3") == 5 + 8 * 3
+    for label in list(layout.LAYOUT_CHOICES) + ["split:1", "split:4"]:
+        assert layout._label_of(layout._label_id(label)) == label
+    with pytest.raises(RuntimeError, match="9 layout names .* raise LABEL_BASE"):
+        layout._check_label_base(tuple(f"l{i}" for i in range(9)))
+
+
+def test_each_of_several_validation_sets_is_laid_out(monkeypatch):
+    """Megatron's multiple_validation_sets builds the valid split as a list of datasets: each is wrapped (a
+    LaidOutDataset of a list would index the list, not a sample)."""
+    from megatron_mesh_cp.megatron import layout
+
+    monkeypatch.setattr(layout, "policy", lambda args: layout.LayoutPolicy("zigzag", 8, (2, 4)))
+    train, v1, v2 = _Tokens([512, 512]), _Tokens([1000, 24]), _Tokens([1024])
+    got = layout.wrap_datasets([train, [v1, v2], None], None, eod=0)
+    assert isinstance(got[0], layout.LaidOutDataset) and got[0].dataset is train and got[2] is None
+    assert isinstance(got[1], list) and [d.dataset for d in got[1]] == [v1, v2]
+    assert all(isinstance(d, layout.LaidOutDataset) and "mesh_layout" in d[0] for d in got[1])

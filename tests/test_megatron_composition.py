@@ -117,7 +117,7 @@ def test_mesh_composes_with_megatron_feature(runs, name):
     print(f"[matrix] {name} vs {MATRIX[name]}: max rel loss diff {dl:.2e}, max rel grad diff {dg:.2e}")
     assert dl <= 1e-5 and dg <= 1e-5, (name, dl, dg)
     assert got["attention_calls"] > 0 and got["mesh_shape"] == RUNS[name][1]["mesh_shape"]
-    assert got["packed_attention_calls"] == got["attention_calls"]  # every call masked documents
+    assert got["document_attention_calls"] == got["attention_calls"]  # every call masked documents
     lay = got["layouts"]  # each micro-batch's layout chosen by the data loader (TP: broadcast with the documents)
     assert lay["chosen_ahead"] == sum(lay["micro_batches"].values()) > 0, lay
     if RUNS[name][1].get("mesh_layout") == "split":  # the documents ran cut into pieces

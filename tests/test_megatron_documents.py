@@ -50,7 +50,7 @@ def test_document_masking_matches_megatrons_dense_mask(runs, name):
     print(f"[documents] {name} vs CP=1 dense mask: max rel loss diff {dl:.2e}, max rel grad diff {dg:.2e}, "
           f"{got['attention_bytes_sent_per_rank']} attention bytes per rank (Ring: {got['ring_bytes_per_rank']})")
     assert len(got["losses"]) == ITERS and dl <= 1e-5 and dg <= 1e-5, (name, dl, dg)
-    assert got["packed_attention_calls"] == got["attention_calls"] > 0  # every call masked documents
+    assert got["document_attention_calls"] == got["attention_calls"] > 0  # every call masked documents
     # the documents ran re-laid (split: cut into pieces; auto: what the cost model chose): the loss is CP = 1's
     ran = got["layouts"]["micro_batches"]
     assert got["layout"] == {"mesh2x2": "split", "a2a2x1x2": "auto"}[name] and got["document_batches_reordered"] > 0, got
@@ -168,6 +168,32 @@ def test_the_summary_names_the_layout_that_ran_and_why_auto_kept_documents_whole
         with caplog.at_level(logging.INFO, logger="megatron_mesh_cp"):
             _print_summary(dict(base, layout_note=note))
         assert says in caplog.text
+
+
+def test_the_summary_counts_the_calls_that_masked_documents_under_their_name():
+    """document_attention_calls counts every call that masked documents, unpadded ones from EOD (sbhd) as well as
+    packed THD ones (the old key, packed_attention_calls, said packed but counted both)."""
+    import copy
+    import time
+    from types import SimpleNamespace
+
+    import torch
+
+    from megatron_mesh_cp.megatron import settings
+    from megatron_mesh_cp.megatron.pretrain import _summary
+
+    counters = settings.COUNTERS  # the one object the launcher's modules imported: reset in place, then restored
+    saved = copy.deepcopy(vars(counters))
+    vars(counters).update(vars(settings.MeshCounters()))
+    try:
+        q = torch.zeros(8, 1, 2, 4)  # [s, b, h, d]
+        counters.count_call(q, q, 4, training=True, documents=True)  # unpadded documents (sbhd)
+        counters.count_call(q, q, 4, training=True)  # no documents
+        got = _summary(SimpleNamespace(context_parallel_size=4), None, time.time())
+    finally:
+        vars(counters).update(saved)
+    assert got["attention_calls"] == 2 and got["document_attention_calls"] == 1, got
+    assert "packed_attention_calls" not in got
 
 
 def test_the_dry_run_states_every_layout_the_launcher_accepts():

@@ -160,3 +160,17 @@ def test_dry_run_attention_memory_is_each_algorithms_own_figure(tmp_path):
         assert r["got"] == r["want"] > 0, r
         assert f"attention {r['got'] / 2**30:.2f} (" in r["line"] and r["line"].count("attention") == 1, r["line"]
     assert rows[-1]["sim"].startswith("a2a+mesh:") and round(rows[-1]["got"] / 2**20) == rows[-1]["auto_mib"]
+
+
+def test_the_dry_run_prints_the_parameter_count_in_a_unit_that_fits(monkeypatch):
+    """The tiny CPU model's ~100K parameters are not "0.00 B": each count in its own unit (K, M, B)."""
+    from megatron_mesh_cp.megatron import memory
+
+    assert [memory.parameter_count(n) for n in (640, 103_488, 12_345_678, 999_999_999, 1_203_000_000)] == [
+        "640", "103.5 K", "12.3 M", "1.00 B", "1.20 B"]
+    parts = dict.fromkeys(("parameters", "gradients", "optimizer", "activations", "logits", "attention"), 0.0)
+    monkeypatch.setattr(memory, "estimate", lambda args: {
+        "parts": parts, "total": 0.0, "params": 103_488, "vocab_assumed": False, "recompute": False,
+        "optimizer_shards": 1, "algorithm": "mesh"})
+    line = memory.report(None, 80.0)[0][1]
+    assert line.endswith("; 103.5 K parameters on this shard"), line

@@ -115,3 +115,30 @@ def test_the_dry_run_says_a_sliding_window_is_not_priced():
     assert any("prices attention without the sliding window (--window-size 4095,0)" in w for w in warned), warned
     args.window_size = None
     assert not any("sliding window" in text for _, text in se.layout_lines(se.dry_run_estimate(args)))
+
+
+@pytest.mark.parametrize("layout", ["auto", "balanced"])
+def test_the_dry_run_names_the_asked_layout_where_the_documents_are_not_known(layout):
+    """The built-in stdlib corpus (and mock data) is made at launch: the dry run prices the step unmasked, but its
+    layout line names the --mesh-layout that runs each micro-batch's documents, not the unmasked zigzag."""
+    from megatron_mesh_cp.megatron import settings
+    from megatron_mesh_cp.megatron.arguments import apply_mesh_args
+    from megatron_mesh_cp.megatron.config import config_to_argv, megatron_parser
+
+    resolved = settings.options()
+    argv = config_to_argv(str(ROOT / "configs" / "gpt_tiny_cpu.yaml"), {}) + [
+        "--reset-attention-mask", "--micro-batch-size", "1", "--mesh-layout", layout]
+    try:
+        args = apply_mesh_args(megatron_parser().parse_known_args(argv)[0], argv)
+        args.data_parallel_size = 1
+        assert settings.options().documents == "eod" and settings.options().layout == layout
+        how = "chosen" if layout == "auto" else "laid out"
+        stdlib = [text for _, text in se.layout_lines(se.dry_run_estimate(args))][0]
+        args.mock_data = True
+        mock = [text for _, text in se.layout_lines(se.dry_run_estimate(args))][0]
+    finally:
+        settings.configure(resolved)
+    assert stdlib == (f"layout: --mesh-layout {layout} ({how} per micro-batch from its documents at run time) over 4 "
+                      "CP ranks (the built-in stdlib corpus is made at launch, so a dry run knows none of its "
+                      "documents: the step is priced without document masking)"), stdlib
+    assert mock.startswith(f"layout: --mesh-layout {layout} ({how} per micro-batch") and "mock data is made" in mock

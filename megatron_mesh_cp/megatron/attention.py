@@ -330,9 +330,9 @@ class MeshCoreAttention(MegatronModule):
             self._max_logits = top if self._max_logits is None else torch.maximum(self._max_logits, top)
         if thd:  # [t, h, d] -> [t, h*d], as TE returns for thd
             COUNTERS.count_call(query.unsqueeze(1), key.unsqueeze(1), self.mesh.size, training=torch.is_grad_enabled(),
-                                packed=True, v_head_dim=value.shape[-1])
+                                documents=True, v_head_dim=value.shape[-1])
             return out.reshape(out.shape[0], -1)
-        COUNTERS.count_call(query, key, self.mesh.size, training=torch.is_grad_enabled(), packed=bool(packed),
+        COUNTERS.count_call(query, key, self.mesh.size, training=torch.is_grad_enabled(), documents=bool(packed),
                             v_head_dim=value.shape[-1])
         s, b = out.shape[0], out.shape[1]
         return out.reshape(s, b, -1)

@@ -35,6 +35,18 @@ __all__ = ["LAYOUT_CHOICES", "LaidOutParams", "BatchLayout", "CURRENT", "lay_out
 
 #: --mesh-layout values: auto (chosen per micro-batch), or one layout every micro-batch
 LAYOUT_CHOICES = ("auto", "zigzag", "balanced", "tiled", "tiled-cut", "split")
+#: auto's report names a candidate by one number: ``LAYOUT_CHOICES.index(name) + LABEL_BASE * k`` for ``name:k``
+#: (split into k pieces); room for this many layout names
+LABEL_BASE = 8
+
+
+def _check_label_base(choices=LAYOUT_CHOICES, base: int = LABEL_BASE) -> None:
+    if len(choices) > base:
+        raise RuntimeError(f"{len(choices)} layout names (LAYOUT_CHOICES) do not fit the report's label ids, "
+                           f"{base} names per split count (LABEL_BASE): raise LABEL_BASE")
+
+
+_check_label_base()
 
 
 def _params_class():
@@ -176,11 +188,11 @@ class LaidOutDataset(torch.utils.data.Dataset):
 
 def _label_id(label: str) -> int:
     name, _, k = label.partition(":")
-    return LAYOUT_CHOICES.index(name) + 8 * int(k or 0)
+    return LAYOUT_CHOICES.index(name) + LABEL_BASE * int(k or 0)
 
 
 def _label_of(i: int) -> str:
-    name, k = LAYOUT_CHOICES[int(i) % 8], int(i) // 8
+    name, k = LAYOUT_CHOICES[int(i) % LABEL_BASE], int(i) // LABEL_BASE
     return f"{name}:{k}" if k else name
 
 
@@ -205,9 +217,16 @@ def _choice_of(arr, report):
 
 
 def wrap_datasets(datasets, args, eod: int):
-    """``datasets`` (train, valid, test; None where not built) as :class:`LaidOutDataset`s."""
+    """``datasets`` (train, valid, test; None where not built) as :class:`LaidOutDataset`s; a split that is a list
+    of datasets (Megatron's ``multiple_validation_sets``: one validation set per prefix) has each one wrapped."""
     rule = policy(args)
-    return tuple(None if d is None else LaidOutDataset(d, rule, eod) for d in datasets)
+
+    def wrap(d):
+        if isinstance(d, (list, tuple)):
+            return type(d)(wrap(x) for x in d)
+        return None if d is None else LaidOutDataset(d, rule, eod)
+
+    return tuple(wrap(d) for d in datasets)
 
 
 def lay_out(batch: dict, params, args, ahead=None):

@@ -17,7 +17,7 @@ from __future__ import annotations
 import copy
 from typing import List, Optional, Tuple
 
-__all__ = ["estimate", "report", "tokenizer_vocab"]
+__all__ = ["estimate", "report", "tokenizer_vocab", "parameter_count"]
 
 GIB = 2**30
 ASSUMED_VOCAB = 128256  # Llama-3's, when the tokenizer (not loaded by a dry run) gives no size
@@ -78,6 +78,14 @@ def tokenizer_vocab(args) -> Tuple[Optional[int], str]:
                       "(TOKENIZER_MODEL: a local directory) or pass --vocab-size N to the dry run")
 
 
+def parameter_count(n: float) -> str:
+    """A parameter count in the unit that fits it: ``1.20 B``, ``12.3 M``, ``103.5 K``, ``640``."""
+    for scale, unit, digits in ((1e9, "B", 2), (1e6, "M", 1), (1e3, "K", 1)):
+        if round(n / scale, digits) >= 1:
+            return f"{n / scale:.{digits}f} {unit}"
+    return f"{n:.0f}"
+
+
 def report(args, gpu_gib: float, vocab_hint: str = "") -> List[Tuple[str, str]]:
     """(level, line) pairs: the breakdown, and a warning when the total exceeds ``gpu_gib``."""
     e = estimate(args)
@@ -87,7 +95,7 @@ def report(args, gpu_gib: float, vocab_hint: str = "") -> List[Tuple[str, str]]:
               f"shards) + activations {p['activations'] / GIB:.1f} ({'full recompute' if e['recompute'] else 'no recompute'}) "
               f"+ logits {p['logits'] / GIB:.1f} + attention {p['attention'] / GIB:.2f}"
               + (f" ({e['algorithm']} buffers at their peak)" if e["algorithm"] else "")
-              + f"; {e['params'] / 1e9:.2f} B parameters on this shard"
+              + f"; {parameter_count(e['params'])} parameters on this shard"
               + (f"; vocabulary assumed {ASSUMED_VOCAB} (Llama-3's: {vocab_hint or 'pass --vocab-size N'})"
                  if e["vocab_assumed"] else ""))]
     if e["total"] > gpu_gib * GIB:

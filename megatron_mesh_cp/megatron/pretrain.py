@@ -420,7 +420,7 @@ def _summary(args, opts, started: float) -> Dict:
         "attention_bytes_sent_per_rank": traffic["mesh_bytes"],
         "ring_bytes_per_rank": traffic["ring_bytes"],
         "attention_calls": traffic["calls"],
-        "packed_attention_calls": COUNTERS.packed_calls,
+        "document_attention_calls": COUNTERS.document_calls,  # masked documents: packed THD or EOD (unpadded)
         "packed_documents_per_sequence": _documents_per_sequence(),
         "layout": options().layout if options().documents == "eod" else None,
         "layout_note": options().layout_note or None,  # why auto kept documents whole

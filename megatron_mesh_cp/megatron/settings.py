@@ -42,7 +42,7 @@ class MeshCounters:
 
     ring_bytes: int = 0  # what Ring would have sent for the calls made so far (like-for-like partial dtype)
     calls: int = 0
-    packed_calls: int = 0  # of which on documents (packed THD or document masking)
+    document_calls: int = 0  # of which masked documents (packed THD, or unpadded documents from EOD)
     relaid: int = 0  # micro-batches whose tokens a layout re-laid
     layouts: Counter = field(default_factory=Counter)  # layout name -> micro-batches
     balance_sum: float = 0.0  # busiest / mean chunk work, summed over the micro-batches laid out
@@ -52,7 +52,7 @@ class MeshCounters:
     ahead: int = 0  # micro-batches whose layout the data loader chose (off the step's critical path)
     ahead_sum: float = 0.0  # seconds those choices took there
 
-    def count_call(self, query: torch.Tensor, key: torch.Tensor, n: int, training: bool, packed: bool = False,
+    def count_call(self, query: torch.Tensor, key: torch.Tensor, n: int, training: bool, documents: bool = False,
                    v_head_dim: Optional[int] = None) -> None:
         from ..runtime import ChunkDims
         from ..runtime import lse_dtype
@@ -62,7 +62,7 @@ class MeshCounters:
         dims = ChunkDims(b, s, h, key.shape[2], d, query.dtype, lse_dtype(query.dtype), options().partial_dtype, dv)
         self.ring_bytes += _ring_bytes(dims, n, training)
         self.calls += 1
-        self.packed_calls += int(packed)
+        self.document_calls += int(documents)
 
     def note_layout(self, arrangement, choice=None, seconds: float = 0.0, ahead: Optional[float] = None) -> bool:
         """One micro-batch laid out (runtime.layouts.Arrangement; ``choice``: auto's report) in

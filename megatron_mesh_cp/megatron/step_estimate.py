@@ -290,6 +290,16 @@ def _auto_too(args) -> str:
     return ""
 
 
+def _documents_unknown(args, e: StepEstimate) -> StepEstimate:
+    """``e`` (priced unmasked) with the layout that will run under document masking: ``--mesh-layout``'s, applied to
+    each micro-batch's documents at run time (not the unmasked estimate's zigzag)."""
+    from .settings import options
+
+    how = "chosen" if options().layout == "auto" else "laid out"
+    return replace(e, layout=replace(e.layout, name=f"--mesh-layout {options().layout} ({how} per micro-batch from "
+                                                    "its documents at run time)"))
+
+
 def _dry_run_estimate(args, sequences: int = 8, seed: int = 0) -> StepEstimate:
     """The launcher's ``--dry-run`` estimate: under document masking on ``sequences`` micro-batches sampled from the
     configured data's documents (``--data-path`` / ``--train-data-path``; a dry run builds no stdlib corpus),
@@ -307,14 +317,18 @@ def _dry_run_estimate(args, sequences: int = 8, seed: int = 0) -> StepEstimate:
     if options().documents != "eod" or args.context_parallel_size <= 1:
         return estimate(args, dp, cluster)
     if not (args.data_path or args.train_data_path) or args.mock_data:
-        what = "mock data" if args.mock_data else "the built-in stdlib corpus (not read by a dry run)"
-        return estimate(args, dp, cluster, data=f"{what}: priced without document masking")
+        what = "mock data" if args.mock_data else "the built-in stdlib corpus"
+        return _documents_unknown(args, estimate(
+            args, dp, cluster, data=f"{what} is made at launch, so a dry run knows none of its documents: the step is "
+                                    "priced without document masking"))
     try:
         sources = data_sources(args)
     except (OSError, ValueError, RuntimeError) as exc:
-        return estimate(args, dp, cluster, data="priced without document masking",
-                        warnings=(f"the data's document lengths could not be read ({type(exc).__name__}: {exc}); the "
-                                  "step time is the unmasked one",))
+        return _documents_unknown(args, estimate(
+            args, dp, cluster, data="the data's document lengths could not be read: the step is priced without "
+                                    "document masking",
+            warnings=(f"the data's document lengths could not be read ({type(exc).__name__}: {exc}); the step time is "
+                      "the unmasked one",)))
     text, warnings = describe_sources(sources, args.seq_length)
     drawn = sample_sequences(sources, args.seq_length, sequences, seed)
     return estimate(args, dp, cluster, drawn, data=text, warnings=warnings)
