@@ -105,6 +105,12 @@ def test_split_layout_balances_a_long_document():
 def test_bad_layouts_are_refused():
     with pytest.raises(ValueError, match="unknown layout 'diagonal'"):
         arrange([8, 8], 2, "diagonal")
+    from megatron_mesh_cp.simulate import parse_layouts
+
+    for bad in ("split:0", "split:-1", "split:", "tiledcut"):  # the simulator's --layout (split:0 ran as zigzag)
+        with pytest.raises(ValueError, match="unknown layout"):
+            parse_layouts(f"auto,{bad}")
+    assert parse_layouts("split:1,tiled-cut") == ["split:1", "tiled-cut"]
     with pytest.raises(ValueError, match="cuts 1 .. 2 documents"):
         arrange([8, 8], 2, "split", split=3)
     with pytest.raises(ValueError, match="not a multiple of 2\\*2"):

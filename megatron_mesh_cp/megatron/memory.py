@@ -92,7 +92,7 @@ def report(args, gpu_gib: float, vocab_hint: str = "") -> List[Tuple[str, str]]:
     p = e["parts"]
     lines = [("info", f"memory per GPU (estimate): {e['total'] / GIB:.1f} GiB = parameters {p['parameters'] / GIB:.1f} "
               f"+ gradients {p['gradients'] / GIB:.1f} + optimizer {p['optimizer'] / GIB:.1f} (over {e['optimizer_shards']} "
-              f"shards) + activations {p['activations'] / GIB:.1f} ({'full recompute' if e['recompute'] else 'no recompute'}) "
+              f"shard{'s' if e['optimizer_shards'] != 1 else ''}) + activations {p['activations'] / GIB:.1f} ({'full recompute' if e['recompute'] else 'no recompute'}) "
               f"+ logits {p['logits'] / GIB:.1f} + attention {p['attention'] / GIB:.2f}"
               + (f" ({e['algorithm']} buffers at their peak)" if e["algorithm"] else "")
               + f"; {parameter_count(e['params'])} parameters on this shard"

@@ -80,7 +80,17 @@ def parse_megatron_args(argv: Sequence[str], defaults: Optional[Dict] = None, se
     finally:
         sys.argv = saved
     apply_mesh_args(args, argv)
-    validate_args(args, defaults or {})
+    try:
+        validate_args(args, defaults or {})
+    except AssertionError as exc:  # Megatron's own rule, said with where the world size comes from
+        if "world size" not in str(exc):
+            raise
+        from .arguments import MeshArgumentError
+
+        raise MeshArgumentError(
+            f"{exc}: the world size is WORLD_SIZE ({args.world_size} here; torchrun sets it from --nnodes x "
+            "--nproc-per-node): launch as many ranks as a multiple of TP x PP x CP, or for a dry run set WORLD_SIZE to "
+            "the job's GPU count (WORLD_SIZE=256 ... --dry-run for a 256-GPU job)") from exc
     if set_globals:
         set_global_variables(args)
     return args

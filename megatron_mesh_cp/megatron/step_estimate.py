@@ -260,7 +260,7 @@ def layout_lines(e: StepEstimate, save_interval: Optional[int] = None) -> List[T
                  "attention at CP = 1 not simulated;")
     lines.append(f"step time (estimate: {attention} GEMMs at "
                  f"{e.gemm_tflops:.0f} TFLOP/s; TP/PP/DP communication not modelled): {e.step_s:.1f} s per step of "
-                 f"{e.micro_batches} micro-batches" + (f"; {e.unmasked_step_s:.1f} s without document masking"
+                 f"{e.micro_batches} micro-batch{'es' if e.micro_batches != 1 else ''}" + (f"; {e.unmasked_step_s:.1f} s without document masking"
                                                       if masked else ""))
     if save_interval:
         minutes = save_interval * e.step_s / 60

@@ -116,7 +116,7 @@ class UnpaddedDocuments(SpanMask):
         cut) or ``auto`` (chosen per mesh by the cost model)."""
         name, _, k = layout.partition(":")
         if name not in ("zigzag", "balanced", "tiled", "tiled-cut", "split", "auto") or (
-                (name == "split") != bool(k)) or (k and not k.isdigit()):
+                (name == "split") != bool(k)) or (k and (not k.isdigit() or int(k) < 1)):
             raise ValueError(f"unknown layout {layout!r}; choose zigzag, balanced, tiled, tiled-cut, split:K (K "
                              "documents cut) or auto")
         return replace(self, balanced=name == "balanced", split=int(k) if k else 0, auto=name == "auto",
