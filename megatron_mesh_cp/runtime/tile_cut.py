@@ -1,4 +1,4 @@
-"""Re-laying a few documents of a tiled order in place, so the mesh's ranks carry nearer-equal block cost.
+"""Re-laying a few documents of a tiled order, so the mesh's ranks carry nearer-equal block cost.
 
 The tiled layout (runtime/tile_balance.py) orders whole documents; its busiest rank stays about
 1.2x the mean on a few dozen 4K-64K documents, because a whole document's cross-piece work comes in
@@ -17,17 +17,26 @@ blocks (inside a row group: rank i and rank j). The re-lays tried (:func:`_candi
   (positions p1 | q | p2), ``t = size(p) * k / INTERLEAVES``: t * size(q) of their pairs turn from
   block (q, p) to (p, q), every other part sees them as before.
 
-A re-lay is only taken when every block it makes non-empty lies in a tile block the tiled order
-already keeps (no chunk sent that the tiled layout does not send: the same bytes). A re-lay's
-cost per rank is the linear kernel-call model of runtime/tile_balance.py (per call, Q row, key and
-pair) per pair of parts -- an approximation of the calls the block engine makes; the planner
-prices the result exactly and auto takes it only when that is faster. A greedy descent: each round
-scores every re-lay of every document giving the busiest rank over MIN_SHARE of a mean rank's work
-(where none helps, the next busiest's, up to the TOP-th; vectorised, each document's re-lays priced
-once on first use) by the sum of (rank cost / mean) ** 32, a smooth stand-in for the busiest rank,
-takes the best, and stops when none lowers it; it keeps the state whose busiest rank was lowest.
+A re-lay (or exchange) is only taken when every block it makes non-empty lies in a tile block the
+tiled order already keeps (no chunk sent that the tiled layout does not send: the same bytes). A
+re-lay's cost per rank is the linear kernel-call model of runtime/tile_balance.py (per call, Q row,
+key and pair) per pair of parts -- an approximation of the calls the block engine makes; the planner
+prices the result exactly and auto takes it only when that is no slower. A greedy descent: each
+round scores every re-lay of every document giving the busiest rank over MIN_SHARE of a mean rank's
+work (where none helps, the next busiest's, up to the TOP-th; vectorised, each document's re-lays
+priced once on first use) by the sum of (rank cost / mean) ** 32, a smooth stand-in for the busiest
+rank, takes the best, and stops when none lowers it; it keeps the state whose busiest rank was lowest.
+
+A footprint alone cannot always balance the ranks (two long documents in one row group load all its
+ranks, whatever their re-lays), so then up to EXCHANGES greedy *exchanges* move tokens between
+chunks (:func:`_exchange`): a document D giving a busy rank work trades the x'-first or x'-last t
+tokens of one of its parts (t consecutive positions) with a whole document S of t tokens lying
+inside one piece elsewhere, which moves whole into D's place; D's cross-piece work now also falls to
+the blocks between S's chunk and D's other chunks. Scored by the same smooth objective over every
+(D's part, side, S) at once; each document takes part in one exchange at most.
 The grids are sized for host time (about 8 ms per micro-batch on one core at 45 documents over 32
-chunks). Deterministic: every rank computes the same re-lays from the same lengths.
+chunks, the exchanges about as much again). Deterministic: every rank computes the same re-lays
+from the same lengths.
 """
 
 from __future__ import annotations
@@ -37,7 +46,8 @@ from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
-__all__ = ["cut_documents", "ROTATIONS", "INTERLEAVES", "MAX_PARTS", "MAX_SWAPS", "TOP", "MIN_SHARE", "ROUNDS"]
+__all__ = ["cut_documents", "ROTATIONS", "INTERLEAVES", "MAX_PARTS", "MAX_SWAPS", "TOP", "MIN_SHARE", "ROUNDS",
+           "EXCHANGES"]
 
 #: rotations tried per order of parts: r = L * k / ROTATIONS for k < ROTATIONS
 ROTATIONS = 4
@@ -56,6 +66,8 @@ TOP = 4
 MIN_SHARE = 0.1
 #: at most this many greedy rounds (one re-lay taken per round)
 ROUNDS = 96
+#: then at most this many exchanges (one taken per round; 0: none)
+EXCHANGES = 8
 
 
 def _edges(start: int, length: int, m: int) -> np.ndarray:
@@ -179,12 +191,14 @@ def _smooth(t: np.ndarray) -> np.ndarray:
 
 
 def cut_documents(lengths: Sequence[int], order: Sequence[int], a: int, b: int, *, weights,
-                  rounds: int = ROUNDS, rotations: int = ROTATIONS, base: Optional[np.ndarray] = None
-                  ) -> Tuple[List[Optional[List[Tuple[int, int]]]], np.ndarray, np.ndarray]:
-    """Each document's re-lay for documents laid whole in ``order`` on the a x b mesh (causal): None
-    (whole) or its runs in x' order as (first position, length); every rank's modelled cost and its
-    attention pairs (exact). A re-lay may make non-empty only blocks in the tile blocks the whole
-    documents keep; ``base`` ([a*b]): each rank's cost outside the documents (default: none)."""
+                  rounds: int = ROUNDS, rotations: int = ROTATIONS, base: Optional[np.ndarray] = None,
+                  exchanges: int = EXCHANGES) -> Tuple[List[Tuple[int, int, int]], int, np.ndarray, np.ndarray]:
+    """The runs (document, first position, length) in x' order of documents laid whole in ``order``
+    on the a x b mesh (causal) with a few re-laid and exchanged (module docstring), how many
+    documents it cuts (more than one run), every rank's modelled cost and its attention pairs
+    (exact). A re-lay or exchange may make non-empty only blocks in the tile blocks the whole
+    documents keep; ``base`` ([a*b]): each rank's cost outside the documents (default: none);
+    ``exchanges``: at most this many exchanges after the re-lays."""
     x = np.asarray(lengths, dtype=np.int64)
     n = a * b
     m = int(x.sum()) // (2 * n)
@@ -199,6 +213,7 @@ def cut_documents(lengths: Sequence[int], order: Sequence[int], a: int, b: int, 
     ends = np.array([np.pad(e, (0, width - len(e)), constant_values=e[-1]) for e in edges])
     lo = ends[:, :-1]
     cost, pairs, used = _costs(starts, lo, np.diff(ends, axis=1), lo, m, n, a, weights, None)
+    whole = cost.copy(), pairs.copy()
     kept |= used.any(axis=0)
     cuts = [d for d in range(len(x)) if starts[d] // m != (starts[d] + x[d] - 1) // m]  # over 2+ pieces
     cand: dict = {}
@@ -239,16 +254,99 @@ def cut_documents(lengths: Sequence[int], order: Sequence[int], a: int, b: int, 
         if float(total.max()) < best_max:
             best_max, best_pick, best_total, best_pairs = float(total.max()), dict(pick), total, pairs.sum(0)
     pick, total = best_pick, best_total
-    out: List[Optional[List[Tuple[int, int]]]] = [None] * len(x)
-    for d, k in pick.items():
-        lo, size, pos = cand[d][0][k], cand[d][1][k], cand[d][2][k]
-        live = np.flatnonzero(size > 0)
-        runs = [(int(pos[i]), int(size[i])) for i in live[np.argsort(lo[live], kind="stable")]]
-        merged = [runs[0]]
-        for p, l in runs[1:]:
-            if merged[-1][0] + merged[-1][1] == p:
-                merged[-1] = (merged[-1][0], merged[-1][1] + l)
-            else:
-                merged.append((p, l))
-        out[d] = None if len(merged) == 1 else merged
-    return out, total, best_pairs
+    # every document's parts in the best state: (x' offset from its start, size, first position)
+    state = {}
+    cost, pairs = whole[0].copy(), whole[1].copy()
+    for d in range(len(x)):
+        if d in pick:
+            k = pick[d]
+            state[d] = (cand[d][0][k].copy(), cand[d][1][k].copy(), cand[d][2][k].copy())
+            cost[d], pairs[d] = cand[d][3][k], cand[d][4][k]
+        else:
+            state[d] = (edges[d][:-1].copy(), np.diff(edges[d]), edges[d][:-1].copy())
+    starts = starts.copy()
+    moved = _exchange(x, starts, state, cost, pairs, total, m, n, a, weights, kept, scale, exchanges)
+    total = cost.sum(0) + (0.0 if base is None else np.asarray(base, dtype=np.float64))
+    out = []  # (x' offset, document, first position, length)
+    for d in range(len(x)):
+        lo_, size_, pos_ = state[d]
+        for i in np.flatnonzero(size_ > 0):
+            out.append((int(starts[d] + lo_[i]), d, int(pos_[i]), int(size_[i])))
+    out.sort()
+    runs: List[Tuple[int, int, int]] = []
+    for _, d, p, l in out:
+        if runs and runs[-1][0] == d and runs[-1][1] + runs[-1][2] == p:
+            runs[-1] = (d, runs[-1][1], runs[-1][2] + l)
+        else:
+            runs.append((d, p, l))
+    cut = int((np.bincount([r[0] for r in runs], minlength=len(x)) > 1).sum())
+    return runs, cut, total, pairs.sum(0)
+
+
+def _exchange(x, starts, state, cost, pairs, total, m, n, a, weights, kept, scale, rounds):
+    """Greedy exchanges (module docstring): a whole document S inside one piece trades places with
+    as many tokens of a document D giving a busy rank work (the x'-first or x'-last ones of one of
+    D's parts), so D's tokens move to another chunk; scored by the smooth objective, each document
+    in at most one exchange. Updates ``starts``, ``state``, ``cost``, ``pairs`` in place; returns
+    the documents moved."""
+    moved: set = set()
+    total = total.copy()
+    f = _smooth(total / scale)
+    single = lambda d: starts[d] // m == (starts[d] + x[d] - 1) // m  # noqa: E731
+    for _ in range(rounds):
+        small = np.array([d for d in range(len(x)) if d not in moved and single(d)
+                          and len(np.flatnonzero(state[d][1] > 0)) == 1], dtype=np.int64)
+        if not len(small):
+            break
+        move = None
+        for g in np.argsort(-total, kind="stable")[:TOP]:
+            for d in range(len(x)):
+                if d in moved or cost[d, g] <= MIN_SHARE * scale:
+                    continue
+                lo, size, pos = state[d]
+                live = np.flatnonzero(size > 0)
+                S = small[small != d]
+                rows = []  # (part, side, S)
+                for i in live:
+                    for s_ in S[x[S] < size[i]]:
+                        rows.append((i, 0, s_))
+                        rows.append((i, 1, s_))
+                if not rows:
+                    continue
+                R = np.array(rows, dtype=np.int64)
+                pi, side, sd = R[:, 0], R[:, 1], R[:, 2]
+                t = x[sd]
+                k = len(lo)
+                L = np.broadcast_to(lo, (len(R), k)).copy()
+                Z = np.broadcast_to(size, (len(R), k)).copy()
+                P = np.broadcast_to(pos, (len(R), k)).copy()
+                r = np.arange(len(R))
+                carve_lo = np.where(side == 0, lo[pi], lo[pi] + size[pi] - t)  # x' offset (from D's start)
+                carve_pos = np.where(side == 0, pos[pi], pos[pi] + size[pi] - t)
+                Z[r, pi] = size[pi] - t
+                L[r, pi] = np.where(side == 0, lo[pi] + t, lo[pi])
+                P[r, pi] = np.where(side == 0, pos[pi] + t, pos[pi])
+                L = np.concatenate((L, (starts[sd] - starts[d])[:, None]), axis=1)
+                Z = np.concatenate((Z, t[:, None]), axis=1)
+                P = np.concatenate((P, carve_pos[:, None]), axis=1)
+                cD, pD, ok = _costs(int(starts[d]), L, Z, P, m, n, a, weights, kept)
+                one = np.zeros((len(R), 1), dtype=np.int64)
+                cS, pS, _ = _costs(starts[d] + carve_lo, one, t[:, None], one, m, n, a, weights, kept)
+                new = total[None, :] - cost[d][None, :] - cost[sd] + cD + cS
+                fd = np.where(ok, _smooth(new / scale), np.inf)
+                j = int(np.argmin(fd))
+                if fd[j] < f * (1 - 1e-9) and (move is None or fd[j] < move[0]):
+                    move = (float(fd[j]), d, int(sd[j]), L[j], Z[j], P[j], cD[j], pD[j], cS[j], pS[j],
+                            int(starts[d] + carve_lo[j]))
+            if move is not None:
+                break
+        if move is None:
+            break
+        f, d, s_, L, Z, P, cD, pD, cS, pS, at = move
+        total += cD + cS - cost[d] - cost[s_]
+        state[d] = (L, Z, P)
+        cost[d], pairs[d], cost[s_], pairs[s_] = cD, pD, cS, pS
+        starts[s_] = at
+        state[s_] = (np.array([0]), np.array([x[s_]]), np.array([0]))
+        moved |= {d, s_}
+    return moved
