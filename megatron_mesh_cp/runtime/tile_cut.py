@@ -68,6 +68,14 @@ MIN_SHARE = 0.1
 ROUNDS = 96
 #: then at most this many exchanges (one taken per round; 0: none)
 EXCHANGES = 8
+#: an exchange trades t tokens, t = the smaller of the two parts times each of these
+SWAP_SIZES = (1.0,)
+#: a document in this many runs or more takes no further exchange
+MAX_RUNS = 8
+#: an exchange's D: the SWAP_DOCS documents giving the busy rank most work
+SWAP_DOCS = 1
+#: ... of the busiest rank, or where none lowers the objective the next busiest's, up to the SWAP_TOP-th
+SWAP_TOP = 2
 
 
 def _edges(start: int, length: int, m: int) -> np.ndarray:
@@ -264,8 +272,7 @@ def cut_documents(lengths: Sequence[int], order: Sequence[int], a: int, b: int, 
             cost[d], pairs[d] = cand[d][3][k], cand[d][4][k]
         else:
             state[d] = (edges[d][:-1].copy(), np.diff(edges[d]), edges[d][:-1].copy())
-    starts = starts.copy()
-    moved = _exchange(x, starts, state, cost, pairs, total, m, n, a, weights, kept, scale, exchanges)
+    _exchange(x, starts, state, cost, pairs, total, m, n, a, weights, kept, scale, exchanges)
     total = cost.sum(0) + (0.0 if base is None else np.asarray(base, dtype=np.float64))
     out = []  # (x' offset, document, first position, length)
     for d in range(len(x)):
@@ -284,69 +291,157 @@ def cut_documents(lengths: Sequence[int], order: Sequence[int], a: int, b: int, 
 
 
 def _exchange(x, starts, state, cost, pairs, total, m, n, a, weights, kept, scale, rounds):
-    """Greedy exchanges (module docstring): a whole document S inside one piece trades places with
-    as many tokens of a document D giving a busy rank work (the x'-first or x'-last ones of one of
-    D's parts), so D's tokens move to another chunk; scored by the smooth objective, each document
-    in at most one exchange. Updates ``starts``, ``state``, ``cost``, ``pairs`` in place; returns
-    the documents moved."""
+    """Greedy exchanges (module docstring): t consecutive tokens of a document D giving a busy rank
+    work (the x'-first or x'-last t of one of its parts) trade places with t consecutive tokens of
+    another document E in another chunk (the x'-first or x'-last t of one of its parts; t = the
+    smaller part's size times each of SWAP_SIZES), so each document's tokens move to the other's
+    chunk; scored by the smooth objective over every (D's part, side, E's part, side, t) at once
+    (each D's trades priced once, again only where D or E has traded since). Updates ``state``,
+    ``cost``, ``pairs`` in place; returns the documents that traded."""
     moved: set = set()
     total = total.copy()
     f = _smooth(total / scale)
-    single = lambda d: starts[d] // m == (starts[d] + x[d] - 1) // m  # noqa: E731
+    frac = np.asarray(SWAP_SIZES, dtype=np.float64)
+    # near[c1, c2]: a tile block the whole documents keep holds block (c1, c2) or (c2, c1) (or c1 = c2)
+    c = np.arange(n)
+    hold = kept[(c[None, :] % a - c[:, None] % a) % a, (c[:, None] // a - c[None, :] // a) % (n // a)]
+    near = hold | hold.T
+    # every document's parts as rows of one table (zero-size pads; the last column always a pad)
+    width = max(max(len(v[0]) for v in state.values()), MAX_RUNS) + 2
+    table = np.zeros((3, len(x), width), dtype=np.int64)
+
+    def put(d: int) -> None:
+        table[:, d] = 0
+        for i in range(3):
+            table[i, d, :len(state[d][i])] = state[d][i]
+
+    for d in range(len(x)):
+        put(d)
+
+    def chunks() -> np.ndarray:
+        p = np.minimum((starts[:, None] + table[0]) // m, 2 * n - 1)
+        return np.minimum(p, 2 * n - 1 - p)
+
+    part_chunk = chunks()
+
+    def trades(d: int, others: np.ndarray) -> dict:
+        """D = d's trades with the live parts of the documents ``others`` (bool), priced (rows)."""
+        lo, size, pos = state[d]
+        di = np.flatnonzero(size > 0)
+        c_d = part_chunk[d, :len(lo)]
+        reach = near[:, np.unique(c_d[di])].all(axis=1)  # chunks whose blocks with D's are kept
+        pe, pj = np.nonzero((table[1] > 0) & others[:, None] & reach[part_chunk])
+        if not len(pe) or not len(di):
+            return {"E": np.zeros(0, dtype=np.int64)}
+        I, SD, K, SE, F = (v.ravel() for v in np.meshgrid(di, [0, 1], np.arange(len(pe)), [0, 1],
+                                                             np.arange(len(frac)), indexing="ij"))
+        E, j = pe[K], pj[K]
+        keep = c_d[I] != part_chunk[E, j]  # a trade inside one chunk moves no work
+        I, SD, SE, F, E, j = (v[keep] for v in (I, SD, SE, F, E, j))
+        e_lo0, e_sz, e_pos0 = table[0, E, j], table[1, E, j], table[2, E, j]
+        t = np.maximum(1, (np.minimum(size[I], e_sz) * frac[F]).astype(np.int64))
+        R = len(t)
+        r = np.arange(R)
+        d_lo = np.where(SD == 0, lo[I], lo[I] + size[I] - t)  # D's traded tokens (x' from D's start)
+        d_pos = np.where(SD == 0, pos[I], pos[I] + size[I] - t)
+        e_lo = np.where(SE == 0, e_lo0, e_lo0 + e_sz - t)  # E's (x' from E's start)
+        e_pos = np.where(SE == 0, e_pos0, e_pos0 + e_sz - t)
+        k = len(lo)
+        DL, DZ, DP = (np.broadcast_to(v, (R, k)).copy() for v in (lo, size, pos))
+        step = np.where(SD == 0, t, 0)
+        DZ[r, I] -= t
+        DL[r, I] += step
+        DP[r, I] += step
+        DL = np.concatenate((DL, (starts[E] + e_lo - starts[d])[:, None]), axis=1)
+        DZ = np.concatenate((DZ, t[:, None]), axis=1)
+        DP = np.concatenate((DP, d_pos[:, None]), axis=1)
+        w = max(len(state[e][0]) for e in np.unique(E).tolist()) + 1  # the last column a pad in every row
+        XL, XZ, XP = table[0, E, :w], table[1, E, :w], table[2, E, :w]
+        step = np.where(SE == 0, t, 0)
+        XZ[r, j] -= t
+        XL[r, j] += step
+        XP[r, j] += step
+        XL[:, -1], XZ[:, -1], XP[:, -1] = starts[d] + d_lo - starts[E], t, e_pos
+        cD, pD, okD = _costs(int(starts[d]), DL, DZ, DP, m, n, a, weights, kept)
+        cE, pE, okE = _costs(starts[E], XL, XZ, XP, m, n, a, weights, kept)
+        ok = okD & okE
+        return {"E": E[ok], "D": (DL[ok], DZ[ok], DP[ok]), "X": (XL[ok], XZ[ok], XP[ok]), "cD": cD[ok],
+                "pD": pD[ok], "cE": cE[ok], "pE": pE[ok]}
+
+    def merge(old: dict, new: dict, drop) -> dict:
+        """``old``'s rows whose E is not in ``drop``, and ``new``'s."""
+        if not len(new["E"]):
+            new = None
+        if not len(old["E"]):
+            return old if new is None else new
+        keep = ~np.isin(old["E"], list(drop))
+        out = {}
+        for key, v in old.items():
+            cat = lambda u, w: np.concatenate((u[keep], w)) if new is not None else u[keep]  # noqa: E731
+            if key in ("D", "X"):
+                out[key] = tuple(_cat_rows(u[keep], w) if new is not None else u[keep]
+                                 for u, w in zip(v, new[key] if new is not None else v))
+            else:
+                out[key] = cat(v, new[key] if new is not None else v)
+        return out
+
+    cache: dict = {}
+    best = (float(total.max()), dict(state), cost.copy(), pairs.copy(), set())  # the state with the lowest busiest rank
     for _ in range(rounds):
-        small = np.array([d for d in range(len(x)) if d not in moved and single(d)
-                          and len(np.flatnonzero(state[d][1] > 0)) == 1], dtype=np.int64)
-        if not len(small):
-            break
+        runs = (table[1] > 0).sum(axis=1)
+        free = runs < MAX_RUNS
+        docs = np.flatnonzero(free).tolist()
         move = None
-        for g in np.argsort(-total, kind="stable")[:TOP]:
-            for d in range(len(x)):
-                if d in moved or cost[d, g] <= MIN_SHARE * scale:
+        for g in np.argsort(-total, kind="stable")[:SWAP_TOP]:
+            heavy = sorted(docs, key=lambda d: (-cost[d, g], d))[:SWAP_DOCS]
+            for d in heavy:
+                if cost[d, g] <= MIN_SHARE * scale:
                     continue
-                lo, size, pos = state[d]
-                live = np.flatnonzero(size > 0)
-                S = small[small != d]
-                rows = []  # (part, side, S)
-                for i in live:
-                    for s_ in S[x[S] < size[i]]:
-                        rows.append((i, 0, s_))
-                        rows.append((i, 1, s_))
-                if not rows:
+                if d not in cache:
+                    others = free.copy()
+                    others[d] = False
+                    cache[d] = trades(d, others)
+                rows = cache[d]
+                if not len(rows["E"]):
                     continue
-                R = np.array(rows, dtype=np.int64)
-                pi, side, sd = R[:, 0], R[:, 1], R[:, 2]
-                t = x[sd]
-                k = len(lo)
-                L = np.broadcast_to(lo, (len(R), k)).copy()
-                Z = np.broadcast_to(size, (len(R), k)).copy()
-                P = np.broadcast_to(pos, (len(R), k)).copy()
-                r = np.arange(len(R))
-                carve_lo = np.where(side == 0, lo[pi], lo[pi] + size[pi] - t)  # x' offset (from D's start)
-                carve_pos = np.where(side == 0, pos[pi], pos[pi] + size[pi] - t)
-                Z[r, pi] = size[pi] - t
-                L[r, pi] = np.where(side == 0, lo[pi] + t, lo[pi])
-                P[r, pi] = np.where(side == 0, pos[pi] + t, pos[pi])
-                L = np.concatenate((L, (starts[sd] - starts[d])[:, None]), axis=1)
-                Z = np.concatenate((Z, t[:, None]), axis=1)
-                P = np.concatenate((P, carve_pos[:, None]), axis=1)
-                cD, pD, ok = _costs(int(starts[d]), L, Z, P, m, n, a, weights, kept)
-                one = np.zeros((len(R), 1), dtype=np.int64)
-                cS, pS, _ = _costs(starts[d] + carve_lo, one, t[:, None], one, m, n, a, weights, kept)
-                new = total[None, :] - cost[d][None, :] - cost[sd] + cD + cS
-                fd = np.where(ok, _smooth(new / scale), np.inf)
-                j = int(np.argmin(fd))
-                if fd[j] < f * (1 - 1e-9) and (move is None or fd[j] < move[0]):
-                    move = (float(fd[j]), d, int(sd[j]), L[j], Z[j], P[j], cD[j], pD[j], cS[j], pS[j],
-                            int(starts[d] + carve_lo[j]))
+                busy = ~free[rows["E"]]
+                new = total[None, :] - cost[d][None, :] - cost[rows["E"]] + rows["cD"] + rows["cE"]
+                fd = np.where(busy, np.inf, _smooth(new / scale))
+                i = int(np.argmin(fd))
+                if fd[i] < f * (1 - 1e-9) and (move is None or fd[i] < move[0]):
+                    move = (float(fd[i]), int(d), int(rows["E"][i]), i)
             if move is not None:
                 break
         if move is None:
             break
-        f, d, s_, L, Z, P, cD, pD, cS, pS, at = move
-        total += cD + cS - cost[d] - cost[s_]
-        state[d] = (L, Z, P)
-        cost[d], pairs[d], cost[s_], pairs[s_] = cD, pD, cS, pS
-        starts[s_] = at
-        state[s_] = (np.array([0]), np.array([x[s_]]), np.array([0]))
-        moved |= {d, s_}
+        f, d, e, i = move
+        rows = cache[d]
+        sd_, se_ = tuple(v[i] for v in rows["D"]), tuple(v[i] for v in rows["X"])
+        cD, pD, cE, pE = rows["cD"][i], rows["pD"][i], rows["cE"][i], rows["pE"][i]
+        total += cD + cE - cost[d] - cost[e]
+        state[d] = tuple(v[sd_[1] > 0] for v in sd_)
+        state[e] = tuple(v[se_[1] > 0] for v in se_)
+        cost[d], pairs[d], cost[e], pairs[e] = cD, pD, cE, pE
+        moved |= {d, e}
+        if float(total.max()) < best[0]:
+            best = (float(total.max()), dict(state), cost.copy(), pairs.copy(), set(moved))
+        put(d)
+        put(e)
+        part_chunk = chunks()
+        pair = np.zeros(len(x), dtype=bool)
+        pair[[d, e]] = True
+        for k in list(cache):  # re-price what d and e take part in
+            if k in (d, e):
+                del cache[k]
+            else:
+                cache[k] = merge(cache[k], trades(k, pair), {d, e})
+    _, kept_state, cost[:], pairs[:], moved = best
+    state.update(kept_state)
     return moved
+
+
+def _cat_rows(u: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """Rows of two [R, k] arrays stacked, the narrower padded with zero-size columns at the end."""
+    k = max(u.shape[1], w.shape[1])
+    pad = lambda v: np.pad(v, ((0, 0), (0, k - v.shape[1])))  # noqa: E731
+    return np.concatenate((pad(u), pad(w)))
