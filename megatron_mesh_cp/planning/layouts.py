@@ -3,7 +3,7 @@
 For one micro-batch's document lengths and the mesh that runs it, every candidate layout -- the
 zigzag as given, the balanced document order, the tiled one (whole documents ordered so this mesh's
 ranks carry near-equal block cost, searched on :func:`tile_weights`, the cost model's seconds per
-kernel call), the tiled-cut one (that order with a few documents re-laid in place, runtime/tile_cut.py,
+kernel call), the tiled-cut one (that order with a few documents re-laid, runtime/tile_cut.py,
 where the model cannot re-lay pieces not offered), and the split layout cutting the 1, 2, ... longest documents -- is priced on the
 calibrated cost model the way auto shape prices a tile:
 :func:`~megatron_mesh_cp.planning.bounds.mesh_bound` of the layer with that layout's mask, i.e.

@@ -29,13 +29,17 @@ rank, takes the best, and stops when none lowers it; it keeps the state whose bu
 
 A footprint alone cannot always balance the ranks (two long documents in one row group load all its
 ranks, whatever their re-lays), so then up to EXCHANGES greedy *exchanges* move tokens between
-chunks (:func:`_exchange`): a document D giving a busy rank work trades the x'-first or x'-last t
-tokens of one of its parts (t consecutive positions) with a whole document S of t tokens lying
-inside one piece elsewhere, which moves whole into D's place; D's cross-piece work now also falls to
-the blocks between S's chunk and D's other chunks. Scored by the same smooth objective over every
-(D's part, side, S) at once; each document takes part in one exchange at most.
-The grids are sized for host time (about 8 ms per micro-batch on one core at 45 documents over 32
-chunks, the exchanges about as much again). Deterministic: every rank computes the same re-lays
+chunks (:func:`_exchange`): the document D giving the busiest rank most work (where none helps, the
+next busiest's, up to the SWAP_TOP-th) trades the x'-first or x'-last t tokens of one of its parts
+(t consecutive positions) with as many of another document E's, the x'-first or x'-last of one of
+E's parts in another chunk, t the smaller part's size (SWAP_SIZES): each one's tokens now sit in the
+other's chunk, and their cross-piece work falls to the blocks between that chunk and their others
+(only chunks whose blocks with D's lie in kept tile blocks are tried). Scored by the same smooth
+objective over every (D's part, side, E's part, side) at once; a document in MAX_RUNS runs takes no
+further trade; it keeps the state whose busiest rank was lowest.
+
+The grids are sized for host time (on one core at 45 documents over 32 chunks about 8 ms per
+micro-batch for the re-lays, 5-20 ms for the exchanges). Deterministic: every rank computes the same re-lays
 from the same lengths.
 """
 
@@ -47,7 +51,7 @@ from typing import List, Optional, Sequence, Tuple
 import numpy as np
 
 __all__ = ["cut_documents", "ROTATIONS", "INTERLEAVES", "MAX_PARTS", "MAX_SWAPS", "TOP", "MIN_SHARE", "ROUNDS",
-           "EXCHANGES"]
+           "EXCHANGES", "SWAP_SIZES", "MAX_RUNS", "SWAP_DOCS", "SWAP_TOP"]
 
 #: rotations tried per order of parts: r = L * k / ROTATIONS for k < ROTATIONS
 ROTATIONS = 4
@@ -68,11 +72,11 @@ MIN_SHARE = 0.1
 ROUNDS = 96
 #: then at most this many exchanges (one taken per round; 0: none)
 EXCHANGES = 8
-#: an exchange trades t tokens, t = the smaller of the two parts times each of these
+#: an exchange trades t tokens, t = the smaller of the two parts' sizes times each of these
 SWAP_SIZES = (1.0,)
 #: a document in this many runs or more takes no further exchange
 MAX_RUNS = 8
-#: an exchange's D: the SWAP_DOCS documents giving the busy rank most work
+#: an exchange's D: of the SWAP_DOCS documents giving the busy rank most work
 SWAP_DOCS = 1
 #: ... of the busiest rank, or where none lowers the objective the next busiest's, up to the SWAP_TOP-th
 SWAP_TOP = 2
