@@ -99,7 +99,7 @@ def main(argv=None) -> int:
                          "--mesh-layout: auto (default: per mesh the one the cost model picks), zigzag (as drawn or "
                          "read), balanced (whole documents reordered so the zigzag chunks carry near-equal work), "
                          "tiled (whole documents reordered so the mesh's ranks, each a tile of blocks, carry "
-                         "near-equal work), tiled-cut (that order with a few documents re-laid in place to even "
+                         "near-equal work), tiled-cut (that order with a few documents re-laid to even "
                          "the ranks further), or split:K (the K longest documents cut into pieces over every chunk). "
                          "TE's THD partition balances every order")
     pk.add_argument("--kernel-tile", type=int, default=0, metavar="T",

@@ -1,6 +1,6 @@
 """Token layouts on real gloo process groups: a long document split over every chunk among short ones
 (split:1), whole documents reordered (balanced, and tiled for the mesh's ranks) and tiled-cut (on 2x2
-one document re-laid in place), on mesh 2x2 and
+one document re-laid), on mesh 2x2 and
 a2a+mesh 2x1x2, against the float64 reference of the documents in their own order; every rank sends
 exactly its plans' bytes."""
 

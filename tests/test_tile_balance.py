@@ -91,9 +91,10 @@ def test_bad_tiled_requests_are_refused():
 
 def test_auto_offers_tiled_per_mesh_and_the_simulator_runs_it():
     """Auto prices tiled beside the other layouts with the cost model's per-call weights: on 4K-64K
-    documents a2a+mesh's inner 4x8 mesh takes it (its busiest rank lower than the balanced order's,
-    the bytes the same); a fixed ``tiled`` workload is laid out for the mesh it runs on, and its
-    pruned plans replay."""
+    documents a2a+mesh's inner 4x8 mesh prices it below the balanced order (its busiest rank lower,
+    the bytes the same) and tiled-cut the same as it (MHA: both phases bound by their transfers), so
+    auto takes tiled-cut, whose busiest rank's block seconds are lower; a fixed ``tiled`` workload is
+    laid out for the mesh it runs on, and its pruned plans replay."""
     from dataclasses import replace
 
     from megatron_mesh_cp.planning import Workload, document_plans, load_cluster, ulysses_inner
@@ -107,12 +108,20 @@ def test_auto_offers_tiled_per_mesh_and_the_simulator_runs_it():
                                       partial_bytes=2))
     choice = choose_layout(docs.lengths, 4, 8, cluster, inner, stride=8)
     seconds = dict((name, s) for name, s, _ in choice.candidates)
-    assert choice.arrangement.name == "tiled" and seconds["tiled"] < seconds["balanced"], seconds
+    assert seconds["tiled"] < seconds["balanced"] and seconds["tiled-cut"] == seconds["tiled"], seconds
+    assert choice.arrangement.name == "tiled-cut", seconds
+    from megatron_mesh_cp.planning.documents import tile_bound
+
+    busiest = {name: sum(tile_bound(replace(inner, mask=resolve_layout(replace(inner, mask=docs.with_layout(name)), 4,
+                                                                        8, cluster, 8).mask), cluster, 4, 8, bwd)[0]
+                         for bwd in (False, True)) for name in ("tiled", "tiled-cut")}
+    assert busiest["tiled-cut"] < busiest["tiled"], busiest
     tiled = resolve_layout(replace(inner, mask=docs.with_layout("tiled")), 4, 8, cluster, 8)
     assert tiled.mask.mesh == (4, 8) and tiled.mask.weights == tile_weights(inner, cluster)
     assert mesh_bound(4, 8, cluster, tiled, 8) == pytest.approx(seconds["tiled"], rel=1e-12)
     auto = resolve_layout(replace(inner, mask=docs.with_layout("auto")), 4, 8, cluster, 8)
-    assert auto.mask.layout == "tiled" and auto.mask.arranged(32) == tiled.mask.arranged(32)
+    cut = resolve_layout(replace(inner, mask=docs.with_layout("tiled-cut")), 4, 8, cluster, 8)
+    assert auto.mask.layout == "tiled-cut" and auto.mask.arranged(32) == cut.mask.arranged(32)
     fwd, bwd = document_plans(4, 8, cluster=cluster, workload=tiled, stride=8)
     assert replay(fwd, cluster, tiled, stride=8).time > 0 and replay(bwd, cluster, tiled, stride=8).time > 0
     with pytest.raises(ValueError, match="resolve it for the mesh first"):
@@ -137,8 +146,8 @@ def test_a_tiled_layout_reports_the_rank_balance_it_optimises():
 
 def test_tiled_cut_lowers_the_busiest_rank_within_the_tiled_tile_blocks():
     """tiled-cut on 4K-64K documents, a2a+mesh's inner 2x16 mesh (GQA) priced by the cost model: a few
-    documents re-laid in place, every chunk holding the same tokens' documents as the tiled layout, no
-    tile block kept that the tiled one leaves empty (same chunks sent), the busiest rank's pairs lower;
+    documents re-laid, some of their tokens trading places with another document's, no tile
+    block kept that the tiled one leaves empty (same chunks sent), the busiest rank's pairs lower;
     its rank pairs are the block engine's exact pairs; every rank builds the same; auto takes it where
     its bound is lower, and without the causal mask nothing is cut."""
     from megatron_mesh_cp.planning import Workload, load_cluster, ulysses_inner
@@ -155,7 +164,7 @@ def test_tiled_cut_lowers_the_busiest_rank_within_the_tiled_tile_blocks():
     tiled = arrange(lengths, 32, "tiled", shape=(2, 16), weights=weights)
     cut = arrange(lengths, 32, "tiled-cut", shape=(2, 16), weights=weights)
     assert cut.cut >= 2 and cut.balance < tiled.balance - 0.03, (cut.cut, cut.balance, tiled.balance)
-    assert "re-laid in place" in cut.describe()
+    assert "re-laid" in cut.describe()
     total, shape = sum(lengths), MeshShape(2, 16)
     blocks, whole = cut.mask.bind(32, total, True), tiled.mask.bind(32, total, True)
     assert needed_blocks(blocks.nonempty(), shape) <= needed_blocks(whole.nonempty(), shape)
@@ -164,7 +173,11 @@ def test_tiled_cut_lowers_the_busiest_rank_within_the_tiled_tile_blocks():
         pairs[shape.owner(int(i), int(j))] += sum(s.pairs for s in blocks.block(int(i), int(j)))
     assert np.allclose(pairs, cut.rank_work) and pairs.sum() == pytest.approx(tiled.rank_work.sum())
     doc_of = lambda arr: np.repeat(arr.runs[0], arr.runs[2])  # noqa: E731 (each x' token's document)
-    assert np.array_equal(doc_of(cut), doc_of(tiled))  # documents in place
+    moved = doc_of(cut) != doc_of(tiled)  # tokens that traded places: each document keeps its token count
+    assert moved.any() and np.array_equal(np.bincount(doc_of(cut)), np.bincount(doc_of(tiled)))
+    pos = [np.sort(np.concatenate([np.arange(p, p + l) for d, p, l in zip(*cut.runs) if d == k]))
+           for k in range(len(lengths))]
+    assert all(np.array_equal(p, np.arange(lengths[k])) for k, p in enumerate(pos))  # every position once
     again = tiled_cut(tiled, weights=weights)
     assert np.array_equal(again.order, cut.order) and again.mask == cut.mask
     choice = choose_layout(lengths, 2, 16, cluster, inner, stride=8)
@@ -194,13 +207,51 @@ def test_tiled_cut_lowers_the_busiest_rank_within_the_tiled_tile_blocks():
 
 
 def test_tiled_cut_cuts_documents_of_the_exactness_mixes():
-    """The float64 exactness test (tests/test_layouts.py) runs tiled-cut layouts that do re-lay documents."""
+    """The float64 exactness test (tests/test_layouts.py) runs tiled-cut layouts that do re-lay documents,
+    some of them trading tokens with another document's."""
     import random
 
     from megatron_mesh_cp import valid_shapes
     from test_layouts import document_mixes
 
+    doc_of = lambda arr: np.repeat(arr.runs[0], arr.runs[2])  # noqa: E731 (each x' token's document)
+    traded = 0
     for n in (4, 6, 8):
-        cut = [arrange(lengths, n, "tiled-cut", shape=s, weights=(1.0, 0.1, 0.1, 1.0)).cut
-               for lengths in document_mixes(8 * n, random.Random(n))[:4] for s in valid_shapes(n)]
+        cut = []
+        for lengths in document_mixes(8 * n, random.Random(n))[:4]:
+            for s in valid_shapes(n):
+                arr = arrange(lengths, n, "tiled-cut", shape=s, weights=(1.0, 0.1, 0.1, 1.0))
+                tiled = arrange(lengths, n, "tiled", shape=s, weights=(1.0, 0.1, 0.1, 1.0))
+                cut.append(arr.cut)
+                traded += bool((doc_of(arr) != doc_of(tiled)).any())  # tokens moved to another document's place
         assert max(cut) >= 1, (n, cut)
+    assert traded >= 4, traded
+
+
+def test_tiled_cut_exchanges_never_raise_the_modelled_busiest_rank():
+    """tile_cut's exchanges (tokens traded between two documents' parts in different chunks) start from
+    the re-lays' best state and keep their own best: the modelled busiest rank is no higher than with
+    the re-lays alone, and on a2a+mesh's 4x8 (MHA) mesh of 4K-64K documents lower; every run's tokens
+    still add up to each document once."""
+    from megatron_mesh_cp.planning import Workload, load_cluster, ulysses_inner
+    from megatron_mesh_cp.planning.layouts import tile_weights
+    from megatron_mesh_cp.runtime.tile_cut import cut_documents
+
+    cluster = load_cluster("h100-ib400")
+    inner = ulysses_inner(8, Workload(seq_local=(1 << 20) // 256, heads=32, kv_heads=32, head_dim=128,
+                                      partial_bytes=2))
+    weights = tile_weights(inner, cluster)
+    for seed in (0, 1):
+        lengths = np.array(sample_documents(1 << 20, 4096, 65536, seed=seed).lengths)
+        order = arrange(lengths.tolist(), 32, "tiled", shape=(4, 8), weights=weights).runs[0]
+        m = int(lengths.sum()) // 64
+        base = np.full(32, weights[0] + (weights[1] + weights[2]) * 2 * m)
+        runs0, _, total0, _ = cut_documents(lengths, order, 4, 8, weights=weights, base=base, exchanges=0)
+        runs, cut, total, _ = cut_documents(lengths, order, 4, 8, weights=weights, base=base)
+        assert total.max() < total0.max() - 1e-3 * total0.mean(), (seed, total.max(), total0.max())
+        assert cut >= 2
+        got = np.zeros(len(lengths), dtype=np.int64)
+        for d, p, n in runs:
+            assert 0 <= p and p + n <= lengths[d]
+            got[d] += n
+        assert np.array_equal(got, lengths)

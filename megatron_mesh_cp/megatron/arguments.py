@@ -71,7 +71,7 @@ def add_mesh_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="with --reset-attention-mask under mesh CP: each micro-batch's token layout; auto (default) the one the "
              "cost model predicts fastest, zigzag the dataset's order, balanced whole documents reordered to even the "
              "zigzag chunks, tiled whole documents reordered to even the mesh's ranks (each computes a tile of "
-             "blocks), tiled-cut that order with a few documents re-laid in place to even them further, split the "
+             "blocks), tiled-cut that order with a few documents re-laid to even them further, split the "
              "longest documents cut into pieces over every chunk (exact in every case)")
     add("--mesh-document-order", choices=("balanced", "given"), default=None,
         help="the older name of --mesh-layout balanced / zigzag")

@@ -4,7 +4,7 @@
 documents (its EOD tokens), builds the layout (runtime/layouts.py) -- ``auto`` the one the cost
 model predicts fastest for this mesh and layer (planning/layouts.py), never one it predicts slower
 than the balanced document order; ``tiled`` balances the ranks of the configured (u, a, b) mesh,
-``tiled-cut`` re-lays a few of that order's documents in place to balance them further --
+``tiled-cut`` re-lays a few of that order's documents (and trades a few tokens between them) to balance them further --
 and re-lays tokens, labels, loss mask and position ids with its order before
 ``get_batch_on_this_cp_rank`` splits them. Every rank of every pipeline stage computes the same
 layout from the same offsets (the searches are seeded), and the CP group agrees on the resulting
@@ -118,7 +118,7 @@ class LayoutPolicy:
                     continue
             return arrange(lengths, chunks, "balanced"), None
         if layout in ("tiled", "tiled-cut"):  # this mesh's ranks balanced by the cost model's call weights
-            # (tiled-cut: and a few documents re-laid in place, runtime/tile_cut.py)
+            # (tiled-cut: and a few documents re-laid, runtime/tile_cut.py)
             return arrange(lengths, chunks, layout, shape=self.shape,
                            weights=tile_weights(self.inner, self.cluster)), None
         narrowed = {"max_split": 0} if self.whole_documents else {}

@@ -495,13 +495,13 @@ def _masking(args) -> str:
             # narrowed auto: its note already says the cost model chooses (no nested repeat of it)
             "auto": ("; each micro-batch's token layout: " + options().layout_note if options().layout_note else
                      "; each micro-batch's token layout chosen by the cost model (--mesh-layout auto: zigzag, "
-                     "balanced or tiled document order, tiled with a few documents re-laid in place, or the "
+                     "balanced or tiled document order, tiled with a few documents re-laid, or the "
                      "longest documents split over every chunk)"),
             "balanced": "; documents reordered per micro-batch to balance the zigzag chunks (--mesh-layout balanced)",
             "split": "; the longest documents split over every chunk, the others reordered around them (--mesh-layout "
                      "split)",
             "tiled": "; documents reordered per micro-batch to balance the mesh's ranks (--mesh-layout tiled)",
-            "tiled-cut": "; documents reordered per micro-batch to balance the mesh's ranks, a few re-laid in place "
+            "tiled-cut": "; documents reordered per micro-batch to balance the mesh's ranks, a few re-laid "
                          "(--mesh-layout tiled-cut)",
             "zigzag": "; documents in the dataset's order (--mesh-layout zigzag)",
         }[options().layout]

@@ -57,7 +57,7 @@ class UnpaddedDocuments(SpanMask):
     #: carry near-equal block cost (runtime/tile_balance.py); ``mesh`` (a, b) and ``weights`` (its
     #: kernel-call cost model) are set per mesh by ``resolve_layout``
     tiled: bool = False
-    #: with ``tiled``: the ``tiled-cut`` layout, a few documents of the tiled order re-laid in place
+    #: with ``tiled``: the ``tiled-cut`` layout, a few documents of the tiled order re-laid
     #: (runtime/tile_cut.py), run as its re-laid (``Arranged``) mask
     cut: bool = False
     mesh: Tuple[int, ...] = ()
@@ -112,7 +112,7 @@ class UnpaddedDocuments(SpanMask):
 
     def with_layout(self, layout: str) -> "UnpaddedDocuments":
         """The same documents run in ``layout``: ``zigzag``, ``balanced``, ``tiled`` (the mesh's ranks
-        balanced), ``tiled-cut`` (tiled, a few documents re-laid in place), ``split:K`` (the K longest
+        balanced), ``tiled-cut`` (tiled, a few documents re-laid), ``split:K`` (the K longest
         cut) or ``auto`` (chosen per mesh by the cost model)."""
         name, _, k = layout.partition(":")
         if name not in ("zigzag", "balanced", "tiled", "tiled-cut", "split", "auto") or (
@@ -177,7 +177,7 @@ class UnpaddedDocuments(SpanMask):
         if self.tiled:
             mesh = f" of the {self.mesh[0]}x{self.mesh[1]} mesh" if self.mesh else " of each mesh"
             if self.cut:
-                return text + f"; run in the order balancing the ranks{mesh}, a few documents re-laid in place " \
+                return text + f"; run in the order balancing the ranks{mesh}, a few documents re-laid " \
                               "(tiled-cut)"
             return text + f"; run in the order balancing the ranks{mesh} (tiled)"
         return text + ("; run in the order balancing each mesh's zigzag chunks" if self.balanced else "")

@@ -3,14 +3,16 @@
 For one micro-batch's document lengths and the mesh that runs it, every candidate layout -- the
 zigzag as given, the balanced document order, the tiled one (whole documents ordered so this mesh's
 ranks carry near-equal block cost, searched on :func:`tile_weights`, the cost model's seconds per
-kernel call), the tiled-cut one (that order with a few documents re-laid in place, runtime/tile_cut.py,
+kernel call), the tiled-cut one (that order with a few documents re-laid, runtime/tile_cut.py,
 where the model cannot re-lay pieces not offered), and the split layout cutting the 1, 2, ... longest documents -- is priced on the
 calibrated cost model the way auto shape prices a tile:
 :func:`~megatron_mesh_cp.planning.bounds.mesh_bound` of the layer with that layout's mask, i.e.
 per phase the larger of the busiest rank's block seconds (each block as the kernel calls the mask
-leaves it) and the bytes of the transfers some rank needs over its links. The fastest wins; ties go
-to the earlier candidate (zigzag, then balanced, then tiled, then tiled-cut, then fewer documents split), so a
-layout that only matches today's is never taken over it. Deterministic: every rank chooses the same from the same
+leaves it) and the bytes of the transfers some rank needs over its links. The fastest wins; among
+layouts priced the same (a phase bound by its transfers hides its compute), the one whose busiest
+rank's block seconds are lowest, and of those the earlier candidate (zigzag, then balanced, then
+tiled, then tiled-cut, then fewer documents split), so a layout priced slower, or only matching
+today's in both, is never taken over it. Deterministic: every rank chooses the same from the same
 lengths.
 """
 
@@ -27,6 +29,7 @@ from ..runtime.layouts import Arrangement, arrange_splits, arrange_whole, splits
 from ..runtime.tile_balance import BUDGET, search_entries
 from .bounds import full_comm_bound, mesh_bound
 from .cluster import Cluster, Workload
+from .documents import tile_bound
 
 __all__ = ["LayoutChoice", "choose_layout", "candidate_layouts", "resolve_layout", "tile_weights", "SPLIT_CANDIDATES"]
 
@@ -109,8 +112,8 @@ def choose_layout(lengths: Sequence[int], a: int, b: int, cluster: Cluster, w: W
     Without ``candidates`` (:func:`candidate_layouts`'), the split ones are built only when they can
     win: a split layout needs every block (its first document crosses every piece), so it takes at
     least :func:`~megatron_mesh_cp.planning.bounds.full_comm_bound`, and when a whole-document layout
-    is priced at or below that their searches are skipped (ties go to the earlier candidate anyway:
-    the choice is the same). ``max_split``: the most documents a split candidate cuts (0: documents
+    is priced at or below that their searches are skipped (a split layout could then at best tie,
+    and is not taken for a tie: its every block costs calls). ``max_split``: the most documents a split candidate cuts (0: documents
     stay whole, where the model cannot re-lay pieces: no tiled-cut either)."""
     t0 = time.perf_counter()
     n = a * b
@@ -128,8 +131,22 @@ def choose_layout(lengths: Sequence[int], a: int, b: int, cluster: Cluster, w: W
             splits = arrange_splits(lengths, n, _split_count(lengths, n, max_split), causal=w.causal)
             cands += splits
             rows += [_priced(arr, a, b, cluster, w, stride) for arr in splits]
-    best = int(np.argmin([r[1] for r in rows]))  # the first of equals: never a new layout for nothing
+    best = _fastest(cands, rows, a, b, cluster, w)
     return LayoutChoice(cands[best], rows[best][1], tuple(rows), time.perf_counter() - t0)
+
+
+def _fastest(cands: Sequence[Arrangement], rows, a: int, b: int, cluster: Cluster, w: Workload) -> int:
+    """The candidate priced fastest; among those priced the same (both phases bound by the same
+    transfers, say), the one whose busiest rank's block seconds are lowest (its blocks' own time:
+    planning/documents.py ``tile_bound``), then the earliest: never a layout priced slower, and
+    never a new one for nothing."""
+    price = [r[1] for r in rows]
+    tied = [i for i, s in enumerate(price) if s == min(price)]
+    if len(tied) == 1:
+        return tied[0]
+    busiest = [sum(tile_bound(replace(w, mask=cands[i].mask), cluster, a, b, bwd)[0] for bwd in (False, True))
+               for i in tied]
+    return tied[int(np.argmin(busiest))]  # the first of equals
 
 
 def _priced(arr: Arrangement, a: int, b: int, cluster: Cluster, w: Workload, stride: int):

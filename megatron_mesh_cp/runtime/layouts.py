@@ -12,10 +12,11 @@ layout's work per chunk is exact and cheap. Four layouts:
 * ``tiled``: whole documents reordered so the *ranks* of the a x b mesh that runs them carry
   near-equal block cost (runtime/tile_balance.py: a rank computes a tile of blocks, and where a
   document crosses pieces decides which rank does that work); the mask stays plain documents;
-* ``tiled-cut``: the tiled order with a few documents rotated in place (positions ``[r, L)`` then
-  ``[0, r)`` over the tokens the tiled order gives them: runtime/tile_cut.py), moving cross-piece
-  work from the busiest ranks to lighter ones without making any tile block non-empty that the
-  tiled order leaves empty (same chunks sent); the mask is
+* ``tiled-cut``: the tiled order with a few documents re-laid over the tokens the tiled order gives
+  them (their parts reordered, rotated or interleaved), and a few of their tokens trading places
+  with another document's in another chunk (runtime/tile_cut.py), moving cross-piece work from the
+  busiest ranks to lighter ones without making any tile block non-empty that the tiled order
+  leaves empty (same chunks sent); the mask is
   :class:`~megatron_mesh_cp.runtime.masks.arranged.Arranged`;
 * ``split``: the longest documents cut the way TE's THD partition cuts every document -- 2N pieces,
   pieces g and 2N-1-g to chunk g, unpadded (uneven by a token at most) -- so each spreads its work
@@ -57,7 +58,7 @@ SPLIT_ITERS, SPLIT_PATIENCE = 1024, 256
 @dataclass(frozen=True, eq=False)
 class Arrangement:
     """One micro-batch's layout: the ``mask`` of x', each chunk's attention pairs (``work``), what it
-    is called (``name``, ``split``: documents cut, ``cut``: documents re-laid in place) and its runs (``runs``: per run of x' tokens, its
+    is called (``name``, ``split``: documents cut, ``cut``: documents re-laid) and its runs (``runs``: per run of x' tokens, its
     document, first position and length, in x' order); :attr:`order` (x' = x[order]) is made from
     the runs on first use (only the layout that runs needs it)."""
 
@@ -67,7 +68,7 @@ class Arrangement:
     runs: Tuple[np.ndarray, np.ndarray, np.ndarray] = field(repr=False)
     starts: np.ndarray = field(repr=False)  # each document's first token in x
     split: int = 0
-    cut: int = 0  # tiled-cut: documents rotated in place (two segments each)
+    cut: int = 0  # tiled-cut: documents re-laid (in more than one run each)
     given: bool = False  # x' is x (the documents as given)
     shape: Tuple[int, ...] = ()  # (a, b): the mesh a tiled layout balances the ranks of
     rank_work: Optional[np.ndarray] = field(default=None, repr=False)  # tiled: each rank's attention pairs
@@ -92,7 +93,7 @@ class Arrangement:
     def describe(self) -> str:
         cut = f", {self.split} document{'s' if self.split != 1 else ''} split" if self.split else ""
         if self.cut:
-            cut = f", {self.cut} document{'s' if self.cut != 1 else ''} re-laid in place"
+            cut = f", {self.cut} document{'s' if self.cut != 1 else ''} re-laid"
         mesh = f" (ranks of the {self.shape[0]}x{self.shape[1]} mesh balanced)" if self.shape else ""
         what = "chunk" if self.rank_work is None else "rank"
         return f"{self.name}{cut}{mesh}: busiest / mean {what} work {self.balance:.2f}"
@@ -350,8 +351,9 @@ def arrange_whole(lengths: Sequence[int], chunks: int, *, causal: bool = True, s
 
 def tiled_cut(tiled: Arrangement, *, causal: bool = True,
               weights: Optional[Tuple[float, float, float, float]] = None) -> Arrangement:
-    """The ``tiled-cut`` layout from a ``tiled`` one: its documents in place, a few re-laid inside
-    their tokens (runtime/tile_cut.py) where that lowers the busiest rank's modelled cost and every
+    """The ``tiled-cut`` layout from a ``tiled`` one: its documents where it has them, a few re-laid inside
+    their tokens and a few of those tokens traded with another document's in another chunk
+    (runtime/tile_cut.py) where that lowers the busiest rank's modelled cost and every
     block it makes non-empty lies in a tile block the tiled layout keeps; ``weights``: the tiled
     search's kernel-call model (default: pairs). Without the causal mask a re-lay moves no work (a
     document's pairs per chunk pair are fixed by its footprint): the tiled order as it is, as an
@@ -365,19 +367,12 @@ def tiled_cut(tiled: Arrangement, *, causal: bool = True,
     w = PAIRS if weights is None else tuple(float(v) for v in weights)
     total = int(lengths.sum())
     m = total // (2 * n)
-    relaid, rank_pairs = [None] * len(lengths), tiled.rank_work
+    runs_, cut, rank_pairs = [(int(d), 0, int(lengths[d])) for d in order.tolist()], 0, tiled.rank_work
     if causal and n > 1:
         base = np.full(n, w[0] + (w[1] + w[2]) * 2 * m)  # each rank's own (diagonal) varlen call
-        relaid, _, rank_pairs = cut_documents(lengths, order, a, b, weights=w, base=base)
-    doc, pos, length = [], [], []
-    for d in order.tolist():
-        for p, l in relaid[d] or [(0, int(lengths[d]))]:
-            doc.append(d)
-            pos.append(p)
-            length.append(l)
-    doc, pos, length = (np.asarray(v, dtype=np.int64) for v in (doc, pos, length))
+        runs_, cut, _, rank_pairs = cut_documents(lengths, order, a, b, weights=w, base=base)
+    doc, pos, length = (np.asarray(v, dtype=np.int64) for v in zip(*runs_))
     runs, work = _runs_work(doc, pos, length, lengths, n, causal)
-    cut = sum(r is not None for r in relaid)
     mask = _mask_of(doc, pos, length, "tiled-cut")
     return Arrangement("tiled-cut", mask, work, runs, tiled.starts, cut=cut, shape=(a, b), rank_work=rank_pairs)
 
