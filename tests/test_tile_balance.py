@@ -255,3 +255,18 @@ def test_tiled_cut_exchanges_never_raise_the_modelled_busiest_rank():
             assert 0 <= p and p + n <= lengths[d]
             got[d] += n
         assert np.array_equal(got, lengths)
+
+
+def test_tiled_cut_survives_documents_whose_every_trade_stays_in_one_chunk():
+    """Review h48: short documents (512-1536 tokens, 16K over CP=4) where every exchange candidate of
+    the busiest rank's document lies in that document's own chunk: ``_exchange``'s trades filter
+    every row away; tiled-cut and auto still build (they raised ``max() iterable argument is empty``)."""
+    from megatron_mesh_cp.planning import Workload, load_cluster
+    from megatron_mesh_cp.planning.layouts import choose_layout
+
+    lengths = [512 * x for x in (1, 1, 3, 1, 2, 2, 1, 3, 1, 1, 1, 1, 1, 1, 1, 3, 2, 2, 3, 1)]
+    for shape in ((2, 2), (1, 4), (4, 1)):
+        arr = arrange(lengths, 4, "tiled-cut", shape=shape, weights=(1.0, 0.1, 0.1, 1.0))
+        arr.mask.check(sum(lengths), 4)
+        choose_layout(lengths, *shape, load_cluster("h100-ib400"),
+                      Workload(seq_local=sum(lengths) // 4, heads=32, kv_heads=8, head_dim=128))
