@@ -370,3 +370,15 @@ def test_each_of_several_validation_sets_is_laid_out(monkeypatch):
     assert isinstance(got[0], layout.LaidOutDataset) and got[0].dataset is train and got[2] is None
     assert isinstance(got[1], list) and [d.dataset for d in got[1]] == [v1, v2]
     assert all(isinstance(d, layout.LaidOutDataset) and "mesh_layout" in d[0] for d in got[1])
+
+
+def test_a_tiled_cut_layout_in_the_given_order_decodes():
+    """Review h48: tiled-cut of one document (or of documents the tiled order leaves in their order,
+    none re-laid) has runs equal to the documents as given but ``given`` False; the data loader's code
+    of it must still decode (it raised 'a token layout's code is inconsistent (tiled-cut, ...given 0...)')."""
+    from megatron_mesh_cp.runtime.layouts import decode, encode
+
+    for lengths in ([64], [64 * 1024]):
+        arr = arrange(lengths, 4, "tiled-cut", shape=(2, 2))
+        back = decode(*encode(arr), lengths, 4)
+        assert back.name == "tiled-cut" and back.mask == arr.mask

@@ -255,3 +255,48 @@ def test_tiled_cut_exchanges_never_raise_the_modelled_busiest_rank():
             assert 0 <= p and p + n <= lengths[d]
             got[d] += n
         assert np.array_equal(got, lengths)
+
+
+def test_tiled_cut_survives_documents_whose_every_trade_stays_in_one_chunk():
+    """Review h48: short documents (512-1536 tokens, 16K over CP=4) where every exchange candidate of
+    the busiest rank's document lies in that document's own chunk: ``_exchange``'s trades filter
+    every row away; tiled-cut and auto still build (they raised ``max() iterable argument is empty``)."""
+    from megatron_mesh_cp.planning import Workload, load_cluster
+    from megatron_mesh_cp.planning.layouts import choose_layout
+
+    lengths = [512 * x for x in (1, 1, 3, 1, 2, 2, 1, 3, 1, 1, 1, 1, 1, 1, 1, 3, 2, 2, 3, 1)]
+    for shape in ((2, 2), (1, 4), (4, 1)):
+        arr = arrange(lengths, 4, "tiled-cut", shape=shape, weights=(1.0, 0.1, 0.1, 1.0))
+        arr.mask.check(sum(lengths), 4)
+        choose_layout(lengths, *shape, load_cluster("h100-ib400"),
+                      Workload(seq_local=sum(lengths) // 4, heads=32, kv_heads=8, head_dim=128))
+
+
+def test_fastest_never_takes_a_layout_priced_slower():
+    """Review h48 (planning/layouts.py ``_fastest``): the tile_bound tie-break acts only among candidates
+    priced exactly the same. The candidate with the highest busiest-rank block seconds wins when it is
+    priced one ulp below the rest; with all priced the same, the one whose block seconds are lowest
+    (the first of equals); and choose_layout's pick is priced at the minimum of its candidates."""
+    from dataclasses import replace
+
+    from megatron_mesh_cp.planning import Workload, load_cluster, ulysses_inner
+    from megatron_mesh_cp.planning.documents import tile_bound
+    from megatron_mesh_cp.planning.layouts import _fastest, candidate_layouts, choose_layout, tile_weights
+
+    cluster = load_cluster("h100-ib400")
+    inner = ulysses_inner(8, Workload(seq_local=(1 << 20) // 256, heads=32, kv_heads=32, head_dim=128,
+                                      partial_bytes=2))
+    lengths = list(sample_documents(1 << 20, 4096, 65536, seed=0).lengths)
+    cands = candidate_layouts(lengths, 32, True, max_split=1, shape=(4, 8), weights=tile_weights(inner, cluster))
+    busiest = [sum(tile_bound(replace(inner, mask=c.mask), cluster, 4, 8, bwd)[0] for bwd in (False, True))
+               for c in cands]
+    worst, best = int(np.argmax(busiest)), int(np.argmin(busiest))
+    assert busiest[worst] > busiest[best]
+    rows = [(c.name, 1.0, 1.0) for c in cands]
+    assert _fastest(cands, rows, 4, 8, cluster, inner) == best
+    rows[worst] = (cands[worst].name, float(np.nextafter(1.0, 0.0)), 1.0)
+    assert _fastest(cands, rows, 4, 8, cluster, inner) == worst
+    for seed in (0, 1, 2):
+        docs = sample_documents(1 << 20, 1024, 65536, seed=seed)
+        choice = choose_layout(docs.lengths, 4, 8, cluster, inner, stride=8)
+        assert choice.seconds == min(s for _, s, _ in choice.candidates), choice.candidates

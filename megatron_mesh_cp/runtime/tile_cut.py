@@ -342,6 +342,8 @@ def _exchange(x, starts, state, cost, pairs, total, m, n, a, weights, kept, scal
         E, j = pe[K], pj[K]
         keep = c_d[I] != part_chunk[E, j]  # a trade inside one chunk moves no work
         I, SD, SE, F, E, j = (v[keep] for v in (I, SD, SE, F, E, j))
+        if not len(E):  # every candidate inside D's own chunks
+            return {"E": np.zeros(0, dtype=np.int64)}
         e_lo0, e_sz, e_pos0 = table[0, E, j], table[1, E, j], table[2, E, j]
         t = np.maximum(1, (np.minimum(size[I], e_sz) * frac[F]).astype(np.int64))
         R = len(t)
