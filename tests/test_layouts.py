@@ -373,12 +373,12 @@ def test_each_of_several_validation_sets_is_laid_out(monkeypatch):
 
 
 def test_a_tiled_cut_layout_in_the_given_order_decodes():
-    """Review h48: tiled-cut of one document (or of documents the tiled order leaves in their order,
-    none re-laid) has runs equal to the documents as given but ``given`` False; the data loader's code
-    of it must still decode (it raised 'a token layout's code is inconsistent (tiled-cut, ...given 0...)')."""
+    """tiled-cut of one document (or of documents the tiled order leaves in their order, none re-laid)
+    has runs equal to the documents as given, so it is ``given`` (x' is x) and the data loader's code of
+    it decodes (it raised 'a token layout's code is inconsistent (tiled-cut, ...given 0...)': review h48)."""
     from megatron_mesh_cp.runtime.layouts import decode, encode
 
     for lengths in ([64], [64 * 1024]):
         arr = arrange(lengths, 4, "tiled-cut", shape=(2, 2))
         back = decode(*encode(arr), lengths, 4)
-        assert back.name == "tiled-cut" and back.mask == arr.mask
+        assert back.name == "tiled-cut" and back.mask == arr.mask and arr.given and back.given and arr.order is None

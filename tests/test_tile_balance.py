@@ -300,3 +300,18 @@ def test_fastest_never_takes_a_layout_priced_slower():
         docs = sample_documents(1 << 20, 1024, 65536, seed=seed)
         choice = choose_layout(docs.lengths, 4, 8, cluster, inner, stride=8)
         assert choice.seconds == min(s for _, s, _ in choice.candidates), choice.candidates
+
+
+def test_a_document_over_many_pieces_is_priced_in_few_re_lays():
+    """Pricing a document's re-lays costs (re-lays) x parts^2; over more than MAX_INTERLEAVE_PARTS pieces it
+    is tried in its rotations alone (review h48: one 1M-token document over 2x128's 512 pieces made ~1,540
+    re-lays, 33 s and 21 GB per micro-batch), below that with its interleaves as before."""
+    from megatron_mesh_cp.runtime import arrange
+    from megatron_mesh_cp.runtime.tile_cut import MAX_INTERLEAVE_PARTS, ROTATIONS, _candidates
+
+    m = 64
+    few = _candidates(0, 8 * m, m, ROTATIONS)[0]
+    many = _candidates(0, (MAX_INTERLEAVE_PARTS + 1) * m, m, ROTATIONS)[0]
+    assert len(few) > ROTATIONS and len(many) == ROTATIONS
+    arr = arrange([1 << 16], 128, "tiled-cut", shape=(2, 64))  # 256 pieces of one document: done at once
+    assert sorted(arr.order.tolist() if arr.order is not None else range(1 << 16)) == list(range(1 << 16))

@@ -374,7 +374,10 @@ def tiled_cut(tiled: Arrangement, *, causal: bool = True,
     doc, pos, length = (np.asarray(v, dtype=np.int64) for v in zip(*runs_))
     runs, work = _runs_work(doc, pos, length, lengths, n, causal)
     mask = _mask_of(doc, pos, length, "tiled-cut")
-    return Arrangement("tiled-cut", mask, work, runs, tiled.starts, cut=cut, shape=(a, b), rank_work=rank_pairs)
+    # nothing moved and the tiled order is the given one: x' is x (as decode finds it from the runs)
+    given = bool(np.array_equal(doc, np.arange(len(lengths))) and not pos.any() and np.array_equal(length, lengths))
+    return Arrangement("tiled-cut", mask, work, runs, tiled.starts, cut=cut, given=given, shape=(a, b),
+                       rank_work=rank_pairs)
 
 
 def arrange_splits(lengths: Sequence[int], chunks: int, splits: int, *, causal: bool = True,

@@ -15,7 +15,8 @@ blocks (inside a row group: rank i and rank j). The re-lays tried (:func:`_candi
 * rotated in position space by ``L * k / ROTATIONS`` (one part cut in two), or
 * interleaved: in position order part p's last ``t`` positions moved behind the next part q
   (positions p1 | q | p2), ``t = size(p) * k / INTERLEAVES``: t * size(q) of their pairs turn from
-  block (q, p) to (p, q), every other part sees them as before.
+  block (q, p) to (p, q), every other part sees them as before (documents over at most
+  MAX_INTERLEAVE_PARTS pieces: the pricing grows as the parts cubed).
 
 A re-lay (or exchange) is only taken when every block it makes non-empty lies in a tile block the
 tiled order already keeps (no chunk sent that the tiled layout does not send: the same bytes). A
@@ -51,7 +52,7 @@ from typing import List, Optional, Sequence, Tuple
 import numpy as np
 
 __all__ = ["cut_documents", "ROTATIONS", "INTERLEAVES", "MAX_PARTS", "MAX_SWAPS", "TOP", "MIN_SHARE", "ROUNDS",
-           "EXCHANGES", "SWAP_SIZES", "MAX_RUNS", "SWAP_DOCS", "SWAP_TOP"]
+           "EXCHANGES", "SWAP_SIZES", "MAX_RUNS", "SWAP_DOCS", "SWAP_TOP", "MAX_INTERLEAVE_PARTS"]
 
 #: rotations tried per order of parts: r = L * k / ROTATIONS for k < ROTATIONS
 ROTATIONS = 4
@@ -61,6 +62,10 @@ MAX_PARTS = 3
 MAX_SWAPS = 6
 #: interleaves of two parts tried at size * k / INTERLEAVES for 0 < k < INTERLEAVES
 INTERLEAVES = 4
+#: ... for documents over at most this many pieces: pricing a document's re-lays costs (re-lays) x parts^2,
+#: and a document over every piece has ~3 interleaves per part (review h48: one 1M-token document at 2x128
+#: took 33 s and 21 GB; over more pieces it is tried in its rotations alone)
+MAX_INTERLEAVE_PARTS = 64
 #: the smooth objective's power is 2 ** POWER (:func:`_smooth`)
 POWER = 5
 #: each round tries the documents giving the busiest rank work, or where none lowers the objective the
@@ -133,7 +138,7 @@ def _candidates(start: int, length: int, m: int, rotations: int):
     # position order (positions p1 | q | p2), t = size(p) * f for f on the grid: of the pairs of p
     # and q, t * size(q) turn from block (q, p) to block (p, q); the other parts see p and q as before
     f = np.arange(1, INTERLEAVES) / INTERLEAVES
-    if k >= 2 and len(f):
+    if 2 <= k <= MAX_INTERLEAVE_PARTS and len(f):
         order = perms  # order[j]: the part j-th in position order
         jj = np.arange(k - 1)
         pp, qq = order[:, jj], order[:, jj + 1]  # [perm, j]
