@@ -1,6 +1,7 @@
 """What the launcher's --dry-run catches before a job is queued: a data prefix whose files are missing, a config
 key that is no setting (one line naming it and its file), a world size (WORLD_SIZE) the parallel sizes do not
-divide (one line naming WORLD_SIZE, not Megatron's traceback), and the vocabulary read from the tokenizer (or, when
+divide (one line naming WORLD_SIZE, not Megatron's traceback), a --mesh-layout that is none (one line, not
+Megatron's usage), and the vocabulary read from the tokenizer (or, when
 it does not load here, how to give it)."""
 
 from __future__ import annotations
@@ -27,8 +28,9 @@ def test_dry_run_refuses_missing_data_and_unknown_keys(tmp_path):
     cases = [["--config", TINY, "--dry-run", "--data-path", str(tmp_path / "nope_text_document"), *null],
              ["--config", str(tmp_path / "typo.yaml"), "--dry-run"],
              ["--config", TINY, "--dry-run", "--data-path", prefix, *null],
-             ["--config", TINY, "--dry-run", "--data-path", prefix, *null, "--context-parallel-size", "8", "--mesh-shape", "2x4"]]
-    missing, typo, present, world = run_bad_args(cases, tmp_path, world_size=4)
+             ["--config", TINY, "--dry-run", "--data-path", prefix, *null, "--context-parallel-size", "8", "--mesh-shape", "2x4"],
+             ["--config", TINY, "--dry-run", "--mesh-layout", "tiled", "--mesh-layout=split:2"]]
+    missing, typo, present, world, layout = run_bad_args(cases, tmp_path, world_size=4)
     assert missing["code"] == 2, missing
     assert (f"error: --data-path: missing data_path: {tmp_path}/nope_text_document.bin, data_path: "
             f"{tmp_path}/nope_text_document.idx (a dataset prefix PREFIX names PREFIX.bin and PREFIX.idx"
@@ -39,6 +41,9 @@ def test_dry_run_refuses_missing_data_and_unknown_keys(tmp_path):
     assert world["code"] == 2 and len(world["stderr"].strip().splitlines()) == 1, world  # one line, not a traceback
     assert "error: world size (4) is not divisible" in world["stderr"]
     assert "the world size is WORLD_SIZE (4 here" in world["stderr"] and "WORLD_SIZE=256 ... --dry-run" in world["stderr"]
+    assert layout["code"] == 2 and len(layout["stderr"].strip().splitlines()) == 1, layout  # not Megatron's usage
+    assert "error: --mesh-layout 'split:2': choose one of auto, zigzag" in layout["stderr"]
+    assert "a fixed split:K is the simulator's --layout only" in layout["stderr"]
 
 
 def test_the_estimate_reads_the_tokenizers_vocabulary_or_says_how_to_give_it(tmp_path):

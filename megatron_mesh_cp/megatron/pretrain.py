@@ -386,6 +386,23 @@ def _doc_sizes(text: str) -> tuple:
     return sizes
 
 
+def _bad_layout(argv: Sequence[str]) -> Optional[str]:
+    """Why the last ``--mesh-layout`` value of ``argv`` is no layout (None: it is one, or none is given)."""
+    from .layout import LAYOUT_CHOICES
+
+    value = None
+    for i, arg in enumerate(argv):
+        if arg == "--mesh-layout" and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif arg.startswith("--mesh-layout="):
+            value = arg.split("=", 1)[1]
+    if value is None or value in LAYOUT_CHOICES:
+        return None
+    hint = (" (split chooses how many of the longest documents to cut per micro-batch; a fixed split:K is the "
+            "simulator's --layout only)" if value.startswith("split") else "")
+    return f"--mesh-layout {value!r}: choose one of {', '.join(LAYOUT_CHOICES)}{hint}"
+
+
 def _launcher_options(argv: Sequence[str]):
     return _launcher_parser().parse_known_args(list(argv))
 
@@ -644,6 +661,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         sys.exit(2)
     if _has(megatron_argv, "--yaml-cfg"):
         print(f"error: {YAML_CFG_REFUSED}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    bad = _bad_layout(megatron_argv)
+    if bad:  # one line, before Megatron's parser prints its whole usage for an unknown choice
+        print(f"error: {bad}", file=sys.stderr, flush=True)
         sys.exit(2)
     cpu = not torch.cuda.is_available()
     if cpu:

@@ -113,7 +113,7 @@ def choose_layout(lengths: Sequence[int], a: int, b: int, cluster: Cluster, w: W
     win: a split layout needs every block (its first document crosses every piece), so it takes at
     least :func:`~megatron_mesh_cp.planning.bounds.full_comm_bound`, and when a whole-document layout
     is priced at or below that their searches are skipped (a split layout could then at best tie,
-    and is not taken for a tie: its every block costs calls). ``max_split``: the most documents a split candidate cuts (0: documents
+    so it is not built). ``max_split``: the most documents a split candidate cuts (0: documents
     stay whole, where the model cannot re-lay pieces: no tiled-cut either)."""
     t0 = time.perf_counter()
     n = a * b
