@@ -42,7 +42,7 @@ def test_dry_run_refuses_missing_data_and_unknown_keys(tmp_path):
     assert "error: world size (4) is not divisible" in world["stderr"]
     assert "the world size is WORLD_SIZE (4 here" in world["stderr"] and "WORLD_SIZE=256 ... --dry-run" in world["stderr"]
     assert layout["code"] == 2 and len(layout["stderr"].strip().splitlines()) == 1, layout  # not Megatron's usage
-    assert "error: --mesh-layout 'split:2': choose one of auto, zigzag" in layout["stderr"]
+    assert "error: argument --mesh-layout: invalid choice: 'split:2' (choose from 'auto', 'zigzag'" in layout["stderr"]
     assert "a fixed split:K is the simulator's --layout only" in layout["stderr"]
 
 

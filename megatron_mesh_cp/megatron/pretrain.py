@@ -386,21 +386,19 @@ def _doc_sizes(text: str) -> tuple:
     return sizes
 
 
-def _bad_layout(argv: Sequence[str]) -> Optional[str]:
-    """Why the last ``--mesh-layout`` value of ``argv`` is no layout (None: it is one, or none is given)."""
-    from .layout import LAYOUT_CHOICES
+def _bad_mesh_args(argv: Sequence[str]) -> Optional[str]:
+    """Why ``argv``'s mesh-CP flags do not parse, by their own rules (``add_mesh_args``: choices, types;
+    None: they do), said before Megatron's parser, which prints its whole usage for any of them."""
+    from .arguments import add_mesh_args
 
-    value = None
-    for i, arg in enumerate(argv):
-        if arg == "--mesh-layout" and i + 1 < len(argv):
-            value = argv[i + 1]
-        elif arg.startswith("--mesh-layout="):
-            value = arg.split("=", 1)[1]
-    if value is None or value in LAYOUT_CHOICES:
-        return None
-    hint = (" (split chooses how many of the longest documents to cut per micro-batch; a fixed split:K is the "
-            "simulator's --layout only)" if value.startswith("split") else "")
-    return f"--mesh-layout {value!r}: choose one of {', '.join(LAYOUT_CHOICES)}{hint}"
+    parser = add_mesh_args(argparse.ArgumentParser(add_help=False, allow_abbrev=False, exit_on_error=False))
+    try:
+        parser.parse_known_args(list(argv))
+    except argparse.ArgumentError as exc:
+        hint = (" (split chooses how many of the longest documents to cut per micro-batch; a fixed split:K is the "
+                "simulator's --layout only)" if exc.argument_name == "--mesh-layout" and "invalid choice: 'split" in str(exc) else "")
+        return f"{exc}{hint}"
+    return None
 
 
 def _launcher_options(argv: Sequence[str]):
@@ -662,8 +660,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     if _has(megatron_argv, "--yaml-cfg"):
         print(f"error: {YAML_CFG_REFUSED}", file=sys.stderr, flush=True)
         sys.exit(2)
-    bad = _bad_layout(megatron_argv)
-    if bad:  # one line, before Megatron's parser prints its whole usage for an unknown choice
+    bad = _bad_mesh_args(megatron_argv)
+    if bad:  # one line, before Megatron's parser prints its whole usage for a bad value
         print(f"error: {bad}", file=sys.stderr, flush=True)
         sys.exit(2)
     cpu = not torch.cuda.is_available()
