@@ -157,6 +157,11 @@ def _whole(lengths: np.ndarray, order_of_docs: Sequence[int], chunks: int, causa
     return Arrangement(name, Documents(tuple(int(c) for c in cu)), work, runs, _starts(lengths), given=same)
 
 
+def _given(doc: np.ndarray, pos: np.ndarray, length: np.ndarray, lengths: np.ndarray) -> bool:
+    """Whether runs (document, first position, length) in x' order are the documents as given: x' is x."""
+    return bool(np.array_equal(doc, np.arange(len(lengths))) and not pos.any() and np.array_equal(length, lengths))
+
+
 def _starts(lengths: np.ndarray) -> np.ndarray:
     return np.concatenate(([0], np.cumsum(lengths)))[:-1]
 
@@ -374,10 +379,8 @@ def tiled_cut(tiled: Arrangement, *, causal: bool = True,
     doc, pos, length = (np.asarray(v, dtype=np.int64) for v in zip(*runs_))
     runs, work = _runs_work(doc, pos, length, lengths, n, causal)
     mask = _mask_of(doc, pos, length, "tiled-cut")
-    # nothing moved and the tiled order is the given one: x' is x (as decode finds it from the runs)
-    given = bool(np.array_equal(doc, np.arange(len(lengths))) and not pos.any() and np.array_equal(length, lengths))
-    return Arrangement("tiled-cut", mask, work, runs, tiled.starts, cut=cut, given=given, shape=(a, b),
-                       rank_work=rank_pairs)
+    return Arrangement("tiled-cut", mask, work, runs, tiled.starts, cut=cut, given=_given(doc, pos, length, lengths),
+                       shape=(a, b), rank_work=rank_pairs)
 
 
 def arrange_splits(lengths: Sequence[int], chunks: int, splits: int, *, causal: bool = True,
@@ -432,8 +435,7 @@ def decode(code, rank_work, lengths: Sequence[int], chunks: int, causal: bool = 
         raise ValueError("a token layout's code does not lay out this micro-batch's documents (its lengths "
                          f"{seen.tolist()[:6]}..., the batch's {x.tolist()[:6]}...)")
     name = TOKEN_LAYOUTS[kind]
-    identity = np.array_equal(doc, np.arange(len(x))) and not pos.any() and np.array_equal(length, x)
-    if (bool(given) != bool(identity) or (split > 0) != (name == "split") or (cut and name != "tiled-cut")
+    if (bool(given) != _given(doc, pos, length, x) or (split > 0) != (name == "split") or (cut and name != "tiled-cut")
             or (a and a * b != chunks) or (bool(a) != (name in ("tiled", "tiled-cut")))):
         raise ValueError(f"a token layout's code is inconsistent ({name}, split {split}, cut {cut}, given {given}, "
                          f"mesh {a}x{b} for {chunks} chunks)")

@@ -306,8 +306,7 @@ def _exchange(x, starts, state, cost, pairs, total, m, n, a, weights, kept, scal
     smaller part's size times each of SWAP_SIZES), so each document's tokens move to the other's
     chunk; scored by the smooth objective over every (D's part, side, E's part, side, t) at once
     (each D's trades priced once, again only where D or E has traded since). Updates ``state``,
-    ``cost``, ``pairs`` in place; returns the documents that traded."""
-    moved: set = set()
+    ``cost``, ``pairs`` in place."""
     total = total.copy()
     f = _smooth(total / scale)
     frac = np.asarray(SWAP_SIZES, dtype=np.float64)
@@ -380,24 +379,18 @@ def _exchange(x, starts, state, cost, pairs, total, m, n, a, weights, kept, scal
                 "pD": pD[ok], "cE": cE[ok], "pE": pE[ok]}
 
     def merge(old: dict, new: dict, drop) -> dict:
-        """``old``'s rows whose E is not in ``drop``, and ``new``'s."""
-        if not len(new["E"]):
-            new = None
+        """``old``'s rows whose E is not in ``drop``, then ``new``'s."""
         if not len(old["E"]):
-            return old if new is None else new
+            return new
         keep = ~np.isin(old["E"], list(drop))
-        out = {}
-        for key, v in old.items():
-            cat = lambda u, w: np.concatenate((u[keep], w)) if new is not None else u[keep]  # noqa: E731
-            if key in ("D", "X"):
-                out[key] = tuple(_cat_rows(u[keep], w) if new is not None else u[keep]
-                                 for u, w in zip(v, new[key] if new is not None else v))
-            else:
-                out[key] = cat(v, new[key] if new is not None else v)
-        return out
+        out = {k: tuple(u[keep] for u in v) if k in ("D", "X") else v[keep] for k, v in old.items()}
+        if not len(new["E"]):
+            return out
+        return {k: tuple(_cat_rows(u, w) for u, w in zip(v, new[k])) if k in ("D", "X") else np.concatenate((v, new[k]))
+                for k, v in out.items()}
 
     cache: dict = {}
-    best = (float(total.max()), dict(state), cost.copy(), pairs.copy(), set())  # the state with the lowest busiest rank
+    best = (float(total.max()), dict(state), cost.copy(), pairs.copy())  # the state with the lowest busiest rank
     for _ in range(rounds):
         runs = (table[1] > 0).sum(axis=1)
         free = runs < MAX_RUNS
@@ -433,9 +426,8 @@ def _exchange(x, starts, state, cost, pairs, total, m, n, a, weights, kept, scal
         state[d] = tuple(v[sd_[1] > 0] for v in sd_)
         state[e] = tuple(v[se_[1] > 0] for v in se_)
         cost[d], pairs[d], cost[e], pairs[e] = cD, pD, cE, pE
-        moved |= {d, e}
         if float(total.max()) < best[0]:
-            best = (float(total.max()), dict(state), cost.copy(), pairs.copy(), set(moved))
+            best = (float(total.max()), dict(state), cost.copy(), pairs.copy())
         put(d)
         put(e)
         part_chunk = chunks()
@@ -446,9 +438,8 @@ def _exchange(x, starts, state, cost, pairs, total, m, n, a, weights, kept, scal
                 del cache[k]
             else:
                 cache[k] = merge(cache[k], trades(k, pair), {d, e})
-    _, kept_state, cost[:], pairs[:], moved = best
+    _, kept_state, cost[:], pairs[:] = best
     state.update(kept_state)
-    return moved
 
 
 def _cat_rows(u: np.ndarray, w: np.ndarray) -> np.ndarray:
