@@ -45,7 +45,7 @@ def parse_layouts(text: str) -> list:
         UnpaddedDocuments((2,)).with_layout(name)  # ValueError naming the choices
         out.append(name)
     if not out:
-        raise ValueError("--layout needs at least one of auto, zigzag, balanced, tiled, tiled-cut, split:K")
+        raise ValueError("--layout needs at least one of auto, zigzag, balanced, tiled, tiled-cut, split:K, split:K:H")
     return out
 
 
@@ -100,7 +100,9 @@ def main(argv=None) -> int:
                          "read), balanced (whole documents reordered so the zigzag chunks carry near-equal work), "
                          "tiled (whole documents reordered so the mesh's ranks, each a tile of blocks, carry "
                          "near-equal work), tiled-cut (that order with a few documents re-laid to even "
-                         "the ranks further), or split:K (the K longest documents cut into pieces over every chunk). "
+                         "the ranks further), split:K (the K longest documents cut into pieces over every chunk), or "
+                         "split:K:H (the last H of those over half of each mesh row's chunks, on meshes with a and b "
+                         "even; split:K elsewhere, and the row says so). "
                          "TE's THD partition balances every order")
     pk.add_argument("--kernel-tile", type=int, default=0, metavar="T",
                     help="price document blocks in whole TxT kernel tiles per document segment (flash-style); "

@@ -15,13 +15,14 @@ from rank_tasks_documents import QUANTITIES
 from rank_tasks_packed import _mesh
 
 
-def relaid_exactness(ctx, shape, lengths, layout, split, heads, kv_heads, seed=0):
+def relaid_exactness(ctx, shape, lengths, layout, split, heads, kv_heads, seed=0, halves=0):
     """One forward + backward of this rank's share of the re-laid sequence: squared errors vs float64
     (the reference re-laid the same way), bytes sent vs the plans' (plus the all-to-all under a2a+mesh)."""
     mesh = _mesh(ctx, shape)
     n, g, u = mesh.size, mesh.position, mesh.ulysses
-    per_mesh = layout in ("tiled", "tiled-cut")
-    arr = arrange(lengths, n // u, layout, split=split, shape=tuple(shape[-2:]) if per_mesh else None)
+    per_mesh = layout in ("tiled", "tiled-cut") or halves
+    arr = arrange(lengths, n // u, layout, split=split, shape=tuple(shape[-2:]) if per_mesh else None, halves=halves)
+    assert arr.halves == halves
     t = sum(lengths)
     gen = torch.Generator().manual_seed(seed)
     q, k, v, do = (torch.randn(t, x, 8, generator=gen, dtype=torch.float64) for x in (heads, kv_heads, kv_heads, heads))

@@ -17,7 +17,7 @@ import torch
 from megatron_mesh_cp import valid_shapes
 from megatron_mesh_cp.reference import packed_reference, relative_errors
 from megatron_mesh_cp.runtime.layout import zigzag_positions
-from megatron_mesh_cp.runtime.layouts import arrange
+from megatron_mesh_cp.runtime.layouts import arrange, half_rows
 from megatron_mesh_cp.runtime.masks import Documents
 from megatron_mesh_cp.virtual import virtual_mesh_attention
 
@@ -48,6 +48,12 @@ def laid_out(lengths, chunks, causal=True, shape=None):
                 out.append(arrange(lengths, chunks, "split", split=k, causal=causal))
             except ValueError:
                 pass
+            for s in ([shape] if shape else valid_shapes(chunks)):  # the last h over half of each mesh row
+                for h in range(1, k + 1) if len(s) == 2 and half_rows(*s) else ():
+                    try:
+                        out.append(arrange(lengths, chunks, "split", split=k, causal=causal, shape=s, halves=h))
+                    except ValueError:
+                        pass
     return out
 
 
@@ -247,7 +253,7 @@ def test_layout_choice_is_pinned(draw, label, seconds):
     # auto's own candidates: tiled and tiled-cut as well, the split ones only where their exact bound lets
     # them win
     again = choose_layout(lengths, 2, 16, cluster, inner, stride=8)
-    priced = [(n, s) for n, s, _ in again.candidates if n not in ("tiled", "tiled-cut")]
+    priced = [(n, s) for n, s, _ in again.candidates if n not in ("tiled", "tiled-cut") and n.count(":") < 2]
     assert priced == seconds[:len(priced)] and again.seconds <= choice.seconds
     bound = full_comm_bound(2, 16, cluster, inner, 8)
     assert all(s >= bound for n, s in seconds if n.startswith("split"))  # the bound is one
@@ -255,6 +261,35 @@ def test_layout_choice_is_pinned(draw, label, seconds):
         assert min(s for _, s, _ in again.candidates) <= bound
     third = choose_layout(lengths, 2, 16, cluster, inner, stride=8)
     assert third.seconds == again.seconds and np.array_equal(third.arrangement.order, again.arrangement.order)
+
+
+@pytest.mark.parametrize("kv, shape, label", [(8, (2, 16), "split:3:3"), (32, (4, 8), "split:3:2")])
+def test_auto_takes_documents_over_half_rows_where_they_replay_faster(kv, shape, label):
+    """docs/packing.md's heavy-tailed draw on a2a+mesh: auto prices split:K:H (the last H of the best split
+    count's documents over half of each mesh row) and takes one only where its plans replay faster than
+    the fastest other candidate's: the bound misses the waits its uneven tile blocks cause (MHA split:3:3
+    is priced below split:3:2 but replays slower). Its rank work is balanced and every rank derives the same."""
+    from megatron_mesh_cp.planning import Workload, choose_layout, load_cluster, sample_documents, ulysses_inner
+    from megatron_mesh_cp.planning.layouts import _replay_seconds
+
+    cluster = load_cluster("h100-ib400")
+    inner = ulysses_inner(8, Workload(seq_local=4096, heads=32, kv_heads=kv, head_dim=128, partial_bytes=2))
+    lengths = sample_documents(1 << 20, 384, 512 * 1024, dist="powerlaw", seed=7).lengths
+    choice = choose_layout(lengths, *shape, cluster, inner, stride=8)
+    arr = choice.arrangement
+    assert arr.label == label and arr.halves and arr.shape == shape and arr.balance < 1.05, arr.describe()
+    by = {a.label: a for a in [arr]}
+    names = [n for n, _, _ in choice.candidates]
+    assert {"split:3:1", "split:3:2", "split:3:3"} <= set(names)
+    others = {n: s for n, s, _ in choice.candidates if n.count(":") < 2}
+    base = min(others, key=others.get)
+    assert base == "split:3"
+    from megatron_mesh_cp.runtime.layouts import arrange
+
+    by[base] = arrange(lengths, 32, "split", split=3)
+    assert _replay_seconds(arr, *shape, cluster, inner, 8) < _replay_seconds(by[base], *shape, cluster, inner, 8)
+    again = choose_layout(lengths, *shape, cluster, inner, stride=8)
+    assert np.array_equal(again.arrangement.order, arr.order)
 
 
 def test_candidates_search_in_lockstep_as_one_by_one():
@@ -274,7 +309,16 @@ def test_candidates_search_in_lockstep_as_one_by_one():
                     want.append(arrange(lengths, chunks, "split", split=k, causal=causal))
                 except ValueError:
                     break
-            assert [(g.name, g.split) for g in got] == [(w.name, w.split) for w in want]
+            for k in (3,) if causal else ():  # the last h of k split over half of each row of a 2 x 4 mesh
+                shape = (2, chunks // 2)
+                halves = [h for h in range(1, k + 1)]
+                got += arrange_splits(lengths, chunks, k, causal=causal, shape=shape, halves=halves)
+                for h in halves:
+                    try:
+                        want.append(arrange(lengths, chunks, "split", split=k, causal=causal, shape=shape, halves=h))
+                    except ValueError:
+                        pass
+            assert [(g.name, g.split, g.halves) for g in got] == [(w.name, w.split, w.halves) for w in want]
             for g, w in zip(got, want):
                 assert all(np.array_equal(x, y) for x, y in zip(g.runs, w.runs)) and np.array_equal(g.work, w.work)
                 assert g.mask == w.mask
@@ -293,9 +337,11 @@ def test_a_layout_encoded_for_the_step_decodes_to_itself():
     lengths = [300, 7, 9, 64, 33, 1, 2] + [4] * 38
     lengths.append(1024 - sum(lengths))
     cut = arrange(lengths, 8, "tiled-cut", shape=(2, 4), weights=(1.0, 0.1, 0.1, 1.0))
-    for arr in laid_out(lengths, 8, shape=(2, 4)) + [cut]:
+    relaid = laid_out(lengths, 8, shape=(2, 4)) + [cut]
+    assert any(arr.halves for arr in relaid)
+    for arr in relaid:
         back = decode(*encode(arr), lengths, 8)
-        assert back.cut == arr.cut
+        assert back.cut == arr.cut and back.halves == arr.halves and back.label == arr.label
         assert (back.name, back.split, back.given, back.shape, back.mask) == (arr.name, arr.split, arr.given, arr.shape,
                                                                               arr.mask)
         assert np.array_equal(back.work, arr.work) and back.balance == arr.balance
@@ -344,6 +390,15 @@ def test_an_inconsistent_layout_code_is_refused():
         bad[field] = value
         with pytest.raises(ValueError, match="inconsistent"):
             decode(bad, work, lengths, 4)
+    halves = arrange(lengths, 4, "split", split=2, shape=(2, 2), halves=1)
+    code, work = encode(halves)
+    for field, value in ((6, 3), (4, 0), (4, 1)):  # more halves than split documents, no mesh, an odd one
+        bad = code.copy()
+        bad[field] = value
+        if field == 4 and value == 1:
+            bad[5] = 4
+        with pytest.raises(ValueError, match="inconsistent"):
+            decode(bad, work, lengths, 4)
 
 
 def test_label_ids_have_room_for_every_layout_name():
@@ -353,7 +408,8 @@ def test_label_ids_have_room_for_every_layout_name():
 
     assert layout.LABEL_BASE == 8 and len(layout.LAYOUT_CHOICES) <= layout.LABEL_BASE
     assert layout._label_id("zigzag") == 1 and layout._label_id("split:3") == 5 + 8 * 3
-    for label in list(layout.LAYOUT_CHOICES) + ["split:1", "split:4"]:
+    assert layout._label_id("split:3:2") == 5 + 8 * (3 + 64 * 2)
+    for label in list(layout.LAYOUT_CHOICES) + ["split:1", "split:4", "split:4:1", "split:3:3"]:
         assert layout._label_of(layout._label_id(label)) == label
     with pytest.raises(RuntimeError, match="9 layout names .* raise LABEL_BASE"):
         layout._check_label_base(tuple(f"l{i}" for i in range(9)))

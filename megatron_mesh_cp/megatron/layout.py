@@ -35,9 +35,10 @@ __all__ = ["LAYOUT_CHOICES", "LaidOutParams", "BatchLayout", "CURRENT", "lay_out
 
 #: --mesh-layout values: auto (chosen per micro-batch), or one layout every micro-batch
 LAYOUT_CHOICES = ("auto", "zigzag", "balanced", "tiled", "tiled-cut", "split")
-#: auto's report names a candidate by one number: ``LAYOUT_CHOICES.index(name) + LABEL_BASE * k`` for ``name:k``
-#: (split into k pieces); room for this many layout names
-LABEL_BASE = 8
+#: auto's report names a candidate by one number: ``LAYOUT_CHOICES.index(name) + LABEL_BASE * (k + COUNT_BASE * h)``
+#: for ``name:k`` (k documents split) or ``name:k:h`` (the last h over half rows); room for this many layout
+#: names, and for split counts below COUNT_BASE
+LABEL_BASE, COUNT_BASE = 8, 64
 
 
 def _check_label_base(choices=LAYOUT_CHOICES, base: int = LABEL_BASE) -> None:
@@ -187,13 +188,18 @@ class LaidOutDataset(torch.utils.data.Dataset):
 
 
 def _label_id(label: str) -> int:
-    name, _, k = label.partition(":")
-    return LAYOUT_CHOICES.index(name) + LABEL_BASE * int(k or 0)
+    name, _, spec = label.partition(":")
+    k, _, h = spec.partition(":")
+    if int(k or 0) >= COUNT_BASE:
+        raise ValueError(f"a layout label's split count {k} does not fit the report's label ids (< {COUNT_BASE})")
+    return LAYOUT_CHOICES.index(name) + LABEL_BASE * (int(k or 0) + COUNT_BASE * int(h or 0))
 
 
 def _label_of(i: int) -> str:
-    name, k = LAYOUT_CHOICES[int(i) % LABEL_BASE], int(i) // LABEL_BASE
-    return f"{name}:{k}" if k else name
+    i = int(i)
+    name, rest = LAYOUT_CHOICES[i % LABEL_BASE], i // LABEL_BASE
+    k, h = rest % COUNT_BASE, rest // COUNT_BASE
+    return f"{name}:{k}:{h}" if h else f"{name}:{k}" if k else name
 
 
 def _report(choice, seconds: float, worker: bool) -> list:

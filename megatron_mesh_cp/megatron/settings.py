@@ -71,7 +71,7 @@ class MeshCounters:
         if ahead is not None:
             self.ahead += 1
             self.ahead_sum += ahead
-        name = f"split:{arrangement.split}" if arrangement.split else arrangement.name
+        name = arrangement.label
         first = not self.layouts
         self.layouts[name] += 1
         self.host_sum += seconds

@@ -230,7 +230,7 @@ def estimate(args, dp: int, cluster, sequences: Optional[Sequence[Tuple[int, ...
     attn, times, ratios, chosen = [], [], [], Counter()
     for lengths in sequences:
         arr, _ = choose_layout(lengths, args)  # what the launcher's get_batch runs for this micro-batch
-        name = f"split:{arr.split}" if arr.split else arr.name
+        name = arr.label
         chosen[name] += 1
         ratios.append(arr.balance)
         a, t, _ = micro_batch(replace(w, mask=UnpaddedDocuments(tuple(lengths)).with_layout(name)))

@@ -60,6 +60,9 @@ class UnpaddedDocuments(SpanMask):
     #: with ``tiled``: the ``tiled-cut`` layout, a few documents of the tiled order re-laid
     #: (runtime/tile_cut.py), run as its re-laid (``Arranged``) mask
     cut: bool = False
+    #: with ``split``: the last this many split documents cut over half of each mesh row's chunks
+    #: (runtime/layouts.py), laid out per mesh like ``tiled``
+    halves: int = 0
     mesh: Tuple[int, ...] = ()
     weights: Tuple[float, ...] = ()
 
@@ -107,25 +110,31 @@ class UnpaddedDocuments(SpanMask):
         return replace(self, tile=tile)
 
     def with_balance(self, balanced: bool) -> "UnpaddedDocuments":
-        return replace(self, balanced=bool(balanced), split=0, auto=False, tiled=False, cut=False, mesh=(),
+        return replace(self, balanced=bool(balanced), split=0, auto=False, tiled=False, cut=False, halves=0, mesh=(),
                        weights=())
 
     def with_layout(self, layout: str) -> "UnpaddedDocuments":
         """The same documents run in ``layout``: ``zigzag``, ``balanced``, ``tiled`` (the mesh's ranks
         balanced), ``tiled-cut`` (tiled, a few documents re-laid), ``split:K`` (the K longest
-        cut) or ``auto`` (chosen per mesh by the cost model)."""
-        name, _, k = layout.partition(":")
+        cut), ``split:K:H`` (the last H of them over half of each mesh row's chunks) or ``auto``
+        (chosen per mesh by the cost model)."""
+        name, _, spec = layout.partition(":")
+        k, _, h = spec.partition(":")
         if name not in ("zigzag", "balanced", "tiled", "tiled-cut", "split", "auto") or (
-                (name == "split") != bool(k)) or (k and (not k.isdigit() or int(k) < 1)):
+                (name == "split") != bool(k)) or (k and (not k.isdigit() or int(k) < 1)) or (
+                h and (not h.isdigit() or not 1 <= int(h) <= int(k))):
             raise ValueError(f"unknown layout {layout!r}; choose zigzag, balanced, tiled, tiled-cut, split:K (K "
-                             "documents cut) or auto")
+                             "documents cut), split:K:H (the last H of them over half of each mesh row's chunks, "
+                             "1 <= H <= K) or auto")
         return replace(self, balanced=name == "balanced", split=int(k) if k else 0, auto=name == "auto",
-                       tiled=name in ("tiled", "tiled-cut"), cut=name == "tiled-cut", mesh=(), weights=())
+                       tiled=name in ("tiled", "tiled-cut"), cut=name == "tiled-cut", halves=int(h) if h else 0,
+                       mesh=(), weights=())
 
     def for_mesh(self, a: int, b: int, weights) -> "UnpaddedDocuments":
-        """The tiled layout made concrete for the a x b mesh and its kernel-call cost ``weights``."""
-        if not self.tiled:
-            raise ValueError("only the tiled layout is laid out per mesh this way")
+        """The tiled layout (or a split one with halves) made concrete for the a x b mesh and its
+        kernel-call cost ``weights``."""
+        if not (self.tiled or self.halves):
+            raise ValueError("only the tiled layouts and split:K:H are laid out per mesh this way")
         return replace(self, mesh=(int(a), int(b)), weights=tuple(float(v) for v in weights))
 
     @property
@@ -134,7 +143,9 @@ class UnpaddedDocuments(SpanMask):
             return "auto"
         if self.tiled:
             return "tiled-cut" if self.cut else "tiled"
-        return f"split:{self.split}" if self.split else "balanced" if self.balanced else "zigzag"
+        if self.split:
+            return f"split:{self.split}" + (f":{self.halves}" if self.halves else "")
+        return "balanced" if self.balanced else "zigzag"
 
     def arranged(self, chunks: int, causal: bool = True):
         """The documents as they run on ``chunks`` chunks: balanced
@@ -149,6 +160,9 @@ class UnpaddedDocuments(SpanMask):
                                  "resolve it for the mesh first (planning.layouts.resolve_layout)")
             return _tiled_cut(self, bool(causal)) if self.cut else _tiled(self, bool(causal))
         if self.split:
+            if self.halves and (not self.mesh or self.mesh[0] * self.mesh[1] != chunks):
+                raise ValueError(f"split:{self.split}:{self.halves} cuts documents over one mesh's rows ({chunks} "
+                                 "chunks asked): resolve it for the mesh first (planning.layouts.resolve_layout)")
             return _split(self, chunks, bool(causal))
         return _balanced(self, chunks, bool(causal)) if self.balanced else self
 
@@ -173,7 +187,8 @@ class UnpaddedDocuments(SpanMask):
         if self.auto:
             return text + "; laid out per mesh by the cost model (auto)"
         if self.split:
-            return text + f"; run in the split layout ({self.split} longest split)"
+            half = f", the last {self.halves} over half of each mesh row's chunks" if self.halves else ""
+            return text + f"; run in the split layout ({self.split} longest split{half})"
         if self.tiled:
             mesh = f" of the {self.mesh[0]}x{self.mesh[1]} mesh" if self.mesh else " of each mesh"
             if self.cut:
@@ -185,7 +200,8 @@ class UnpaddedDocuments(SpanMask):
 
 @lru_cache(maxsize=64)
 def _split(docs: UnpaddedDocuments, chunks: int, causal: bool):
-    return arrange(docs.lengths, chunks, "split", split=docs.split, causal=causal).mask
+    return arrange(docs.lengths, chunks, "split", split=docs.split, causal=causal, shape=docs.mesh or None,
+                   halves=docs.halves).mask
 
 
 @lru_cache(maxsize=64)

@@ -45,7 +45,7 @@ from .tile_cut import cut_documents
 from .masks import Documents, Mask, arranged_of
 
 __all__ = ["TOKEN_LAYOUTS", "Arrangement", "arrange", "arrange_whole", "arrange_splits", "splits_cross_every_piece",
-           "tiled_cut", "token_work", "chunk_of_piece"]
+           "tiled_cut", "token_work", "chunk_of_piece", "half_rows"]
 
 TOKEN_LAYOUTS = ("zigzag", "balanced", "tiled", "tiled-cut", "split")
 #: the split layout's balance search (its whole documents around the split ones): at most this many
@@ -71,7 +71,8 @@ class Arrangement:
     cut: int = 0  # tiled-cut: documents re-laid (in more than one run each)
     given: bool = False  # x' is x (the documents as given)
     shape: Tuple[int, ...] = ()  # (a, b): the mesh a tiled layout balances the ranks of
-    rank_work: Optional[np.ndarray] = field(default=None, repr=False)  # tiled: each rank's attention pairs
+    rank_work: Optional[np.ndarray] = field(default=None, repr=False)  # tiled, split with halves: each rank's pairs
+    halves: int = 0  # split: the last this many split documents cut over half of each mesh row's chunks
 
     @cached_property
     def order(self) -> Optional[np.ndarray]:
@@ -90,11 +91,21 @@ class Arrangement:
         mean = float(work.mean())
         return float(work.max()) / mean if mean else 1.0
 
+    @property
+    def label(self) -> str:
+        """The layout as ``--mesh-layout`` / the simulator's ``--layout`` name it: ``split:K`` (K documents
+        cut), ``split:K:H`` (the last H of them over half of each mesh row's chunks), else the name."""
+        if not self.split:
+            return self.name
+        return f"split:{self.split}" + (f":{self.halves}" if self.halves else "")
+
     def describe(self) -> str:
         cut = f", {self.split} document{'s' if self.split != 1 else ''} split" if self.split else ""
+        if self.halves:
+            cut += f" ({self.halves} over half of each mesh row's chunks)"
         if self.cut:
             cut = f", {self.cut} document{'s' if self.cut != 1 else ''} re-laid"
-        mesh = f" (ranks of the {self.shape[0]}x{self.shape[1]} mesh balanced)" if self.shape else ""
+        mesh = f" (ranks of the {self.shape[0]}x{self.shape[1]} mesh balanced)" if self.shape and not self.halves else ""
         what = "chunk" if self.rank_work is None else "rank"
         return f"{self.name}{cut}{mesh}: busiest / mean {what} work {self.balance:.2f}"
 
@@ -176,7 +187,8 @@ def _split_sizes(length: int, cap: np.ndarray) -> np.ndarray:
     return sizes
 
 
-def _split(lengths: np.ndarray, chunks: int, count: int, causal: bool, seed: int) -> Optional[Arrangement]:
+def _split(lengths: np.ndarray, chunks: int, count: int, causal: bool, seed: int,
+           shape: Optional[Tuple[int, int]] = None, halves: int = 0) -> Optional[Arrangement]:
     """The ``count`` longest documents split TE-style, the others whole, laid back to back over the
     room the split pieces leave in an order balancing the chunks' work (balance_order over those
     regions); None when the split ones do not fit (their pieces must leave room in every chunk).
@@ -184,8 +196,10 @@ def _split(lengths: np.ndarray, chunks: int, count: int, causal: bool, seed: int
     In chunk c the first split document's two pieces meet at the centre (the end of x' piece c and
     the start of piece 2N-1-c); every other split document's two pieces sit side by side in one half
     (the one with more room left), so each split document is one run of rows per chunk and one
-    kernel call per block."""
-    plan = _split_plan(lengths, chunks, count, causal)
+    kernel call per block. ``halves``: the last this many are cut over half of each row's chunks of the
+    ``shape`` mesh (:func:`_split_plan`); a pair that fits neither half of a chunk then sits one piece
+    in each (two runs there)."""
+    plan = _split_plan(lengths, chunks, count, causal, shape, halves)
     if plan is None:
         return None
     problem = plan.problem(seed)
@@ -213,46 +227,115 @@ class _SplitPlan:
         return _split_lay(self, rest)
 
 
-def _split_plan(lengths: np.ndarray, chunks: int, count: int, causal: bool) -> Optional[_SplitPlan]:
-    """The split documents' pieces and the room they leave (None: they do not fit), before balancing."""
+def half_rows(a: int, b: int) -> bool:
+    """Whether an a x b mesh can take a document cut over half of each mesh row's chunks so that every
+    rank meets an equal share of it (a and b even: each rank's KV column then meets it in b/2 rows)."""
+    return a % 2 == 0 and b % 2 == 0
+
+
+def _row_chunks(a: int, b: int, off: int) -> np.ndarray:
+    """Half of each mesh row's chunks, alternating halves row by row from column ``off``: chunk a*r + s
+    for s in [off + r*a/2, off + (r+1)*a/2) mod a. Rank (r, c) holds Q chunks a*r .. a*r + a-1 and KV
+    chunks a*k + c, so it meets such a document in a/2 Q chunks x b/2 KV chunks: a quarter of the
+    blocks every chunk would give it, each with four times the pairs (the same work)."""
+    t = a // 2
+    return np.array(sorted(a * r + (off + r * t + u) % a for r in range(b) for u in range(t)), dtype=np.int64)
+
+
+def _split_plan(lengths: np.ndarray, chunks: int, count: int, causal: bool, shape: Optional[Tuple[int, int]] = None,
+                halves: int = 0) -> Optional[_SplitPlan]:
+    """The split documents' pieces and the room they leave (None: they do not fit), before balancing.
+    ``halves``: the last this many of the ``count`` split documents are cut over half of each row's
+    chunks of the ``shape`` (a, b) mesh (:func:`_row_chunks`) instead of over every chunk."""
     n2 = 2 * chunks
     total = int(lengths.sum())
     m = total // n2
     longest = [int(d) for d in np.argsort(-lengths, kind="stable")[:count]]
     cap = np.full(n2, m, dtype=np.int64)  # room per x' piece
     sizes = {}
-    for d in longest:  # piece sizes; the remainder tokens go to the chunks with most room
-        sizes[d] = _split_sizes(int(lengths[d]), cap)
+    for k, d in enumerate(longest):  # piece sizes; the remainder tokens go to the chunks with most room
+        if k < count - halves:
+            sizes[d] = _split_sizes(int(lengths[d]), cap)
+        else:  # over half of each row: the pattern leaving most room (the first of equals)
+            best = None
+            for off in range(shape[0]):
+                c = _row_chunks(shape[0], shape[1], off)
+                idx = np.sort(np.concatenate((c, n2 - 1 - c)))
+                sz = np.zeros(n2, dtype=np.int64)
+                sz[idx] = _split_sizes(int(lengths[d]), cap[idx])
+                if best is None or (cap - sz).min() > (cap - best).min():
+                    best = sz
+            sizes[d] = best
         cap = cap - sizes[d]
         if (cap < 0).any() and d == longest[0]:
             return None
-    # per chunk: which half holds each non-centre split document's pair (the centre one spans both)
+    # per chunk: the centre document (the longest split one there; without halves always the first)
+    # spans both halves, each other one's pair sits in one half, or (halves only) apart in both
     room = np.full(n2, m, dtype=np.int64)
-    side = {}  # (document, chunk) -> x' piece holding both its pieces
+    side, centre = {}, {}  # (document, chunk) -> x' piece holding both its pieces (-1: one in each half)
     for c in range(chunks):
         hi = n2 - 1 - c
-        if longest:
-            room[c] -= sizes[longest[0]][c]
-            room[hi] -= sizes[longest[0]][hi]
-        for d in longest[1:]:
+        here = [d for d in longest if not halves or sizes[d][c] + sizes[d][hi]]
+        if not here:
+            continue
+        centre[c] = here[0]
+        room[c] -= sizes[here[0]][c]
+        room[hi] -= sizes[here[0]][hi]
+        for d in here[1:]:
             need = int(sizes[d][c] + sizes[d][hi])
             p = c if room[c] >= room[hi] else hi
             if room[p] < need:
                 p = hi if p == c else c
                 if room[p] < need:
-                    return None
+                    if not halves or room[c] < sizes[d][c] or room[hi] < sizes[d][hi]:
+                        return None
+                    p = -1
+                    room[c] -= sizes[d][c]
+                    room[hi] -= sizes[d][hi]
+                    side[(d, c)] = p
+                    continue
             room[p] -= need
             side[(d, c)] = p
     if (room < 0).any():
         return None
-    piece_first = {d: np.concatenate(([0], np.cumsum(s)))[:-1] for d, s in sizes.items()}
-    # the split documents' work per chunk: piece g of document d holds positions [first_g, first_g + s_g)
-    fixed = np.zeros(chunks)
-    for d, s in sizes.items():
-        w = s * piece_first[d] + s * (s + 1) / 2 if causal else s * float(lengths[d])
-        np.add.at(fixed, chunk_of_piece(np.arange(n2), chunks), w)
     rest = [d for d in range(len(lengths)) if d not in sizes]
-    return _SplitPlan(lengths, chunks, causal, count, longest, sizes, room, side, fixed, rest)
+    if halves:  # balance the ranks: each rank's split-document pairs, on the chunk whose own block it runs
+        a, b = shape
+        fixed = _tile_sum(_block_pairs(sizes, causal, chunks), a, b)
+    else:  # the split documents' work per chunk: piece g of document d holds positions [first_g, first_g + s_g)
+        piece_first = {d: np.concatenate(([0], np.cumsum(s)))[:-1] for d, s in sizes.items()}
+        fixed = np.zeros(chunks)
+        for d, s in sizes.items():
+            w = s * piece_first[d] + s * (s + 1) / 2 if causal else s * float(lengths[d])
+            np.add.at(fixed, chunk_of_piece(np.arange(n2), chunks), w)
+    plan = _SplitPlan(lengths, chunks, causal, count, longest, sizes, room, side, fixed, rest)
+    plan.centre, plan.shape, plan.halves = centre, tuple(shape) if halves else (), halves
+    return plan
+
+
+def _block_pairs(sizes, causal: bool, chunks: int) -> np.ndarray:
+    """[chunks, chunks] attention pairs of documents cut in x' pieces of ``sizes`` (document -> 2N piece
+    sizes, positions increasing with the piece): block (Q chunk, KV chunk)."""
+    n2 = 2 * chunks
+    chunk = chunk_of_piece(np.arange(n2), chunks)
+    out = np.zeros((chunks, chunks))
+    for s in sizes.values():
+        s = s.astype(np.float64)
+        pairs = np.outer(s, s)
+        if causal:  # query piece p sees key piece q < p whole, its own as a triangle
+            pairs = np.tril(pairs, -1) + np.diag(s * (s + 1) / 2)
+        np.add.at(out, (chunk[:, None], chunk[None, :]), pairs)
+    return out
+
+
+def _tile_sum(blocks: np.ndarray, a: int, b: int) -> np.ndarray:
+    """Each rank's sum of ``blocks`` over its tile: rank g = (r, c) runs Q chunks a*r + (c - qo) % a by
+    KV chunks a*((r - ko) % b) + c, and its own block is chunk g's."""
+    g = np.arange(a * b)
+    r, c = g // a, g % a
+    qi = r[:, None] * a + (c[:, None] - np.arange(a)[None, :]) % a
+    kj = ((r[:, None] - np.arange(b)[None, :]) % b) * a + c[:, None]
+    return blocks[qi[:, :, None], kj[:, None, :]].sum(axis=(1, 2))
 
 
 def _split_lay(plan: _SplitPlan, rest: List[int]) -> Arrangement:
@@ -289,21 +372,53 @@ def _split_lay(plan: _SplitPlan, rest: List[int]) -> Arrangement:
         c = min(p, n2 - 1 - p)
         reg = region(at, int(room[p]))
         at += int(room[p])
-        pairs = [r for d in longest[1:] if side[(d, c)] == p for r in piece(d, c) + piece(d, n2 - 1 - c)]
-        centre = piece(longest[0], p) if longest else []
+        pairs = [r for d in longest if side.get((d, c)) == p for r in piece(d, c) + piece(d, n2 - 1 - c)]
+        apart = [r for d in longest if side.get((d, c)) == -1 for r in piece(d, p)]
+        pairs = pairs + apart if p < chunks else apart + pairs
+        centre = piece(plan.centre[c], p) if c in plan.centre else []
         runs.extend(reg + pairs + centre if p < chunks else centre + pairs + reg)
     doc, pos, length = (np.array(col, dtype=np.int64) for col in zip(*runs))
     runs_, work = _runs_work(doc, pos, length, lengths, chunks, causal)
-    return Arrangement("split", _mask_of(doc, pos, length, f"split {count}"), work, runs_, _starts(lengths),
-                       split=count)
+    label = f"split {count}" + (f":{plan.halves}" if plan.halves else "")
+    rank_work = None
+    if plan.halves:  # every rank's attention pairs (its tile of the x' blocks)
+        rank_work = _tile_sum(_run_block_pairs(doc, pos, length, chunks, causal), *plan.shape)
+    return Arrangement("split", _mask_of(doc, pos, length, label), work, runs_, _starts(lengths), split=count,
+                       shape=plan.shape, rank_work=rank_work, halves=plan.halves)
+
+
+def _run_block_pairs(doc: np.ndarray, pos: np.ndarray, length: np.ndarray, chunks: int, causal: bool) -> np.ndarray:
+    """[chunks, chunks] attention pairs of runs (document, first position, length) in x' order."""
+    total = int(length.sum())
+    m = total // (2 * chunks)
+    ends = np.cumsum(length)
+    cuts = np.union1d(np.concatenate(([0], ends)), np.arange(0, total + 1, m))
+    lo = cuts[:-1]
+    k = np.searchsorted(ends, lo, side="right")
+    seg_len = np.diff(cuts).astype(np.float64)
+    seg_lo = (pos[k] + lo - (ends[k] - length[k])).astype(np.float64)
+    seg_doc, seg_chunk = doc[k], chunk_of_piece(lo // m, chunks)
+    out = np.zeros((chunks, chunks))
+    order = np.argsort(seg_doc, kind="stable")
+    bounds = np.flatnonzero(np.r_[True, np.diff(seg_doc[order]) != 0, True])
+    for x, y in zip(bounds[:-1], bounds[1:]):
+        idx = order[x:y]
+        q_lo, ln, ch = seg_lo[idx], seg_len[idx], seg_chunk[idx]
+        pairs = np.outer(ln, ln)
+        if causal:  # segments of one document are disjoint: keys wholly before the queries, or the same run
+            pairs = np.where(q_lo[None, :] < q_lo[:, None], pairs, 0.0)
+            pairs[np.arange(len(idx)), np.arange(len(idx))] = ln * (ln + 1) / 2
+        np.add.at(out, (ch[:, None], ch[None, :]), pairs)
+    return out
 
 
 def arrange(lengths: Sequence[int], chunks: int, layout: str = "balanced", *, causal: bool = True,
             split: int = 1, seed: int = 0, shape: Optional[Tuple[int, int]] = None,
             weights: Optional[Tuple[float, float, float, float]] = None,
-            start: Optional[Sequence[int]] = None) -> Arrangement:
+            start: Optional[Sequence[int]] = None, halves: int = 0) -> Arrangement:
     """The layout ``layout`` of documents of ``lengths`` (in the micro-batch's order) over ``chunks``
-    mesh chunks; ``split``: how many of the longest documents the ``split`` layout cuts; ``shape``:
+    mesh chunks; ``split``: how many of the longest documents the ``split`` layout cuts (``halves``: the
+    last this many of them over half of each row's chunks of the ``shape`` mesh); ``shape``:
     the (a, b) mesh whose ranks the ``tiled`` layout balances (a * b = ``chunks``), ``weights`` its
     kernel-call cost model (runtime/tile_balance.py; default: pairs), ``start`` the order its search
     starts from (default: the balanced one, which it computes). ``ValueError`` naming the fix for a
@@ -331,13 +446,25 @@ def arrange(lengths: Sequence[int], chunks: int, layout: str = "balanced", *, ca
     if layout == "split":
         if not 1 <= split <= len(x):
             raise ValueError(f"the split layout cuts 1 .. {len(x)} documents, not {split}")
-        out = _split(x, chunks, split, causal, seed)
+        _check_halves(split, halves, shape, chunks)
+        out = _split(x, chunks, split, causal, seed, shape, halves)
         if out is None:
             raise ValueError(f"the {split} longest documents do not fit the split layout's pieces ({int(x.sum())} "
                              f"tokens over {2 * chunks} pieces); split fewer")
         return out
     raise ValueError(f"unknown layout {layout!r}; choose one of {', '.join(TOKEN_LAYOUTS)} (or auto, which the launcher "
                      "chooses per micro-batch)")
+
+
+def _check_halves(split: int, halves: int, shape, chunks: int) -> None:
+    if not halves:
+        return
+    if not 0 < halves <= split:
+        raise ValueError(f"the split layout cuts {split} documents: 0 .. {split} of them can go over half of each "
+                         f"mesh row, not {halves}")
+    if shape is None or len(shape) != 2 or int(shape[0]) * int(shape[1]) != chunks or not half_rows(*shape):
+        raise ValueError(f"a split layout with documents over half of each mesh row needs the a x b mesh of {chunks} "
+                         f"chunks, a and b even: pass shape=(a, b), not {shape!r}")
 
 
 def arrange_whole(lengths: Sequence[int], chunks: int, *, causal: bool = True, seed: int = 0,
@@ -384,17 +511,28 @@ def tiled_cut(tiled: Arrangement, *, causal: bool = True,
 
 
 def arrange_splits(lengths: Sequence[int], chunks: int, splits: int, *, causal: bool = True,
-                   seed: int = 0) -> List[Arrangement]:
+                   seed: int = 0, shape: Optional[Tuple[int, int]] = None,
+                   halves: Optional[Sequence[int]] = None) -> List[Arrangement]:
     """The split layouts over the 1 .. ``splits`` longest documents (up to the first that does not fit),
     each exactly :func:`arrange`'s; their balance searches run in lockstep
-    (:func:`~megatron_mesh_cp.runtime.balance.balance_orders`: one evaluation per round for all)."""
+    (:func:`~megatron_mesh_cp.runtime.balance.balance_orders`: one evaluation per round for all).
+    ``halves`` (with ``shape``): instead, the layouts cutting exactly ``splits`` documents, the last h
+    of them over half of each mesh row's chunks, for each h given (those that fit; none where there
+    are fewer documents)."""
     x = _check(lengths, chunks)
     plans = []
-    for k in range(1, min(splits, len(x)) + 1):
-        plan = _split_plan(x, chunks, k, causal)
-        if plan is None:
-            break
-        plans.append(plan)
+    if halves is None:
+        for k in range(1, min(splits, len(x)) + 1):
+            plan = _split_plan(x, chunks, k, causal)
+            if plan is None:
+                break
+            plans.append(plan)
+    else:
+        for h in halves if splits <= len(x) else ():
+            _check_halves(splits, h, shape, chunks)
+            plan = _split_plan(x, chunks, splits, causal, shape, h)
+            if plan is not None:
+                plans.append(plan)
     problems = [p.problem(seed) for p in plans]
     found = iter(balance_orders([p for p in problems if p is not None], chunks, causal=causal, iters=SPLIT_ITERS,
                                 patience=SPLIT_PATIENCE))
@@ -409,11 +547,11 @@ def splits_cross_every_piece(lengths: Sequence[int], chunks: int) -> bool:
 
 def encode(arr: Arrangement) -> Tuple[np.ndarray, np.ndarray]:
     """``arr`` as two flat arrays a data-loader worker can hand over (the launcher chooses each
-    micro-batch's layout there, ahead of its step): int64 ``[kind, split, cut, given, a, b, runs, doc...,
-    pos..., length...]`` and the tiled layout's per-rank work (float64, empty otherwise)."""
+    micro-batch's layout there, ahead of its step): int64 ``[kind, split, cut, given, a, b, halves, runs,
+    doc..., pos..., length...]`` and the per-rank work of a layout balancing ranks (float64, empty otherwise)."""
     doc, pos, length = arr.runs
     a, b = arr.shape if arr.shape else (0, 0)
-    head = [TOKEN_LAYOUTS.index(arr.name), arr.split, arr.cut, int(arr.given), a, b, len(doc)]
+    head = [TOKEN_LAYOUTS.index(arr.name), arr.split, arr.cut, int(arr.given), a, b, arr.halves, len(doc)]
     work = np.zeros(0) if arr.rank_work is None else np.asarray(arr.rank_work, dtype=np.float64)
     return np.concatenate((np.asarray(head, dtype=np.int64), doc, pos, length)).astype(np.int64), work
 
@@ -423,10 +561,10 @@ def decode(code, rank_work, lengths: Sequence[int], chunks: int, causal: bool = 
     ``ValueError`` when the code does not lay out exactly these documents (a stale or foreign code)."""
     x = _check(lengths, chunks)
     c = np.asarray(code, dtype=np.int64).ravel()
-    if len(c) < 7 or not 0 <= c[0] < len(TOKEN_LAYOUTS) or len(c) != 7 + 3 * int(c[6]):
+    if len(c) < 8 or not 0 <= c[0] < len(TOKEN_LAYOUTS) or len(c) != 8 + 3 * int(c[7]):
         raise ValueError(f"not a token layout's code ({len(c)} values)")
-    kind, split, cut, given, a, b, k = (int(v) for v in c[:7])
-    doc, pos, length = c[7:7 + k], c[7 + k:7 + 2 * k], c[7 + 2 * k:]
+    kind, split, cut, given, a, b, halves, k = (int(v) for v in c[:8])
+    doc, pos, length = c[8:8 + k], c[8 + k:8 + 2 * k], c[8 + 2 * k:]
     if (doc < 0).any() or (doc >= len(x)).any() or (length < 1).any() or (pos < 0).any():
         raise ValueError("a token layout's code names documents or runs this micro-batch does not have")
     seen = np.zeros(len(x), dtype=np.int64)
@@ -436,12 +574,13 @@ def decode(code, rank_work, lengths: Sequence[int], chunks: int, causal: bool = 
                          f"{seen.tolist()[:6]}..., the batch's {x.tolist()[:6]}...)")
     name = TOKEN_LAYOUTS[kind]
     if (bool(given) != _given(doc, pos, length, x) or (split > 0) != (name == "split") or (cut and name != "tiled-cut")
-            or (a and a * b != chunks) or (bool(a) != (name in ("tiled", "tiled-cut")))):
+            or (a and a * b != chunks) or (bool(a) != (name in ("tiled", "tiled-cut") or halves > 0))
+            or not 0 <= halves <= split or (halves and not half_rows(a, b))):
         raise ValueError(f"a token layout's code is inconsistent ({name}, split {split}, cut {cut}, given {given}, "
-                         f"mesh {a}x{b} for {chunks} chunks)")
+                         f"halves {halves}, mesh {a}x{b} for {chunks} chunks)")
     runs, work = _runs_work(doc, pos, length, x, chunks, causal)
     if split or name == "tiled-cut":  # documents in pieces: the Arranged mask its builder makes
-        mask = _mask_of(doc, pos, length, f"split {split}" if split else name)
+        mask = _mask_of(doc, pos, length, (f"split {split}" + (f":{halves}" if halves else "")) if split else name)
         mask.check(int(x.sum()), chunks, causal)  # every document's positions tiled exactly once
     else:
         if (pos != 0).any() or not np.array_equal(length, x[doc]):
@@ -449,7 +588,7 @@ def decode(code, rank_work, lengths: Sequence[int], chunks: int, causal: bool = 
         mask = Documents(tuple(int(v) for v in np.concatenate(([0], np.cumsum(length)))))
     rw = None if len(rank_work) == 0 else np.asarray(rank_work, dtype=np.float64)
     return Arrangement(name, mask, work, runs, _starts(x), split=split, cut=cut, given=bool(given),
-                       shape=(a, b) if a else (), rank_work=rw)
+                       shape=(a, b) if a else (), rank_work=rw, halves=halves)
 
 
 def positions_of(arr: Arrangement, total: int) -> np.ndarray:
