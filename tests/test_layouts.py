@@ -263,12 +263,12 @@ def test_layout_choice_is_pinned(draw, label, seconds):
     assert third.seconds == again.seconds and np.array_equal(third.arrangement.order, again.arrangement.order)
 
 
-@pytest.mark.parametrize("kv, shape, label", [(8, (2, 16), "split:3:3"), (32, (4, 8), "split:3:2")])
+@pytest.mark.parametrize("kv, shape, label", [(8, (2, 16), "split:3:3"), (32, (4, 8), "split:3:3")])
 def test_auto_takes_documents_over_half_rows_where_they_replay_faster(kv, shape, label):
     """docs/packing.md's heavy-tailed draw on a2a+mesh: auto prices split:K:H (the last H of the best split
     count's documents over half of each mesh row) and takes one only where its plans replay faster than
-    the fastest other candidate's: the bound misses the waits its uneven tile blocks cause (MHA split:3:3
-    is priced below split:3:2 but replays slower). Its rank work is balanced and every rank derives the same."""
+    the fastest other candidate's (the bound misses the waits its uneven tile blocks cause). Its rank
+    work is balanced and every rank derives the same."""
     from megatron_mesh_cp.planning import Workload, choose_layout, load_cluster, sample_documents, ulysses_inner
     from megatron_mesh_cp.planning.layouts import _replay_seconds
 

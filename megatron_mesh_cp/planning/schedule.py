@@ -137,7 +137,9 @@ def call_plans(a: int, b: int, planner: str = "greedy", *, workload: Workload, c
     ``scale`` (default :func:`plan_scale` of ``layer``: the kept blocks' time against an unmasked
     block's; transfers then hide behind shorter blocks), each phase within its unscaled plan's live
     chunks (:func:`masked_pool_bytes`: the most memory any batch can need). A pruned plan keeps the
-    unscaled order (measured: planning it for the scale is slower there). ``slabs=False``: the mask's
+    unscaled order (measured: planning it for the scale is slower there), except where the mask keeps
+    more than half of the tile blocks: there the scaled full plan pruned alike is taken where it replays
+    faster (:func:`_scaled_pruned`). ``slabs=False``: the mask's
     lower blocks can need a KV chunk's second piece (its engine's ``zigzag_keys``), so no KV chunk is
     kept in a slab. ``layer``: the masked layer (``workload`` with the call's mask); with it a pruned
     plan is re-ordered by when its chunks are ready (planning/ready.py: ``reorder=None`` where the
@@ -161,37 +163,62 @@ def call_plans(a: int, b: int, planner: str = "greedy", *, workload: Workload, c
         # fit the same pool from the unlimited full plans, whose ready order can be faster
         free = (build_plans(a, b, planner, cluster=cluster, workload=workload, stride=stride, max_live=None,
                             chains="both-ways") if max_live is not None and planner == "greedy" else unpruned)
-        full = tuple(_ready(p, u, f, keep, slabs, cl, layer, stride, max_live, bool(reorder))
-                     for p, u, f in zip(full, unpruned, free))
+        ready = [_ready(p, u, f, keep, slabs, cl, layer, stride, max_live, bool(reorder))
+                 for p, u, f in zip(full, unpruned, free)]
+        full = tuple(p for _, p in ready)
+        if planner == "greedy" and not every and 2 * len(keep) > a * b and reorder is None:
+            full = _scaled_pruned(full, [t for t, _ in ready], a, b, keep, slabs, cl, workload, layer, stride, max_live)
     return full
 
 
+def _scaled_pruned(plans, seconds, a, b, keep, slabs: bool, cluster: Cluster, workload: Workload, layer: Workload,
+                   stride: int, max_live: Optional[int]) -> Tuple[Plan, Plan]:
+    """Where a mask keeps most tile blocks but not all, each phase's plan or the full plan planned for the
+    layer's :func:`plan_scale` pruned alike, whichever replays faster (ties: the first). Measured on
+    docs/packing.md's heavy-tailed draw with documents over half of each mesh row (23 and 29 of 32 tile
+    blocks kept): 79.4 -> 75.9 ms GQA 8x2x16, 93.2 -> 86.1 ms MHA 8x4x8; where few blocks are kept (the
+    4K-64K draws, 9-12 of 32) the scaled order is slower in three of four, so it is not tried there. Its
+    pool is within :func:`masked_pool_bytes`, which holds every scale's full plans."""
+    scale = plan_scale(layer, cluster, a * b)
+    if scale == 1.0:
+        return tuple(plans)
+    scaled = _scaled_plans(a, b, cluster, workload, stride, max_live, float(scale), slabs)
+    out = []
+    for plan, t, full in zip(plans, seconds, scaled):
+        alt = prune(full, keep)
+        alt = alt if slabs else without_slabs(alt)
+        if t != t:  # not replayed (too large to re-order): price it now
+            t = replay(plan, cluster, layer, stride=stride, record=None).time
+        out.append(alt if replay(alt, cluster, layer, stride=stride, record=None).time < t else plan)
+    return tuple(out)
+
+
 def _ready(pruned: Plan, full: Plan, free: Plan, keep, slabs: bool, cluster: Cluster, layer: Workload, stride: int,
-           max_live: Optional[int], force: bool) -> Plan:
-    """The ready order of one phase's pruned plan (planning/ready.py), within ``full``'s pool bytes (in
+           max_live: Optional[int], force: bool) -> Tuple[float, Plan]:
+    """(replayed seconds or nan, plan): the ready order of one phase's pruned plan (planning/ready.py), within ``full``'s pool bytes (in
     the form that runs: without KV slabs where ``slabs`` is False) and ``max_live``; backward, where the limit made ``full`` differ from the unlimited ``free`` plan, also
     the first ready order of ``free`` pruned alike, kept if it replays faster still and fits the same
     pool and limit (``force`` applies to the first). Over 8 draws of 4K-64K documents on a2a+mesh 8x2x16
     this takes the backward 1% lower (0.33 ms on the issue's draw); forward it never won, so it is
     not tried there (each try is a replay and more: ~1.5 ms of host time)."""
     if pruned.tile is None:
-        return pruned
+        return float("nan"), pruned
     room = peak_live_bytes(full if slabs else without_slabs(full), workload_dims(layer))  # the form that runs
     second = free.ops != full.ops and pruned.phase == BACKWARD  # forward: never faster over 8 draws
     costs = replay_costs(pruned, cluster, layer, stride) if second else None  # shared when the computes are
     t, plan = scored_reorder(pruned, cluster, layer, stride=stride, max_live=max_live, room=room, force=force,
                              costs=costs)
     if not second or t != t:  # nan: too large to re-order
-        return plan
+        return t, plan
     alt = prune(free, keep)
     alt = alt if slabs else without_slabs(alt)
     if alt.tile is None:
-        return plan
+        return t, plan
     if not set(alt.computes) <= set(pruned.computes):  # other computes (grouped otherwise): price them anew
         costs = None
     t2, alt = scored_reorder(alt, cluster, layer, stride=stride, max_live=max_live, room=room,
                              variants=VARIANTS[alt.phase][:1], beat=t, costs=costs)
-    return alt if t2 < t else plan
+    return (t2, alt) if t2 < t else (t, plan)
 
 
 #: the smallest :func:`plan_scale` (a layer whose kept blocks are lighter still plans as at this one)
