@@ -36,7 +36,8 @@ from megatron_mesh_cp.runtime import plan_traffic  # noqa: E402
 
 N, SEQ, CLUSTER = 256, 1 << 20, "h100-ib400"
 #: a2a+mesh is also priced in each fixed token layout (auto: the layout chosen per mesh, the launcher's default)
-LAYOUTS = ("zigzag", "balanced", "tiled", "tiled-cut", "split:1", "split:2", "split:3")
+LAYOUTS = ("zigzag", "balanced", "tiled", "tiled-cut", "split:1", "split:2", "split:3", "split:3:1", "split:3:2",
+           "split:3:3")
 #: the goals, a2a+mesh (auto layout) vs USP: {set: {kv heads: ratio}}, and busiest / mean block work on every set
 TARGET = {"Log": {32: 5.0, 8: 2.5}, "Heavy": {32: 2.0, 8: 1.15}}
 BALANCE_GOAL = 1.15
@@ -247,7 +248,9 @@ def documents_page():
         "documents leave (`runtime/masks/spans.py`), an empty block no call at all, and the plan is the cached full "
         "plan (chains split both ways) pruned to the tile blocks some rank needs (`runtime/prune.py`): a chunk "
         "nobody needs is not sent; a mask that keeps every tile block (the split layouts) runs the full plan "
-        "planned for its blocks' own time (`planning.plan_scale`, within the unscaled plan's memory). The simulator prices each block's own calls (kernel at the call's rows, call "
+        "planned for its blocks' own time (`planning.plan_scale`, within the unscaled plan's memory), and one "
+        "that keeps more than half of them that plan pruned where it replays faster than the pruned "
+        "unscaled one re-ordered by when its chunks arrive (`planning/ready.py`). The simulator prices each block's own calls (kernel at the call's rows, call "
         "overhead and correction per call; `planning/documents.py`, tested call for call against the runtime) and "
         "replays the pruned plans; a rank waits only for the chunks of the blocks it runs. Their bytes are "
         "`plan_traffic` of the pruned plans, which the executor's counters equal (tested).",
@@ -260,10 +263,17 @@ def documents_page():
         "that work; each order's per-rank calls priced exactly by the cost model's per-call, row, key and pair "
         "seconds); *split:K*: the K longest documents cut the way TE's THD partition cuts every document "
         "(2·N pieces, pieces g and 2N-1-g to chunk g), unpadded, the others whole and balanced around them "
-        "(their blocks stay prunable); *auto* (the launcher's default): per mesh shape the layout the cost "
+        "(their blocks stay prunable); *split:K:H*: the same, the last H of the K split documents cut over half "
+        "of each mesh row's chunks instead of every chunk (rows alternating halves, so every rank still meets "
+        "an equal share of each: a rank meets such a document in a quarter of its tile blocks, with four times "
+        "the pairs each, so a quarter of the kernel calls), on meshes with a and b even (split:K elsewhere, "
+        "and the row says so); *auto* (the launcher's default): per mesh shape the layout the cost "
         "model predicts fastest (`planning/layouts.py`: the busiest rank's block seconds and the bytes some "
         "rank needs, per phase), never one its bound prices slower than the zigzag (the replay can still rank "
-        "them otherwise: our Ring 1x256 on 4K-64K GQA replays 76.1 ms balanced against 74.3 ms zigzag). Every "
+        "them otherwise: our Ring 1x256 on 4K-64K GQA replays 76.1 ms balanced against 74.3 ms zigzag); "
+        "split:K:H, for the split count priced fastest, is taken only where its plans also replay faster "
+        "than the fastest other candidate's (its tile blocks differ from rank to rank, which the bound does "
+        "not see). Every "
         "layout is exact: each "
         "document keeps its tokens, labels and positions (RoPE rotates each token at its own position). TE's "
         "THD partition balances any order.",
@@ -317,7 +327,9 @@ def documents_page():
         "documents spanning most chunks (the heavy-tailed mix) leave nothing to prune. The split layouts close "
         "most of the imbalance (the busiest rank within a few percent of the mean), and pay for it in kernel "
         "calls: every split document adds one call to every block it reaches, and each call pays its fixed "
-        "cost and its output correction (the table's compute column against the zigzag's). What is left "
+        "cost and its output correction (the table's compute column against the zigzag's); split:K:H cuts "
+        "those calls to a quarter for the documents it lays over half rows, at the price of tile blocks that "
+        "differ from rank to rank (the exposed column: ranks of one SPMD plan wait on each other). What is left "
         "against USP where a2a+mesh is compute-bound is that per-call cost and the all-to-all's exposed time; "
         "the cost model was not tuned to these figures (tests/test_calibration.py pins it to published "
         "measurements).",

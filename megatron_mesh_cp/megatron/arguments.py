@@ -69,7 +69,8 @@ def add_mesh_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="with --mesh-packed-data: pad every document to a multiple of this (default 2 x CP; a multiple of it)")
     add("--mesh-layout", choices=LAYOUT_CHOICES, default=None,
         help="with --reset-attention-mask under mesh CP: each micro-batch's token layout; auto (default) the one the "
-             "cost model predicts fastest, zigzag the dataset's order, balanced whole documents reordered to even the "
+             "cost model predicts fastest (among them split:K:H, the last H of K split documents cut over half of each "
+             "mesh row's chunks), zigzag the dataset's order, balanced whole documents reordered to even the "
              "zigzag chunks, tiled whole documents reordered to even the mesh's ranks (each computes a tile of "
              "blocks), tiled-cut that order with a few documents re-laid to even them further, split the "
              "longest documents cut into pieces over every chunk (exact in every case)")
