@@ -5,8 +5,9 @@ The stdlib corpus cut into a few long documents among many short ones (a cycle o
 --eod-mask-loss``: CP = 4 mesh 2x2 and a2a+mesh 2x1x2 take each micro-batch's documents from its EOD
 tokens (unpadded, pruned plans, no dense mask), CP = 1 runs Megatron's own local attention on the
 dataloader's dense mask. Per-iteration lm loss over 10 iterations and every first-step gradient
-agree to 1e-5: the mesh run with ``--mesh-layout split`` (the long documents cut into pieces over
-every chunk, RoPE at each token's own position), the a2a+mesh run with the default ``auto`` (the
+agree to 1e-5: the mesh run with ``--mesh-layout split-half`` (the long documents cut into pieces over
+half of each mesh row's chunks where they fit, else over every chunk; RoPE at each token's own
+position; ``split`` itself runs in test_megatron_composition.py), the a2a+mesh run with the default ``auto`` (the
 layout the cost model picks per micro-batch). The same runs composed with TP (and sequence
 parallel), PP, DP, the distributed optimizer and recompute are in test_megatron_composition.py.
 Refusals (a mask a path would drop) exit before training.
@@ -37,7 +38,7 @@ def runs(tmp_path_factory):
     return {
         "cp1": train(work, "cp1", 1, extra=DOC_DATA, **dict(DOCS, train_iters=ITERS)),
         "mesh2x2": train(work, "mesh2x2", 4, extra=DOC_DATA,
-                         **dict(MESH4, context_parallel_algo="mesh", mesh_shape="2x2", mesh_layout="split")),
+                         **dict(MESH4, context_parallel_algo="mesh", mesh_shape="2x2", mesh_layout="split-half")),
         "a2a2x1x2": train(work, "a2a2x1x2", 4, extra=DOC_DATA,
                           **dict(MESH4, context_parallel_algo="a2a+mesh", mesh_shape="2x1x2")),
     }
@@ -53,12 +54,12 @@ def test_document_masking_matches_megatrons_dense_mask(runs, name):
     assert got["document_attention_calls"] == got["attention_calls"] > 0  # every call masked documents
     # the documents ran re-laid (split: cut into pieces; auto: what the cost model chose): the loss is CP = 1's
     ran = got["layouts"]["micro_batches"]
-    assert got["layout"] == {"mesh2x2": "split", "a2a2x1x2": "auto"}[name] and got["document_batches_reordered"] > 0, got
+    assert got["layout"] == {"mesh2x2": "split-half", "a2a2x1x2": "auto"}[name] and got["document_batches_reordered"] > 0, got
     assert sum(ran.values()) == 2 * ITERS, ran  # every micro-batch laid out once (2 per iteration)
     # each chosen where its sample was loaded (the data loader), not on the step's critical path
     assert got["layouts"]["chosen_ahead"] == 2 * ITERS and got["layouts"]["ahead_choice_ms_mean"] > 0, got["layouts"]
-    if name == "mesh2x2":
-        assert all(k.startswith("split:") for k in ran), ran
+    if name == "mesh2x2":  # split-half: the long documents over half of each mesh row's chunks where they fit
+        assert all(k.startswith("split:") for k in ran) and any(k.count(":") == 2 for k in ran), ran
     assert 1.0 <= got["layouts"]["busiest_over_mean_mean"] <= got["layouts"]["busiest_over_mean_max"], got["layouts"]
     assert ref["losses"][-1][1] < ref["losses"][0][1]  # it learns
 
@@ -119,10 +120,10 @@ def test_multi_token_prediction_over_documents_is_refused():
 
 
 def test_layouts_the_model_cannot_re_lay_are_refused_or_narrowed_with_the_reason():
-    """--mesh-layout split (and tiled-cut) cuts documents into pieces: refused where the model cannot follow the pieces
+    """--mesh-layout split (and split-half, tiled-cut) cuts documents into pieces: refused where the model cannot follow the pieces
     (a sliding window, MLA's own rotary, other position embeddings), naming why; auto there keeps
     documents whole and says so; layouts without --reset-attention-mask are refused; the older
-    --mesh-document-order must agree with --mesh-layout."""
+    --mesh-document-order must agree with --mesh-layout; split-half needs a mesh with both sides even."""
     from test_megatron_integration import _flat
 
     from megatron_mesh_cp.megatron.pretrain import _masking
@@ -131,7 +132,7 @@ def test_layouts_the_model_cannot_re_lay_are_refused_or_narrowed_with_the_reason
                 create_attention_mask_in_dataloader=False)
     for extra, why in ((dict(window_size=(127, 0)), "a sliding window (--window-size)"),
                        (dict(position_embedding_type="yarn"), "--position-embedding-type yarn does not follow")):
-        for cut in ("split", "tiled-cut"):
+        for cut in ("split", "split-half", "tiled-cut"):
             with pytest.raises(MeshArgumentError, match=f"--mesh-layout {cut} cuts documents into pieces, which "
                                                         + re.escape(why)):
                 apply_mesh_args(_flat(**{**base, **extra}, mesh_layout=cut), [])
@@ -141,6 +142,10 @@ def test_layouts_the_model_cannot_re_lay_are_refused_or_narrowed_with_the_reason
                 "tiled, by the cost model): split and tiled-cut cut them into pieces, which ") in _masking(_flat())
     apply_mesh_args(_flat(**base), [])
     assert options().layout == "auto" and options().layout_note == "" and not options().whole_documents
+    apply_mesh_args(_flat(**base, mesh_layout="split-half"), [])  # 2x2: both sides even
+    with pytest.raises(MeshArgumentError, match="split-half .* needs a mesh a x b with a and b even; this run's mesh "
+                                                "is 1x4: use --mesh-layout split"):
+        apply_mesh_args(_flat(**dict(base, mesh_shape="1x4"), mesh_layout="split-half"), [])
     with pytest.raises(MeshArgumentError, match="--mesh-layout lays out the documents of --reset-attention-mask"):
         apply_mesh_args(_flat(**dict(base, reset_attention_mask=False), mesh_layout="zigzag"), [])
     with pytest.raises(MeshArgumentError, match=r"none to lay out in this run \(CP = 1 runs Megatron's dense mask\)"):

@@ -31,7 +31,7 @@ __all__ = ["ALGORITHMS", "MESH_ALGORITHMS", "add_mesh_args", "apply_mesh_args", 
 ALGORITHMS = ("p2p", "all_gather", "a2a", "a2a+p2p", "mesh", "a2a+mesh")
 MESH_ALGORITHMS = variant_args.MESH_ALGORITHMS  # ("mesh", "a2a+mesh")
 from ..runtime.kernels import KERNELS  # noqa: E402  (the registry's names, auto first)
-from .layout import LAYOUT_CHOICES  # noqa: E402
+from .layout import CUTTING_LAYOUTS, LAYOUT_CHOICES  # noqa: E402
 
 
 class MeshArgumentError(ValueError):
@@ -73,7 +73,8 @@ def add_mesh_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
              "mesh row's chunks), zigzag the dataset's order, balanced whole documents reordered to even the "
              "zigzag chunks, tiled whole documents reordered to even the mesh's ranks (each computes a tile of "
              "blocks), tiled-cut that order with a few documents re-laid to even them further, split the "
-             "longest documents cut into pieces over every chunk (exact in every case)")
+             "longest documents cut into pieces over every chunk, split-half over half of each mesh row's chunks "
+             "(a and b even; where they fit, else as split) (exact in every case)")
     add("--mesh-document-order", choices=("balanced", "given"), default=None,
         help="the older name of --mesh-layout balanced / zigzag")
     add("--mesh-pack-doc-tokens", type=int, default=None,
@@ -174,9 +175,17 @@ def _check_document_masking(args, launcher: bool, opts: dict) -> None:
             f"none to lay out in this run ({why}): drop it")
     if opts["documents"] == "eod":
         cuts = _why_not_split(args)
-        if layout in ("split", "tiled-cut") and cuts:
+        if layout in CUTTING_LAYOUTS and cuts:
             raise MeshArgumentError(f"--mesh-layout {layout} cuts documents into pieces, which {cuts}; use "
                                     "--mesh-layout auto, tiled, balanced or zigzag (auto then keeps documents whole)")
+        if layout == "split-half":
+            sizes = [int(x) for x in (_get(args, "hierarchical_context_parallel_sizes") or [])][-2:]
+            if len(sizes) != 2 or sizes[0] % 2 or sizes[1] % 2:
+                mesh = "x".join(map(str, sizes)) or "none"
+                raise MeshArgumentError(
+                    f"--mesh-layout split-half cuts documents over half of each mesh row's chunks, which needs a mesh "
+                    f"a x b with a and b even; this run's mesh is {mesh}: use --mesh-layout split (over every chunk) "
+                    "or auto, or a --mesh-shape with both sides even (e.g. 2x2)")
         opts["layout"] = layout
         if layout == "auto" and cuts:  # said in the dry run and the log: auto keeps documents whole here
             opts["whole_documents"] = True

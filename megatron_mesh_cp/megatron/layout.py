@@ -10,7 +10,7 @@ and re-lays tokens, labels, loss mask and position ids with its order before
 layout from the same offsets (the searches are seeded), and the CP group agrees on the resulting
 mask once per micro-batch (``attention.agree_batch``).
 
-A layout that cuts documents (``split``, ``tiled-cut``) moves a document's pieces apart in the sequence, so RoPE
+A layout that cuts documents (``split``, ``split-half``, ``tiled-cut``) moves a document's pieces apart in the sequence, so RoPE
 must rotate each token at its own position: :func:`install_rotary` makes Megatron's
 ``RotaryEmbedding`` take the current micro-batch's order (the embedding of the original positions,
 re-laid, then sliced per CP rank as Megatron slices it) -- Llama-3.1's scaled frequencies included,
@@ -30,11 +30,13 @@ import torch
 
 log = logging.getLogger("megatron_mesh_cp")
 
-__all__ = ["LAYOUT_CHOICES", "LaidOutParams", "BatchLayout", "CURRENT", "lay_out", "install_rotary", "LayoutPolicy",
+__all__ = ["LAYOUT_CHOICES", "CUTTING_LAYOUTS", "LaidOutParams", "BatchLayout", "CURRENT", "lay_out", "install_rotary", "LayoutPolicy",
            "LaidOutDataset", "wrap_datasets", "AHEAD_FIELDS"]
 
 #: --mesh-layout values: auto (chosen per micro-batch), or one layout every micro-batch
-LAYOUT_CHOICES = ("auto", "zigzag", "balanced", "tiled", "tiled-cut", "split")
+LAYOUT_CHOICES = ("auto", "zigzag", "balanced", "tiled", "tiled-cut", "split", "split-half")
+#: the --mesh-layout values that cut documents into pieces (RoPE must follow each token's own position)
+CUTTING_LAYOUTS = ("split", "split-half", "tiled-cut")
 #: auto's report names a candidate by one number: ``LAYOUT_CHOICES.index(name) + LABEL_BASE * (k + COUNT_BASE * h)``
 #: for ``name:k`` (k documents split) or ``name:k:h`` (the last h over half rows); room for this many layout
 #: names, and for split counts below COUNT_BASE
@@ -109,12 +111,14 @@ class LayoutPolicy:
         chunks, layout = self.chunks, self.layout
         if layout in ("zigzag", "balanced"):
             return arrange(lengths, chunks, layout), None
-        if layout == "split":
+        if layout in ("split", "split-half"):
             piece = sum(lengths) // (2 * chunks)
             count = max(1, sum(1 for x in lengths if x > 2 * piece))  # every document longer than a chunk
-            for k in range(count, 0, -1):
+            # split-half: every split document over half of each mesh row's chunks, where they fit; then as split
+            tries = [dict(split=k, shape=self.shape, halves=k) for k in range(count, 0, -1)] if layout == "split-half" else []
+            for kw in tries + [dict(split=k) for k in range(count, 0, -1)]:
                 try:
-                    return arrange(lengths, chunks, "split", split=k), None
+                    return arrange(lengths, chunks, "split", **kw), None
                 except ValueError:
                     continue
             return arrange(lengths, chunks, "balanced"), None

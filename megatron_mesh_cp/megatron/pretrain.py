@@ -511,10 +511,12 @@ def _masking(args) -> str:
             "auto": ("; each micro-batch's token layout: " + options().layout_note if options().layout_note else
                      "; each micro-batch's token layout chosen by the cost model (--mesh-layout auto: zigzag, "
                      "balanced or tiled document order, tiled with a few documents re-laid, or the "
-                     "longest documents split over every chunk)"),
+                     "longest documents split over every chunk or over half of each mesh row's)"),
             "balanced": "; documents reordered per micro-batch to balance the zigzag chunks (--mesh-layout balanced)",
             "split": "; the longest documents split over every chunk, the others reordered around them (--mesh-layout "
                      "split)",
+            "split-half": "; the longest documents split over half of each mesh row's chunks (where they fit, else over "
+                          "every chunk), the others reordered around them (--mesh-layout split-half)",
             "tiled": "; documents reordered per micro-batch to balance the mesh's ranks (--mesh-layout tiled)",
             "tiled-cut": "; documents reordered per micro-batch to balance the mesh's ranks, a few re-laid "
                          "(--mesh-layout tiled-cut)",
@@ -715,7 +717,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     exits.install()
     from .settings import options
 
-    cuts = options().layout in ("split", "tiled-cut") or (options().layout == "auto" and not options().whole_documents)
+    from .layout import CUTTING_LAYOUTS
+
+    cuts = options().layout in CUTTING_LAYOUTS or (options().layout == "auto" and not options().whole_documents)
     if options().documents == "eod" and cuts:  # layouts that cut documents: each piece rotated at its positions
         from .layout import install_rotary
 
