@@ -230,3 +230,13 @@ def test_cli_prices_documents_unpadded_and_te_padded(capsys):
                         (["--docs", "1K-8K", "--doc-layout", "padded", "--layout", "tiled"], "drop one of them")):
         assert main(["--cp", "8", "--seq", "64K"] + argv) == 2
         assert match in capsys.readouterr().err, argv
+
+
+def test_split_half_rows_say_when_the_mesh_ran_split():
+    # split:K:H needs a and b even; on Ring 1xn it runs as split:K, and the row says why
+    n, seq = 8, 64 * 1024
+    packing, docs = document_sets(seq, n, lo_hi=(512, 16384), dist="powerlaw", seed=1)
+    w = Workload(seq_local=seq // n, heads=8, kv_heads=8, head_dim=64, partial_bytes=2)
+    res = {r.algo: r for r in compare_documents(["mesh:2x4"], n, H100, w, packing, docs, layouts=["split:1:1"])}
+    assert res["ring-pruned"].layout == "split:1 (split:1:1 needs a, b even)"
+    assert res["mesh:2x4"].layout == "split:1:1"

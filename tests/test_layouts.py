@@ -117,6 +117,9 @@ def test_bad_layouts_are_refused():
         with pytest.raises(ValueError, match="unknown layout"):
             parse_layouts(f"auto,{bad}")
     assert parse_layouts("split:1,tiled-cut") == ["split:1", "tiled-cut"]
+    for bad in ("split:3:4", "split:2:0"):  # a well-formed split:K:H with H out of range names its range
+        with pytest.raises(ValueError, match=f"layout '{bad}': H = .* must be 1 .. K"):
+            parse_layouts(bad)
     with pytest.raises(ValueError, match="cuts 1 .. 2 documents"):
         arrange([8, 8], 2, "split", split=3)
     with pytest.raises(ValueError, match="not a multiple of 2\\*2"):

@@ -144,8 +144,16 @@ def test_layouts_the_model_cannot_re_lay_are_refused_or_narrowed_with_the_reason
     assert options().layout == "auto" and options().layout_note == "" and not options().whole_documents
     apply_mesh_args(_flat(**base, mesh_layout="split-half"), [])  # 2x2: both sides even
     with pytest.raises(MeshArgumentError, match="split-half .* needs a mesh a x b with a and b even; this run's mesh "
-                                                "is 1x4: use --mesh-layout split"):
+                                                "is 1x4: use --mesh-layout split .* both sides even \\(e.g. 2x2\\)"):
         apply_mesh_args(_flat(**dict(base, mesh_shape="1x4"), mesh_layout="split-half"), [])
+    with pytest.raises(MeshArgumentError, match=r"mesh is 1x16: .* both sides even \(e.g. 4x4\)"):  # one for this CP
+        apply_mesh_args(_flat(**dict(base, mesh_shape="1x16", context_parallel_size=16), mesh_layout="split-half"), [])
+    with pytest.raises(MeshArgumentError, match=r"mesh is 1x4: .* both sides even \(e.g. 2x2x2\)"):  # a2a+mesh: UxAxB
+        apply_mesh_args(_flat(**dict(base, context_parallel_algo="a2a+mesh", mesh_shape="2x1x4",
+                                     context_parallel_size=8), mesh_layout="split-half"), [])
+    with pytest.raises(MeshArgumentError, match=r"mesh is 1x6: .* both sides even \(there is none for a x b = 6\)"):
+        apply_mesh_args(_flat(**dict(base, mesh_shape="1x6", context_parallel_size=6, seq_length=1200),
+                              mesh_layout="split-half"), [])
     with pytest.raises(MeshArgumentError, match="--mesh-layout lays out the documents of --reset-attention-mask"):
         apply_mesh_args(_flat(**dict(base, reset_attention_mask=False), mesh_layout="zigzag"), [])
     with pytest.raises(MeshArgumentError, match=r"none to lay out in this run \(CP = 1 runs Megatron's dense mask\)"):

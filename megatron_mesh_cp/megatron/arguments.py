@@ -179,13 +179,17 @@ def _check_document_masking(args, launcher: bool, opts: dict) -> None:
             raise MeshArgumentError(f"--mesh-layout {layout} cuts documents into pieces, which {cuts}; use "
                                     "--mesh-layout auto, tiled, balanced or zigzag (auto then keeps documents whole)")
         if layout == "split-half":
-            sizes = [int(x) for x in (_get(args, "hierarchical_context_parallel_sizes") or [])][-2:]
+            every = [int(x) for x in (_get(args, "hierarchical_context_parallel_sizes") or [])]
+            sizes = every[-2:]
             if len(sizes) != 2 or sizes[0] % 2 or sizes[1] % 2:
                 mesh = "x".join(map(str, sizes)) or "none"
+                even = _even_sides(sizes[0] * sizes[1]) if len(sizes) == 2 else None
+                shape = ("e.g. " + "x".join(map(str, every[:-2] + list(even))) if even else
+                         f"there is none for a x b = {sizes[0] * sizes[1]}" if len(sizes) == 2 else "e.g. 2x2")
                 raise MeshArgumentError(
                     f"--mesh-layout split-half cuts documents over half of each mesh row's chunks, which needs a mesh "
                     f"a x b with a and b even; this run's mesh is {mesh}: use --mesh-layout split (over every chunk) "
-                    "or auto, or a --mesh-shape with both sides even (e.g. 2x2)")
+                    f"or auto, or a --mesh-shape with both sides even ({shape})")
         opts["layout"] = layout
         if layout == "auto" and cuts:  # said in the dry run and the log: auto keeps documents whole here
             opts["whole_documents"] = True
@@ -194,6 +198,12 @@ def _check_document_masking(args, launcher: bool, opts: dict) -> None:
                                    f"which {cuts}")
     else:
         opts["layout"] = "zigzag"
+
+
+def _even_sides(n: int):
+    """The squarest (a, b) with a * b = n and both even, or None (n not a multiple of 4)."""
+    pairs = [(a, n // a) for a in range(2, n + 1, 2) if n % a == 0 and (n // a) % 2 == 0]
+    return min(pairs, key=lambda p: abs(p[0] - p[1])) if pairs else None
 
 
 def _layout(args) -> str:

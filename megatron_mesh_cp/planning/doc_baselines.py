@@ -58,6 +58,8 @@ def compare_documents(algos: List[str], n: int, cluster: Cluster, w: Workload, p
                                           max_live=max_live))
             if docs is not None and docs.auto:
                 out[-1].layout = f"auto: {out[-1].layout}"
+            elif docs is not None and docs.halves and out[-1].layout != docs.layout:  # a or b odd: ran as split:K
+                out[-1].layout = f"{out[-1].layout} ({docs.layout} needs a, b even)"
     return out
 
 

@@ -120,6 +120,10 @@ class UnpaddedDocuments(SpanMask):
         (chosen per mesh by the cost model)."""
         name, _, spec = layout.partition(":")
         k, _, h = spec.partition(":")
+        if name == "split" and k.isdigit() and int(k) >= 1 and h.isdigit() and not 1 <= int(h) <= int(k):
+            raise ValueError(f"layout {layout!r}: H = {h} of split:K:H must be 1 .. K = {k} (the last H of the {k} "
+                             f"split documents go over half of each mesh row's chunks): split:{k}:{k} for all of "
+                             f"them, split:{k} for none")
         if name not in ("zigzag", "balanced", "tiled", "tiled-cut", "split", "auto") or (
                 (name == "split") != bool(k)) or (k and (not k.isdigit() or int(k) < 1)) or (
                 h and (not h.isdigit() or not 1 <= int(h) <= int(k))):
