@@ -108,6 +108,17 @@ def test_split_layout_balances_a_long_document():
     assert np.array_equal(again.order, split.order) and again.mask == split.mask
 
 
+def test_split_pairs_placed_apart_where_keeping_one_together_leaves_no_room():
+    """2x2, 8 pieces of 100: in a chunk holding the half-row document (40 a piece), keeping the second
+    document's pair (25 + 25) in one piece leaves 20 there, too little for the half-row one's piece; both
+    apart fit (30 + 25 + 40 <= 100 each). The greedy placement alone refused this layout."""
+    lengths = [240, 200, 160, 50, 50, 50, 50]
+    arr = arrange(lengths, 4, "split", split=3, halves=1, shape=(2, 2))
+    assert arr.label == "split:3:1" and sorted(arr.order.tolist()) == list(range(sum(lengths)))
+    arr.mask.check(sum(lengths), 4, True)
+    assert arr.rank_work.sum() == pytest.approx(sum(x * (x + 1) / 2 for x in lengths))
+
+
 def test_bad_layouts_are_refused():
     with pytest.raises(ValueError, match="unknown layout 'diagonal'"):
         arrange([8, 8], 2, "diagonal")
