@@ -124,7 +124,7 @@ def test_bad_layouts_are_refused():
         arrange([8, 8], 2, "diagonal")
     from megatron_mesh_cp.simulate import parse_layouts
 
-    for bad in ("split:0", "split:-1", "split:", "tiledcut"):  # the simulator's --layout (split:0 ran as zigzag)
+    for bad in ("split:0", "split:-1", "split:", "tiledcut", "split:2:", "split:2:0", "split:2:3", "zigzag::"):  # (split:0 ran as zigzag, split:2: as split:2)
         with pytest.raises(ValueError, match="unknown layout"):
             parse_layouts(f"auto,{bad}")
     assert parse_layouts("split:1,tiled-cut") == ["split:1", "tiled-cut"]
