@@ -108,16 +108,39 @@ def test_split_layout_balances_a_long_document():
     assert np.array_equal(again.order, split.order) and again.mask == split.mask
 
 
+def test_split_pairs_placed_apart_where_keeping_one_together_leaves_no_room():
+    """2x2, 8 pieces of 100: in a chunk holding the half-row document (40 a piece), keeping the second
+    document's pair (25 + 25) in one piece leaves 20 there, too little for the half-row one's piece; both
+    apart fit (30 + 25 + 40 <= 100 each). The greedy placement alone refused this layout."""
+    lengths = [240, 200, 160, 50, 50, 50, 50]
+    arr = arrange(lengths, 4, "split", split=3, halves=1, shape=(2, 2))
+    assert arr.label == "split:3:1" and sorted(arr.order.tolist()) == list(range(sum(lengths)))
+    arr.mask.check(sum(lengths), 4, True)
+    assert arr.rank_work.sum() == pytest.approx(sum(x * (x + 1) / 2 for x in lengths))
+    total, g = sum(lengths), torch.Generator().manual_seed(0)  # exact on the virtual 2x2 mesh
+    q, do = (torch.randn(total, 4, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(total, 2, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    ref = packed_reference(q, k, v, do, np.concatenate(([0], np.cumsum(lengths))).tolist())
+    order = torch.from_numpy(arr.order)
+    lay = lambda x: x.index_select(0, order).float()[None]  # noqa: E731
+    res = virtual_mesh_attention(lay(q), lay(k), lay(v), (2, 2), dout=lay(do), kernel="torch", mask=arr.mask)
+    got = {name: res[name][0] for name in ("out", "dq", "dk", "dv")}
+    want = {name: ref[name].index_select(0, order) for name in got}
+    for name, err in relative_errors(got, want).items():
+        assert err <= 1e-5, (name, err)
+
+
 def test_bad_layouts_are_refused():
     with pytest.raises(ValueError, match="unknown layout 'diagonal'"):
         arrange([8, 8], 2, "diagonal")
     from megatron_mesh_cp.simulate import parse_layouts
 
-    for bad in ("split:0", "split:-1", "split:", "tiledcut"):  # the simulator's --layout (split:0 ran as zigzag)
+    for bad in ("split:0", "split:-1", "split:", "tiledcut", "split:2:", "zigzag::", "zigzag::3", "split::1"):
+        # (split:0 ran as zigzag, split:2: as split:2)
         with pytest.raises(ValueError, match="unknown layout"):
             parse_layouts(f"auto,{bad}")
     assert parse_layouts("split:1,tiled-cut") == ["split:1", "tiled-cut"]
-    for bad in ("split:3:4", "split:2:0"):  # a well-formed split:K:H with H out of range names its range
+    for bad in ("split:3:4", "split:2:0", "split:2:3"):  # a well-formed split:K:H with H out of range names its range
         with pytest.raises(ValueError, match=f"layout '{bad}': H = .* must be 1 .. K"):
             parse_layouts(bad)
     with pytest.raises(ValueError, match="cuts 1 .. 2 documents"):

@@ -119,14 +119,14 @@ class UnpaddedDocuments(SpanMask):
         cut), ``split:K:H`` (the last H of them over half of each mesh row's chunks) or ``auto``
         (chosen per mesh by the cost model)."""
         name, _, spec = layout.partition(":")
-        k, _, h = spec.partition(":")
+        k, colon, h = spec.partition(":")
         if name == "split" and k.isdigit() and int(k) >= 1 and h.isdigit() and not 1 <= int(h) <= int(k):
             raise ValueError(f"layout {layout!r}: H = {h} of split:K:H must be 1 .. K = {k} (the last H of the {k} "
                              f"split documents go over half of each mesh row's chunks): split:{k}:{k} for all of "
                              f"them, split:{k} for none")
         if name not in ("zigzag", "balanced", "tiled", "tiled-cut", "split", "auto") or (
                 (name == "split") != bool(k)) or (k and (not k.isdigit() or int(k) < 1)) or (
-                h and (not h.isdigit() or not 1 <= int(h) <= int(k))):
+                colon and (not h.isdigit() or not k.isdigit() or not 1 <= int(h) <= int(k))):
             raise ValueError(f"unknown layout {layout!r}; choose zigzag, balanced, tiled, tiled-cut, split:K (K "
                              "documents cut), split:K:H (the last H of them over half of each mesh row's chunks, "
                              "1 <= H <= K) or auto")

@@ -33,6 +33,7 @@ to tokens, labels, loss mask, position ids and the rotary positions before the C
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import List, Optional, Sequence, Tuple
@@ -281,20 +282,13 @@ def _split_plan(lengths: np.ndarray, chunks: int, count: int, causal: bool, shap
         centre[c] = here[0]
         room[c] -= sizes[here[0]][c]
         room[hi] -= sizes[here[0]][hi]
-        for d in here[1:]:
-            need = int(sizes[d][c] + sizes[d][hi])
-            p = c if room[c] >= room[hi] else hi
-            if room[p] < need:
-                p = hi if p == c else c
-                if room[p] < need:
-                    if not halves or room[c] < sizes[d][c] or room[hi] < sizes[d][hi]:
-                        return None
-                    p = -1
-                    room[c] -= sizes[d][c]
-                    room[hi] -= sizes[d][hi]
-                    side[(d, c)] = p
-                    continue
-            room[p] -= need
+        placed = _place_pairs(here[1:], sizes, c, hi, int(room[c]), int(room[hi]), bool(halves))
+        if placed is None:
+            return None
+        for d, p in placed:
+            lo_take, hi_take = _taken(sizes[d], c, hi, p)
+            room[c] -= lo_take
+            room[hi] -= hi_take
             side[(d, c)] = p
     if (room < 0).any():
         return None
@@ -311,6 +305,48 @@ def _split_plan(lengths: np.ndarray, chunks: int, count: int, causal: bool, shap
     plan = _SplitPlan(lengths, chunks, causal, count, longest, sizes, room, side, fixed, rest)
     plan.centre, plan.shape, plan.halves = centre, tuple(shape) if halves else (), halves
     return plan
+
+
+#: the most split documents besides the centre one in a chunk whose placements _place_pairs searches
+#: all of (3^k) where its greedy pass finds none
+PLACE_SEARCH = 6
+
+
+def _taken(size: np.ndarray, c: int, hi: int, p: int) -> Tuple[int, int]:
+    """Tokens a split document's pieces c and hi take from x' pieces c and hi, placed at ``p`` (c or hi:
+    both in that piece; -1: each in its own)."""
+    s_lo, s_hi = int(size[c]), int(size[hi])
+    return (s_lo + s_hi, 0) if p == c else (0, s_lo + s_hi) if p == hi else (s_lo, s_hi)
+
+
+def _place_pairs(docs, sizes, c: int, hi: int, lo_room: int, hi_room: int, apart: bool):
+    """Where each of ``docs`` (split documents other than the centre one) sits in chunk c: [(document,
+    x' piece c or hi holding both its pieces, or -1: one piece in each)], or None where they do not fit
+    the room left in pieces c and hi. Greedily each pair in the piece with more room, else the other,
+    else (``apart``) apart; where that fails with ``apart``, the first placement in (c, hi, -1)^k order
+    that fits, for k <= PLACE_SEARCH (a pair kept together early can leave no room for a later,
+    longer-pieced one that fits only apart)."""
+    out, r_lo, r_hi = [], lo_room, hi_room
+    for d in docs:
+        need = int(sizes[d][c] + sizes[d][hi])
+        p = c if r_lo >= r_hi else hi
+        if (r_lo if p == c else r_hi) < need:
+            p = hi if p == c else c
+            if (r_lo if p == c else r_hi) < need:
+                if not apart or r_lo < sizes[d][c] or r_hi < sizes[d][hi]:
+                    out = None
+                    break
+                p = -1
+        lo_take, hi_take = _taken(sizes[d], c, hi, p)
+        r_lo, r_hi = r_lo - lo_take, r_hi - hi_take
+        out.append((d, p))
+    if out is not None or not apart or len(docs) > PLACE_SEARCH:
+        return out
+    for choice in itertools.product((c, hi, -1), repeat=len(docs)):
+        takes = [_taken(sizes[d], c, hi, p) for d, p in zip(docs, choice)]
+        if lo_room >= sum(t[0] for t in takes) and hi_room >= sum(t[1] for t in takes):
+            return list(zip(docs, choice))
+    return None
 
 
 def _block_pairs(sizes, causal: bool, chunks: int) -> np.ndarray:
