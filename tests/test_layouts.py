@@ -318,6 +318,30 @@ def test_auto_takes_documents_over_half_rows_where_they_replay_faster(kv, shape,
     assert np.array_equal(again.arrangement.order, arr.order)
 
 
+def test_auto_cuts_more_documents_over_half_rows_than_fit_over_every_chunk():
+    """A heavy-tailed draw with two documents of ~390K (seed 49): split:2 does not fit (the second
+    document's pair fits neither half of a chunk beside the first's), so the best count over every chunk
+    is 1; auto also prices split:2:2 .. split:4:4 (every split document over half rows), takes split:2:2,
+    and its plans replay faster than the best other candidate's (tiled)."""
+    from megatron_mesh_cp.planning import Workload, choose_layout, load_cluster, sample_documents, ulysses_inner
+    from megatron_mesh_cp.planning.layouts import _replay_seconds, tile_weights
+
+    cluster = load_cluster("h100-ib400")
+    inner = ulysses_inner(8, Workload(seq_local=4096, heads=32, kv_heads=8, head_dim=128, partial_bytes=2))
+    lengths = sample_documents(1 << 20, 384, 512 * 1024, dist="powerlaw", seed=49).lengths
+    with pytest.raises(ValueError, match="do not fit"):
+        arrange(lengths, 32, "split", split=2)
+    choice = choose_layout(lengths, 2, 16, cluster, inner, stride=8)
+    names = [n for n, _, _ in choice.candidates]
+    assert "split:2" not in names and {"split:1", "split:1:1", "split:2:2", "split:3:3"} <= set(names), names
+    assert choice.arrangement.label == "split:2:2", choice.describe()
+    others = {n: s for n, s, _ in choice.candidates if n.count(":") < 2}
+    assert min(others, key=others.get) == "tiled"
+    tiled = arrange(lengths, 32, "tiled", shape=(2, 16), weights=tile_weights(inner, cluster))
+    assert (_replay_seconds(choice.arrangement, 2, 16, cluster, inner, 8)
+            < _replay_seconds(tiled, 2, 16, cluster, inner, 8))
+
+
 def test_candidates_search_in_lockstep_as_one_by_one():
     """arrange_whole and arrange_splits (the split searches in lockstep) build exactly what arrange builds
     one layout at a time: runs, work and mask, for documents of every mix."""
@@ -338,7 +362,7 @@ def test_candidates_search_in_lockstep_as_one_by_one():
             for k in (3,) if causal else ():  # the last h of k split over half of each row of a 2 x 4 mesh
                 shape = (2, chunks // 2)
                 halves = [h for h in range(1, k + 1)]
-                got += arrange_splits(lengths, chunks, k, causal=causal, shape=shape, halves=halves)
+                got += arrange_splits(lengths, chunks, k, causal=causal, shape=shape, halves=[(k, h) for h in halves])
                 for h in halves:
                     try:
                         want.append(arrange(lengths, chunks, "split", split=k, causal=causal, shape=shape, halves=h))

@@ -133,11 +133,13 @@ def choose_layout(lengths: Sequence[int], a: int, b: int, cluster: Cluster, w: W
             splits = arrange_splits(lengths, n, _split_count(lengths, n, max_split), causal=w.causal)
             cands += splits
             rows += [_priced(arr, a, b, cluster, w, stride) for arr in splits]
-            if splits and half_rows(a, b):  # the best split count, its last 1 .. K documents over half rows
-                k = min(range(len(splits)), key=lambda i: rows[len(rows) - len(splits) + i][1])
-                count = splits[k].split
-                halves = arrange_splits(lengths, n, count, causal=w.causal, shape=(a, b),
-                                        halves=range(1, count + 1))
+            if half_rows(a, b):  # the best split count K, its last 1 .. K documents over half rows; and every
+                # larger count (up to the candidates' most) all over half rows: those fit where split:K does not
+                best = min(range(len(splits)), key=lambda i: rows[len(rows) - len(splits) + i][1]) if splits else None
+                count = 0 if best is None else splits[best].split
+                most = _split_count(lengths, n, max_split)
+                pairs = [(count, h) for h in range(1, count + 1)] + [(k, k) for k in range(count + 1, most + 1)]
+                halves = arrange_splits(lengths, n, most, causal=w.causal, shape=(a, b), halves=pairs)
                 cands += halves
                 rows += [_priced(arr, a, b, cluster, w, stride) for arr in halves]
     best = _fastest(cands, rows, a, b, cluster, w)

@@ -548,13 +548,13 @@ def tiled_cut(tiled: Arrangement, *, causal: bool = True,
 
 def arrange_splits(lengths: Sequence[int], chunks: int, splits: int, *, causal: bool = True,
                    seed: int = 0, shape: Optional[Tuple[int, int]] = None,
-                   halves: Optional[Sequence[int]] = None) -> List[Arrangement]:
+                   halves: Optional[Sequence[Tuple[int, int]]] = None) -> List[Arrangement]:
     """The split layouts over the 1 .. ``splits`` longest documents (up to the first that does not fit),
     each exactly :func:`arrange`'s; their balance searches run in lockstep
     (:func:`~megatron_mesh_cp.runtime.balance.balance_orders`: one evaluation per round for all).
-    ``halves`` (with ``shape``): instead, the layouts cutting exactly ``splits`` documents, the last h
-    of them over half of each mesh row's chunks, for each h given (those that fit; none where there
-    are fewer documents)."""
+    ``halves`` (with ``shape``): instead, for each (k, h) given, the layout cutting the k longest
+    documents, the last h of them over half of each mesh row's chunks (those that fit; none where
+    there are fewer than k documents); ``splits`` is then not read."""
     x = _check(lengths, chunks)
     plans = []
     if halves is None:
@@ -564,9 +564,11 @@ def arrange_splits(lengths: Sequence[int], chunks: int, splits: int, *, causal: 
                 break
             plans.append(plan)
     else:
-        for h in halves if splits <= len(x) else ():
-            _check_halves(splits, h, shape, chunks)
-            plan = _split_plan(x, chunks, splits, causal, shape, h)
+        for k, h in halves:
+            if k > len(x):
+                continue
+            _check_halves(k, h, shape, chunks)
+            plan = _split_plan(x, chunks, k, causal, shape, h)
             if plan is not None:
                 plans.append(plan)
     problems = [p.problem(seed) for p in plans]
