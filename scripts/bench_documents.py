@@ -314,7 +314,8 @@ def documents_page():
         "preparation's share. The launcher makes this choice where the sample loads, in the data loader's "
         "workers ahead of the step (`megatron/layout.py` `LaidOutDataset`); the step only decodes it (under 1 ms) "
         "and prepares the call (its pruned plans re-ordered by `planning/ready.py`; `bench_layout_host.py` measured "
-        "a median of 16 ms on the 4K-64K draws and 38 ms, at most 56, on the heavy-tailed ones).",
+        "a median of 16-19 ms on the 4K-64K draws and 53 ms, at most 67, on the heavy-tailed ones, where the "
+        "split layouts' plans are replayed against their scaled form).",
         "",
         "Reading the tables. *Exposed comm* is the critical rank's idle time: with documents it includes waiting "
         "for partials and chunks from busier ranks, i.e. load imbalance, not only the wire. Megatron's ordinary "
