@@ -717,12 +717,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     exits.install()
     from .settings import options
 
-    from .layout import CUTTING_LAYOUTS
+    from .layout import CUTTING_LAYOUTS, install_rotary
 
     cuts = options().layout in CUTTING_LAYOUTS or (options().layout == "auto" and not options().whole_documents)
     if options().documents == "eod" and cuts:  # layouts that cut documents: each piece rotated at its positions
-        from .layout import install_rotary
-
         install_rotary()
     try:
         pretrain(container, datasets_provider, ModelType.encoder_or_decoder, forward_step)

@@ -23,7 +23,7 @@ from typing import Dict, NamedTuple, Tuple
 import numpy as np
 
 from ..runtime.balance import balance_order
-from ..runtime.layouts import arrange
+from ..runtime.layouts import arrange, split_label, tile_sums
 from ..runtime.masks import Span, SpanMask, check_offsets, check_one_sequence
 from .packing import DISTRIBUTIONS, _fill, _read_lengths, _rect, _tri, length_draws
 
@@ -126,7 +126,7 @@ class UnpaddedDocuments(SpanMask):
                              f"them, split:{k} for none")
         if name not in ("zigzag", "balanced", "tiled", "tiled-cut", "split", "auto") or (
                 (name == "split") != bool(k)) or (k and (not k.isdigit() or int(k) < 1)) or (
-                colon and (not h.isdigit() or not k.isdigit() or not 1 <= int(h) <= int(k))):
+                colon and not (h.isdigit() and k.isdigit())):  # an H out of 1 .. K was refused above
             raise ValueError(f"unknown layout {layout!r}; choose zigzag, balanced, tiled, tiled-cut, split:K (K "
                              "documents cut), split:K:H (the last H of them over half of each mesh row's chunks, "
                              "1 <= H <= K) or auto")
@@ -148,7 +148,7 @@ class UnpaddedDocuments(SpanMask):
         if self.tiled:
             return "tiled-cut" if self.cut else "tiled"
         if self.split:
-            return f"split:{self.split}" + (f":{self.halves}" if self.halves else "")
+            return split_label(self.split, self.halves)
         return "balanced" if self.balanced else "zigzag"
 
     def arranged(self, chunks: int, causal: bool = True):
@@ -440,13 +440,7 @@ def tile_bound(w, cluster, a: int, b: int, backward: bool) -> Tuple[float, Dict[
     """What any pruned plan of the a x b mesh must do for ``w``'s documents in one phase: the busiest
     rank's block seconds (its tile's blocks, empty ones 0), and per kind the fewest transfers (each
     foreign Q or KV offset some rank needs arrives once; each such offset's partial leaves it once)."""
-    n = a * b
-    g = np.arange(n)
-    r, c = g // a, g % a
-    qi = r[:, None] * a + (c[:, None] - np.arange(a)[None, :]) % a  # [rank, Q offset] -> Q chunk
-    kj = ((r[:, None] - np.arange(b)[None, :]) % b) * a + c[:, None]  # [rank, KV offset] -> KV chunk
-    t = w.block_times(cluster, backward, n)
-    compute = float(t[qi[:, :, None], kj[:, None, :]].sum(axis=(1, 2)).max())
+    compute = float(tile_sums(w.block_times(cluster, backward, a * b), a, b).max())
     keep = w.needed(a, b)
     q, kv = len({qo for qo, _ in keep if qo}), len({ko for _, ko in keep if ko})
     return compute, {"q": q, "o": q, "dq": q, "kv": kv, "dkv": kv}

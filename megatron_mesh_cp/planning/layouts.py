@@ -25,7 +25,8 @@ from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..runtime.layouts import Arrangement, arrange_splits, arrange_whole, half_rows, splits_cross_every_piece, tiled_cut
+from ..runtime.layouts import (Arrangement, arrange_splits, arrange_whole, half_rows, split_label,
+                               splits_cross_every_piece, tiled_cut)
 from ..runtime.tile_balance import BUDGET, search_entries
 from .bounds import full_comm_bound, mesh_bound
 from .cluster import Cluster, Workload
@@ -130,14 +131,14 @@ def choose_layout(lengths: Sequence[int], a: int, b: int, cluster: Cluster, w: W
         skip = max_split < 1 or (splits_cross_every_piece(lengths, n)
                                  and min(r[1] for r in rows) <= full_comm_bound(a, b, cluster, w, stride))
         if not skip:
-            splits = arrange_splits(lengths, n, _split_count(lengths, n, max_split), causal=w.causal)
+            most = _split_count(lengths, n, max_split)
+            splits = arrange_splits(lengths, n, most, causal=w.causal)
             cands += splits
             rows += [_priced(arr, a, b, cluster, w, stride) for arr in splits]
             if half_rows(a, b):  # the best split count K, its last 1 .. K documents over half rows; and every
                 # larger count (up to the candidates' most) all over half rows: those fit where split:K does not
                 best = min(range(len(splits)), key=lambda i: rows[len(rows) - len(splits) + i][1]) if splits else None
                 count = 0 if best is None else splits[best].split
-                most = _split_count(lengths, n, max_split)
                 pairs = [(count, h) for h in range(1, count + 1)] + [(k, k) for k in range(count + 1, most + 1)]
                 halves = arrange_splits(lengths, n, most, causal=w.causal, shape=(a, b), halves=pairs)
                 cands += halves
@@ -194,7 +195,7 @@ def resolve_layout(w: Workload, a: int, b: int, cluster: Cluster, stride: int = 
     the a x b mesh (cached), a ``tiled`` one made for that mesh; any other workload as it is."""
     docs = w.mask
     if getattr(docs, "halves", 0) and not half_rows(a, b):  # split:K:H is split:K where no half rows are
-        return replace(w, mask=docs.with_layout(f"split:{docs.split}"))
+        return replace(w, mask=docs.with_layout(split_label(docs.split)))
     if getattr(docs, "tiled", False) or getattr(docs, "halves", 0):
         return replace(w, mask=docs.for_mesh(a, b, tile_weights(w, cluster)))
     if not getattr(docs, "auto", False):

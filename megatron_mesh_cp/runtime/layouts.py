@@ -46,7 +46,7 @@ from .tile_cut import cut_documents
 from .masks import Documents, Mask, arranged_of
 
 __all__ = ["TOKEN_LAYOUTS", "Arrangement", "arrange", "arrange_whole", "arrange_splits", "splits_cross_every_piece",
-           "tiled_cut", "token_work", "chunk_of_piece", "half_rows"]
+           "tiled_cut", "token_work", "chunk_of_piece", "half_rows", "split_label", "tile_sums"]
 
 TOKEN_LAYOUTS = ("zigzag", "balanced", "tiled", "tiled-cut", "split")
 #: the split layout's balance search (its whole documents around the split ones): at most this many
@@ -94,11 +94,9 @@ class Arrangement:
 
     @property
     def label(self) -> str:
-        """The layout as ``--mesh-layout`` / the simulator's ``--layout`` name it: ``split:K`` (K documents
-        cut), ``split:K:H`` (the last H of them over half of each mesh row's chunks), else the name."""
-        if not self.split:
-            return self.name
-        return f"split:{self.split}" + (f":{self.halves}" if self.halves else "")
+        """The layout as ``--mesh-layout`` / the simulator's ``--layout`` name it: :func:`split_label` for a
+        split layout, else the name."""
+        return split_label(self.split, self.halves) if self.split else self.name
 
     def describe(self) -> str:
         cut = f", {self.split} document{'s' if self.split != 1 else ''} split" if self.split else ""
@@ -109,6 +107,17 @@ class Arrangement:
         mesh = f" (ranks of the {self.shape[0]}x{self.shape[1]} mesh balanced)" if self.shape and not self.halves else ""
         what = "chunk" if self.rank_work is None else "rank"
         return f"{self.name}{cut}{mesh}: busiest / mean {what} work {self.balance:.2f}"
+
+
+def split_label(split: int, halves: int = 0) -> str:
+    """A split layout's name: ``split:K`` (K documents cut), ``split:K:H`` (the last H of them over half of
+    each mesh row's chunks)."""
+    return f"split:{split}" + (f":{halves}" if halves else "")
+
+
+def _split_mask_name(split: int, halves: int) -> str:
+    """What a split layout's Arranged mask calls it (``split K``, ``split K:H``)."""
+    return split_label(split, halves).replace(":", " ", 1)
 
 
 def chunk_of_piece(p, chunks: int):
@@ -210,11 +219,14 @@ def _split(lengths: np.ndarray, chunks: int, count: int, causal: bool, seed: int
 
 class _SplitPlan:
     """A split layout before its whole documents are ordered: the split documents' pieces, each
-    piece's room left for the whole ones, and their work per chunk (:func:`_split_plan`)."""
+    piece's room left for the whole ones, and their work per chunk (:func:`_split_plan`); ``centre``:
+    per chunk the split document at its centre, ``shape`` and ``halves`` as :func:`_split_plan` took them."""
 
-    def __init__(self, lengths, chunks, causal, count, longest, sizes, room, side, fixed, rest) -> None:
+    def __init__(self, lengths, chunks, causal, count, longest, sizes, room, side, fixed, rest, centre, shape,
+                 halves) -> None:
         self.lengths, self.chunks, self.causal, self.count, self.longest = lengths, chunks, causal, count, longest
         self.sizes, self.room, self.side, self.fixed, self.rest = sizes, room, side, fixed, rest
+        self.centre, self.shape, self.halves = centre, shape, halves
 
     def problem(self, seed: int) -> Optional[dict]:
         """balance_order's problem for the whole documents (None: at most one, nothing to order)."""
@@ -295,16 +307,15 @@ def _split_plan(lengths: np.ndarray, chunks: int, count: int, causal: bool, shap
     rest = [d for d in range(len(lengths)) if d not in sizes]
     if halves:  # balance the ranks: each rank's split-document pairs, on the chunk whose own block it runs
         a, b = shape
-        fixed = _tile_sum(_block_pairs(sizes, causal, chunks), a, b)
+        fixed = tile_sums(_block_pairs(sizes, causal, chunks), a, b)
     else:  # the split documents' work per chunk: piece g of document d holds positions [first_g, first_g + s_g)
         piece_first = {d: np.concatenate(([0], np.cumsum(s)))[:-1] for d, s in sizes.items()}
         fixed = np.zeros(chunks)
         for d, s in sizes.items():
             w = s * piece_first[d] + s * (s + 1) / 2 if causal else s * float(lengths[d])
             np.add.at(fixed, chunk_of_piece(np.arange(n2), chunks), w)
-    plan = _SplitPlan(lengths, chunks, causal, count, longest, sizes, room, side, fixed, rest)
-    plan.centre, plan.shape, plan.halves = centre, tuple(shape) if halves else (), halves
-    return plan
+    return _SplitPlan(lengths, chunks, causal, count, longest, sizes, room, side, fixed, rest, centre,
+                      tuple(shape) if halves else (), halves)
 
 
 #: the most split documents besides the centre one in a chunk whose placements _place_pairs searches
@@ -364,7 +375,7 @@ def _block_pairs(sizes, causal: bool, chunks: int) -> np.ndarray:
     return out
 
 
-def _tile_sum(blocks: np.ndarray, a: int, b: int) -> np.ndarray:
+def tile_sums(blocks: np.ndarray, a: int, b: int) -> np.ndarray:
     """Each rank's sum of ``blocks`` over its tile: rank g = (r, c) runs Q chunks a*r + (c - qo) % a by
     KV chunks a*((r - ko) % b) + c, and its own block is chunk g's."""
     g = np.arange(a * b)
@@ -415,10 +426,10 @@ def _split_lay(plan: _SplitPlan, rest: List[int]) -> Arrangement:
         runs.extend(reg + pairs + centre if p < chunks else centre + pairs + reg)
     doc, pos, length = (np.array(col, dtype=np.int64) for col in zip(*runs))
     runs_, work = _runs_work(doc, pos, length, lengths, chunks, causal)
-    label = f"split {count}" + (f":{plan.halves}" if plan.halves else "")
+    label = _split_mask_name(count, plan.halves)
     rank_work = None
     if plan.halves:  # every rank's attention pairs (its tile of the x' blocks)
-        rank_work = _tile_sum(_run_block_pairs(doc, pos, length, chunks, causal), *plan.shape)
+        rank_work = tile_sums(_run_block_pairs(doc, pos, length, chunks, causal), *plan.shape)
     return Arrangement("split", _mask_of(doc, pos, length, label), work, runs_, _starts(lengths), split=count,
                        shape=plan.shape, rank_work=rank_work, halves=plan.halves)
 
@@ -618,7 +629,7 @@ def decode(code, rank_work, lengths: Sequence[int], chunks: int, causal: bool = 
                          f"halves {halves}, mesh {a}x{b} for {chunks} chunks)")
     runs, work = _runs_work(doc, pos, length, x, chunks, causal)
     if split or name == "tiled-cut":  # documents in pieces: the Arranged mask its builder makes
-        mask = _mask_of(doc, pos, length, (f"split {split}" + (f":{halves}" if halves else "")) if split else name)
+        mask = _mask_of(doc, pos, length, _split_mask_name(split, halves) if split else name)
         mask.check(int(x.sum()), chunks, causal)  # every document's positions tiled exactly once
     else:
         if (pos != 0).any() or not np.array_equal(length, x[doc]):
