@@ -123,7 +123,9 @@ def test_layouts_the_model_cannot_re_lay_are_refused_or_narrowed_with_the_reason
     """--mesh-layout split (and split-half, tiled-cut) cuts documents into pieces: refused where the model cannot follow the pieces
     (a sliding window, MLA's own rotary, other position embeddings), naming why; auto there keeps
     documents whole and says so; layouts without --reset-attention-mask are refused; the older
-    --mesh-document-order must agree with --mesh-layout; split-half needs a mesh with both sides even."""
+    --mesh-document-order must agree with --mesh-layout; split-half needs a mesh with both sides even (--mesh-shape
+    auto chooses among those: 2x2 at CP = 4 where 1x4 is otherwise fastest, 2x2x2 at CP = 8 a2a+mesh where 8x1x1
+    is; a CP size with none is refused before any shape is simulated)."""
     from test_megatron_integration import _flat
 
     from megatron_mesh_cp.megatron.pretrain import _masking
@@ -154,6 +156,20 @@ def test_layouts_the_model_cannot_re_lay_are_refused_or_narrowed_with_the_reason
     with pytest.raises(MeshArgumentError, match=r"mesh is 1x6: .* both sides even \(there is none for a x b = 6\)"):
         apply_mesh_args(_flat(**dict(base, mesh_shape="1x6", context_parallel_size=6, seq_length=1200),
                               mesh_layout="split-half"), [])
+    # --mesh-shape auto (the default) chooses among meshes with both sides even, and says so
+    apply_mesh_args(_flat(**dict(base, mesh_shape=None), mesh_layout="split-half"), [])
+    assert options().shape_explanation.startswith("mesh_shape=auto -> 2x2 for CP=4 among meshes with both sides "
+                                                  "even (--mesh-layout split-half)"), options().shape_explanation
+    args = apply_mesh_args(_flat(**dict(base, context_parallel_algo="a2a+mesh", mesh_shape=None, context_parallel_size=8),
+                                 mesh_layout="split-half"), [])
+    u, a, b = args.hierarchical_context_parallel_sizes
+    assert u * a * b == 8 and a % 2 == 0 and b % 2 == 0, (u, a, b)
+    assert "(a2a+mesh) -> " in options().shape_explanation and "both sides even" in options().shape_explanation
+    for algo, cp in (("mesh", 2), ("mesh", 6), ("a2a+mesh", 2)):  # no even mesh for this CP: refused before choosing
+        with pytest.raises(MeshArgumentError, match=rf"needs a mesh a x b with a and b even; CP = {cp} has none .*"
+                                                    r"use --mesh-layout split \(over every chunk\)"):
+            apply_mesh_args(_flat(**dict(base, context_parallel_algo=algo, mesh_shape=None, context_parallel_size=cp,
+                                         seq_length=1200), mesh_layout="split-half"), [])
     with pytest.raises(MeshArgumentError, match="--mesh-layout lays out the documents of --reset-attention-mask"):
         apply_mesh_args(_flat(**dict(base, reset_attention_mask=False), mesh_layout="zigzag"), [])
     with pytest.raises(MeshArgumentError, match=r"none to lay out in this run \(CP = 1 runs Megatron's dense mask\)"):

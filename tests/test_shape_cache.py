@@ -40,7 +40,7 @@ def test_cached_choice_is_the_planned_one_and_reads_back_without_planning(tmp_pa
 def test_every_input_and_the_planner_sources_are_in_the_key(tmp_path, monkeypatch):
     cached_choice("mesh", 8, H100, W, directory=tmp_path)
     variants = [dict(n=4), dict(workload=replace(W, kv_heads=8)), dict(stride=2), dict(max_live=40),
-                dict(memory_budget=1e12), dict(cluster=load_cluster("a100-ib200"))]
+                dict(memory_budget=1e12), dict(cluster=load_cluster("a100-ib200")), dict(even=True)]
     for v in variants:
         kw = dict(dict(n=8, cluster=H100, workload=W), **v)
         cached_choice("mesh", kw.pop("n"), kw.pop("cluster"), kw.pop("workload"), directory=tmp_path, **kw)

@@ -487,10 +487,27 @@ def _resolve_shape(args, text: str, cp: int, opts: dict) -> MeshShape:
             raise MeshArgumentError(f"--mesh-shape: {exc}") from None
     from ..planning import cached_choice
 
-    choice = cached_choice("mesh", cp, cluster, _workload(args, cp), stride=_tp(args))  # choose_shape, on disk
+    choice = cached_choice("mesh", cp, cluster, _workload(args, cp), stride=_tp(args),  # choose_shape, on disk
+                           even=_auto_even(args, cp))
     opts["shape_explanation"] = choice.explanation  # choose_shape has logged it
     opts["max_live"] = choice.max_live  # the plans that run are the ones that fit the budget
     return choice.shape
+
+
+def _auto_even(args, cp: int) -> bool:
+    """Whether ``--mesh-shape auto`` chooses only among meshes a x b with a and b even (of u x a x b for
+    a2a+mesh): ``--mesh-layout split-half`` over the documents of ``--reset-attention-mask`` needs them.
+    Where the CP size has none (not a multiple of 4; u = 1 is always a Ulysses degree) it is refused here,
+    before any shape is simulated."""
+    if not (_get(args, "reset_attention_mask", False) and not _get(args, "mesh_packed_data", False)
+            and _layout(args) == "split-half"):
+        return False
+    if _even_sides(cp) is None:
+        raise MeshArgumentError(
+            f"--mesh-layout split-half cuts documents over half of each mesh row's chunks, which needs a mesh a x b "
+            f"with a and b even; CP = {cp} has none (a x b = {cp} is not a multiple of 4), so --mesh-shape auto cannot "
+            f"choose one: use --mesh-layout split (over every chunk) or auto, or a CP size that is a multiple of 4")
+    return True
 
 
 def _workload(args, cp: int):
@@ -525,7 +542,8 @@ def _resolve_hybrid_shape(args, text: str, cp: int, opts: dict) -> List[int]:
     if str(text).lower() == "auto":
         from ..planning import cached_choice
 
-        choice = cached_choice("a2a+mesh", cp, cluster, _workload(args, cp), stride=tp)  # choose_hybrid_shape, on disk
+        choice = cached_choice("a2a+mesh", cp, cluster, _workload(args, cp), stride=tp,  # choose_hybrid_shape, on disk
+                               even=_auto_even(args, cp))
         opts["shape_explanation"] = choice.explanation  # choose_hybrid_shape has logged it
         opts["max_live"] = choice.max_live
         return [choice.u, choice.shape.a, choice.shape.b]

@@ -146,6 +146,23 @@ def _within_budget(a, b, cluster, w, stride, max_live, budget, extra=0) -> Tuple
     return _mesh_time(a, b, cluster, w, stride, max_live), peak, max_live
 
 
+def _shapes(n: int, even: bool) -> List[Tuple[int, int]]:
+    """The a x b shapes auto chooses among for ``n`` ranks; ``even``: only those with a and b both even (the
+    split-half layout cuts documents over half of each mesh row's chunks, which needs them)."""
+    return [(a, b) for a, b in valid_shapes(n) if not even or (a % 2 == 0 and b % 2 == 0)]
+
+
+_EVEN_NOTE = " among meshes with both sides even (--mesh-layout split-half)"
+
+
+def _vs(ring: float, best: float, even: bool) -> str:
+    """How Ring's time compares with the choice's: slower, or faster but left out (its 1 x n sides are not both
+    even, or its plans are over the memory budget)."""
+    if ring >= best:
+        return f"{ring / best:.2f}x slower"
+    return f"{best / ring:.2f}x faster, but " + ("its sides are not both even" if even else "over the memory budget")
+
+
 @lru_cache(maxsize=64)
 def _warn_once(message: str) -> None:
     """Log ``message`` once per process (the launcher, the dry run's estimate and its documents' workloads each ask
@@ -156,21 +173,25 @@ def _warn_once(message: str) -> None:
 @lru_cache(maxsize=128)
 def choose_shape(
     n: int, cluster: Cluster, workload: Workload, *, stride: int = 1, max_live: Optional[int] = None,
-    memory_budget: Optional[float] = None,
+    memory_budget: Optional[float] = None, even: bool = False,
 ) -> ShapeChoice:
     """The fastest valid shape for CP size ``n`` whose plans fit ``memory_budget`` bytes of attention
-    memory per rank (default: :func:`default_budget`, 4x TE Ring's); ``explanation`` is the logged reason."""
+    memory per rank (default: :func:`default_budget`, 4x TE Ring's); ``explanation`` is the logged reason.
+    ``even``: only shapes a x b with a and b both even (``--mesh-layout split-half``); ValueError if none."""
     budget = default_budget(workload) if memory_budget is None else memory_budget
     cands = [((a, b), shape_bound(a, b, cluster, workload, stride),
               lambda a=a, b=b: _within_budget(a, b, cluster, workload, stride, max_live, budget))
-             for a, b in valid_shapes(n)]
+             for a, b in _shapes(n, even)]
+    if not cands:
+        raise ValueError(f"no mesh shape a x b = {n} has a and b both even (split-half needs them)")
     rows, peaks = _search(cands)
     timed = sorted((t, s) for s, t, _ in rows if t is not None)
     if not timed:
         if memory_budget is None:  # the default budget is ours, not the user's: say so and go without
             _warn_once(f"mesh_shape=auto: no mesh shape for CP={n} fits the default budget of {budget / 2**20:.0f} "
                        f"MiB per rank ({BUDGET_X_RING:g}x TE Ring's); choosing without a budget")
-            return choose_shape(n, cluster, workload, stride=stride, max_live=max_live, memory_budget=float("inf"))
+            return choose_shape(n, cluster, workload, stride=stride, max_live=max_live, memory_budget=float("inf"),
+                                even=even)
         raise ValueError(f"no mesh shape for CP={n} fits the memory budget ({budget / 2**20:.0f} MiB per rank, "
                          f"max_live={max_live}); raise memory_budget")
     best_t, best = timed[0]
@@ -178,10 +199,11 @@ def choose_shape(
     if ring is None and best != (1, n):
         ring = _mesh_time(1, n, cluster, workload, stride, max_live)
     runner = f", next {timed[1][1][0]}x{timed[1][1][1]} {timed[1][0] * 1e3:.2f} ms" if len(timed) > 1 else ""
-    vs_ring = (f", 1x{n} (Ring layout) {ring * 1e3:.2f} ms ({ring / best_t:.2f}x slower)"
+    vs_ring = (f", 1x{n} (Ring layout) {ring * 1e3:.2f} ms ({_vs(ring, best_t, even)})"
                if ring and best != (1, n) else "")
     text = (
-        f"mesh_shape=auto -> {best[0]}x{best[1]} for CP={n} (S/rank={workload.seq_local}, heads "
+        f"mesh_shape=auto -> {best[0]}x{best[1]} for CP={n}{_EVEN_NOTE if even else ''} "
+        f"(S/rank={workload.seq_local}, heads "
         f"{workload.heads}/{workload.kv_heads} kv, d={workload.head_dim}, {cluster.name}, stride {stride}): "
         f"simulated {best_t * 1e3:.2f} ms/layer fwd+bwd, peak attention memory {peaks[best][0] / 2**20:.0f} MiB/rank "
         f"(budget {budget / 2**20:.0f} MiB){runner}{vs_ring}"
@@ -199,17 +221,18 @@ def ulysses_degrees(n: int, cluster: Cluster, heads: int, kv_heads: int, stride:
 @lru_cache(maxsize=64)
 def choose_hybrid_shape(
     n: int, cluster: Cluster, workload: Workload, *, stride: int = 1, max_live: Optional[int] = None,
-    memory_budget: Optional[float] = None,
+    memory_budget: Optional[float] = None, even: bool = False,
 ) -> HybridChoice:
     """The fastest (u, a, b) with u * a * b = n for a2a+mesh (u = 1 is pure mesh) within the memory
-    budget (as :func:`choose_shape`); logged like choose_shape."""
+    budget (as :func:`choose_shape`); logged like choose_shape. ``even``: only meshes a x b with a and b
+    both even (``--mesh-layout split-half``)."""
 
     budget = default_budget(workload) if memory_budget is None else memory_budget
     cands = []
     for u in ulysses_degrees(n, cluster, workload.heads, workload.kv_heads, stride):
         inner = ulysses_inner(u, workload)
         a2a = sum(step[2] for part in ulysses_a2a_steps(u, cluster, workload, stride)[:4] for step in part)
-        for a, b in valid_shapes(n // u):
+        for a, b in _shapes(n // u, even):
             def run(a=a, b=b, inner=inner, u=u, a2a=a2a):
                 t, peak, live = _within_budget(a, b, cluster, inner, stride * u, max_live, budget,
                                                ulysses_buffer_bytes(u, workload))
@@ -218,7 +241,8 @@ def choose_hybrid_shape(
             cands.append(((u, a, b), a2a + shape_bound(a, b, cluster, inner, stride * u), run))
     if not cands:
         raise ValueError(f"no Ulysses degree divides CP={n}, heads={workload.heads} and kv heads="
-                         f"{workload.kv_heads} within a node of {cluster.gpus_per_node} GPUs (TP {stride})")
+                         f"{workload.kv_heads} within a node of {cluster.gpus_per_node} GPUs (TP {stride})"
+                         + (" leaving a mesh a x b with a and b both even (split-half needs them)" if even else ""))
     rows, peaks = _search(cands)
     timed = sorted((t, s) for s, t, _ in rows if t is not None)
     if not timed:
@@ -226,14 +250,15 @@ def choose_hybrid_shape(
             _warn_once(f"mesh_shape=auto (a2a+mesh): no shape for CP={n} fits the default budget of "
                        f"{budget / 2**20:.0f} MiB per rank ({BUDGET_X_RING:g}x TE Ring's); choosing without a budget")
             return choose_hybrid_shape(n, cluster, workload, stride=stride, max_live=max_live,
-                                       memory_budget=float("inf"))
+                                       memory_budget=float("inf"), even=even)
         raise ValueError(f"no a2a+mesh shape for CP={n} fits the memory budget ({budget / 2**20:.0f} MiB per rank, "
                          f"max_live={max_live}); raise memory_budget")
     best_t, (u, a, b) = timed[0]
     ring = _mesh_time(1, n, cluster, workload, stride, None, chains="one-way")  # TE's p2p Ring (documents: pruned)
     runner = (f", next {'x'.join(map(str, timed[1][1]))} {timed[1][0] * 1e3:.2f} ms" if len(timed) > 1 else "")
     text = (
-        f"mesh_shape=auto (a2a+mesh) -> {u}x{a}x{b} for CP={n} (S/rank={workload.seq_local}, heads "
+        f"mesh_shape=auto (a2a+mesh) -> {u}x{a}x{b} for CP={n}{_EVEN_NOTE if even else ''} "
+        f"(S/rank={workload.seq_local}, heads "
         f"{workload.heads}/{workload.kv_heads} kv, d={workload.head_dim}, {cluster.name}, stride {stride}): "
         f"simulated {best_t * 1e3:.2f} ms/layer fwd+bwd, peak attention memory {peaks[(u, a, b)][0] / 2**20:.0f} "
         f"MiB/rank (budget {budget / 2**20:.0f} MiB){runner}, {'pruned ' if workload.pruned else ''}Ring 1x1x{n} "

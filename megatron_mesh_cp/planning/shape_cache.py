@@ -4,7 +4,8 @@ Under Megatron every rank resolves ``auto`` in argument validation, before any p
 (measured at CP = 256, Llama-3.1 8B at 1M tokens on h100-ib400: ~35 CPU-s for ``mesh``). The choice is a
 pure function of its inputs, so it is stored as JSON under ``$MESH_CP_CACHE_DIR`` (default
 ``~/.cache/megatron-mesh-cp/shapes``; empty: no cache), one file per key: the CP size, the cluster
-description, the workload, the TP stride, the live-chunk limit, the memory budget, the package
+description, the workload, the TP stride, the live-chunk limit, the memory budget, whether only meshes with both
+sides even may be chosen (``--mesh-layout split-half``), the package
 version and a digest of the planner's and runtime's sources (a changed planner never reads an old
 answer). A file is written to a temporary name and renamed into place, so ranks filling the same
 entry at once each write a complete file and a reader sees a whole one or none; an unreadable or
@@ -58,8 +59,8 @@ def source_digest() -> str:
     return h.hexdigest()
 
 
-def _key(kind: str, n, cluster, workload, stride, max_live, memory_budget) -> dict:
-    return {"kind": kind, "n": n, "stride": stride, "max_live": max_live, "memory_budget": memory_budget,
+def _key(kind: str, n, cluster, workload, stride, max_live, memory_budget, even=False) -> dict:
+    return {"kind": kind, "n": n, "stride": stride, "max_live": max_live, "memory_budget": memory_budget, "even": even,
             "cluster": dataclasses.asdict(cluster), "workload": dataclasses.asdict(workload), "source": source_digest()}
 
 
@@ -107,22 +108,24 @@ def _write(path: Path, key: dict, choice: Choice) -> None:
 
 
 def cached_choice(kind: str, n: int, cluster, workload, *, stride: int = 1, max_live: Optional[int] = None,
-                  memory_budget: Optional[float] = None, directory: Optional[Path] = None) -> Choice:
+                  memory_budget: Optional[float] = None, directory: Optional[Path] = None,
+                  even: bool = False) -> Choice:
     """``autoshape.choose_shape`` (``kind="mesh"``) or ``choose_hybrid_shape`` (``"a2a+mesh"``), read from
-    ``directory`` (default :func:`cache_dir`) when an earlier call stored the same key, else computed and stored."""
+    ``directory`` (default :func:`cache_dir`) when an earlier call stored the same key, else computed and stored;
+    ``even``: only meshes with both sides even (``--mesh-layout split-half``)."""
     if kind not in ("mesh", "a2a+mesh"):
         raise ValueError(f"kind must be 'mesh' or 'a2a+mesh', got {kind!r}")
     choose = autoshape.choose_shape if kind == "mesh" else autoshape.choose_hybrid_shape
     directory = cache_dir() if directory is None else directory
     if directory is None or workload.packing is not None:  # packed layouts are not cached
-        return choose(n, cluster, workload, stride=stride, max_live=max_live, memory_budget=memory_budget)
-    key = _key(kind, n, cluster, workload, stride, max_live, memory_budget)
+        return choose(n, cluster, workload, stride=stride, max_live=max_live, memory_budget=memory_budget, even=even)
+    key = _key(kind, n, cluster, workload, stride, max_live, memory_budget, even)
     path = Path(directory) / (hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32] + ".json")
     choice = _read(path, key, kind)
     if choice is not None:
         log.info(choice.explanation)
         log.info("mesh_shape=auto: read from the shape cache %s", path)
         return choice
-    choice = choose(n, cluster, workload, stride=stride, max_live=max_live, memory_budget=memory_budget)
+    choice = choose(n, cluster, workload, stride=stride, max_live=max_live, memory_budget=memory_budget, even=even)
     _write(path, key, choice)
     return choice
