@@ -300,8 +300,13 @@ def test_auto_takes_documents_over_half_rows_where_they_replay_faster(kv, shape,
 
     cluster = load_cluster("h100-ib400")
     inner = ulysses_inner(8, Workload(seq_local=4096, heads=32, kv_heads=kv, head_dim=128, partial_bytes=2))
+    from megatron_mesh_cp.planning.schedule import document_plans
+
     lengths = sample_documents(1 << 20, 384, 512 * 1024, dist="powerlaw", seed=7).lengths
+    cached = document_plans.cache_info()
     choice = choose_layout(lengths, *shape, cluster, inner, stride=8)
+    # the candidates' replays (split:3 and split:3:1..3 here) build their plans outside document_plans' cache
+    assert document_plans.cache_info() == cached
     arr = choice.arrangement
     assert arr.label == label and arr.halves and arr.shape == shape and arr.balance < 1.05, arr.describe()
     by = {a.label: a for a in [arr]}
@@ -316,6 +321,29 @@ def test_auto_takes_documents_over_half_rows_where_they_replay_faster(kv, shape,
     assert _replay_seconds(arr, *shape, cluster, inner, 8) < _replay_seconds(by[base], *shape, cluster, inner, 8)
     again = choose_layout(lengths, *shape, cluster, inner, stride=8)
     assert np.array_equal(again.arrangement.order, arr.order)
+
+
+def test_replaying_a_candidate_layout_leaves_the_plan_cache_as_it_was():
+    """Auto's candidates that do not run would evict the plans of the layouts that do: their replays take
+    document_plans' plans without its cache, to the same seconds."""
+    from dataclasses import replace
+
+    from megatron_mesh_cp.planning import Workload, load_cluster
+    from megatron_mesh_cp.planning.layouts import _replay_seconds
+    from megatron_mesh_cp.planning.replay import replay
+    from megatron_mesh_cp.planning.schedule import document_plans
+
+    cluster = load_cluster("h100-ib400")
+    w = Workload(seq_local=256, heads=8, kv_heads=2, head_dim=64, partial_bytes=2)
+    lengths = [300, 200, 60, 120, 70, 90, 80, 104]
+    for arr in (arrange(lengths, 4, "split", split=1), arrange(lengths, 4, "split", split=1, shape=(2, 2), halves=1),
+                arrange(lengths, 4, "zigzag")):
+        cached = document_plans.cache_info()
+        seconds = _replay_seconds(arr, 2, 2, cluster, w, 1)
+        assert document_plans.cache_info() == cached
+        masked = replace(w, mask=arr.mask)
+        assert seconds == sum(replay(p, cluster, masked, stride=1, record=None).time
+                              for p in document_plans(2, 2, cluster=cluster, workload=masked, stride=1))
 
 
 def test_auto_cuts_more_documents_over_half_rows_than_fit_over_every_chunk():

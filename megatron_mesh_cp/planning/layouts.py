@@ -32,7 +32,7 @@ from .bounds import full_comm_bound, mesh_bound
 from .cluster import Cluster, Workload
 from .documents import tile_bound
 from .replay import replay
-from .schedule import document_plans
+from .schedule import uncached_document_plans
 
 __all__ = ["LayoutChoice", "choose_layout", "candidate_layouts", "resolve_layout", "tile_weights", "SPLIT_CANDIDATES"]
 
@@ -165,10 +165,12 @@ def _replayed_fastest(cands: Sequence[Arrangement], rows, a: int, b: int, cluste
 
 
 def _replay_seconds(arr: Arrangement, a: int, b: int, cluster: Cluster, w: Workload, stride: int) -> float:
-    """Forward + backward seconds of the plans the layer with ``arr``'s mask runs (planning/replay.py)."""
+    """Forward + backward seconds of the plans the layer with ``arr``'s mask runs (planning/replay.py): those
+    of schedule.document_plans, built without its cache (a candidate that does not run would evict the plans of
+    layouts that do)."""
     masked = replace(w, mask=arr.mask)
     return sum(replay(p, cluster, masked, stride=stride, record=None).time
-               for p in document_plans(a, b, cluster=cluster, workload=masked, stride=stride))
+               for p in uncached_document_plans(a, b, cluster=cluster, workload=masked, stride=stride))
 
 
 def _fastest(cands: Sequence[Arrangement], rows, a: int, b: int, cluster: Cluster, w: Workload) -> int:

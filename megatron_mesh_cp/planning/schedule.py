@@ -34,7 +34,7 @@ from .ready import VARIANTS, scored_reorder
 from .replay import replay, replay_costs
 
 __all__ = ["in_order_plan", "build_plans", "call_plans", "document_plans", "plan_scale", "masked_pool_bytes", "PLANNERS", "default_cluster",
-           "DEFAULT_WORKLOAD", "clear_plan_cache"]
+           "DEFAULT_WORKLOAD", "clear_plan_cache", "uncached_document_plans"]
 
 PLANNERS = ("greedy", "in-order")
 #: how ``build_plans`` may direct the gather and reduction chains
@@ -285,7 +285,16 @@ def document_plans(a: int, b: int, planner: str = "greedy", *, cluster: Optional
                    reorder: Optional[bool] = None) -> Tuple[Plan, Plan]:
     """(forward, backward) plans for a masked ``workload`` (documents, chunks, a window), as
     ``mesh_attention`` runs them (:func:`call_plans`, planned for its :func:`plan_scale`; ``reorder`` as
-    ``PlanOptions.reorder``)."""
+    ``PlanOptions.reorder``); cached (:func:`uncached_document_plans` builds them)."""
+    return uncached_document_plans(a, b, planner, cluster=cluster, workload=workload, stride=stride,
+                                   max_live=max_live, reorder=reorder)
+
+
+def uncached_document_plans(a: int, b: int, planner: str = "greedy", *, cluster: Optional[Cluster] = None,
+                            workload: Workload, stride: int = 1, max_live: Optional[int] = None,
+                            reorder: Optional[bool] = None) -> Tuple[Plan, Plan]:
+    """:func:`document_plans` without its cache: for plans of masks that may never run (auto's layout
+    candidates, planning/layouts.py), which would otherwise evict the plans of the layouts that do."""
     return call_plans(a, b, planner, workload=workload.unmasked, cluster=cluster, stride=stride, max_live=max_live,
                       keep=workload.needed(a, b), masked=True, slabs=workload.blocks(a * b).zigzag_keys,
                       layer=workload, reorder=reorder)
