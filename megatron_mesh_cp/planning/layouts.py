@@ -140,7 +140,6 @@ def choose_layout(lengths: Sequence[int], a: int, b: int, cluster: Cluster, w: W
              else list(candidates))
     rows = [_priced(arr, a, b, cluster, w, stride) for arr in cands]
     if own:
-        _restarted(lengths, cands, rows, a, b, cluster, w, stride)
         skip = max_split < 1 or (splits_cross_every_piece(lengths, n)
                                  and min(r[1] for r in rows) <= full_comm_bound(a, b, cluster, w, stride))
         if not skip:
@@ -156,6 +155,8 @@ def choose_layout(lengths: Sequence[int], a: int, b: int, cluster: Cluster, w: W
                 halves = arrange_splits(lengths, n, most, causal=w.causal, shape=(a, b), halves=pairs)
                 cands += halves
                 rows += [_priced(arr, a, b, cluster, w, stride) for arr in halves]
+    if own:  # tiled-cut from a restarted search, where it is priced fastest of all and stays unbalanced
+        _restarted(lengths, cands, rows, a, b, cluster, w, stride)
     best = _fastest(cands, rows, a, b, cluster, w)
     if cands[best].halves:
         best = _replayed_fastest(cands, rows, a, b, cluster, w, stride)
@@ -170,10 +171,11 @@ def _restarted(lengths, cands: List[Arrangement], rows: list, a: int, b: int, cl
     keeps its tiled order's footprint and tile blocks, which can leave no re-lay that unloads the
     busiest rank (4K-64K seed 6, MHA at 4x8: 1.25x the mean from the first order, 1.11x from the
     second). The first one modelled :data:`CUT_MARGIN` more balanced, priced no slower and whose plans
-    replay :data:`CUT_GAIN` faster (the busiest rank's blocks are not all of the step: which blocks wait
-    for which chunks moves with the order; 4K-64K seed 5, MHA: a restart modelled 1.147 -> 1.119 replayed
-    8% slower)
-    replaces it in ``cands`` and ``rows``; else they stay. Only where tiled-cut is priced fastest."""
+    replay :data:`CUT_GAIN` faster replaces it in ``cands`` and ``rows``; else they stay (the busiest
+    rank's blocks are not all of the step: which blocks wait for which chunks moves with the order;
+    4K-64K seed 5, MHA: a restart modelled 1.147 -> 1.119 replayed 8% slower). Only where tiled-cut is
+    priced fastest; host time: one more tiled search and cut, and two replays (about as much again as
+    the whole-document candidates)."""
     i = next((k for k, arr in enumerate(cands) if arr.name == "tiled-cut"), None)
     if i is None or cands[i].cut_balance <= CUT_GOAL or rows[i][1] > min(r[1] for r in rows):
         return
