@@ -206,6 +206,49 @@ def test_tiled_cut_lowers_the_busiest_rank_within_the_tiled_tile_blocks():
         tiled_cut(arrange(lengths, 32, "balanced"))
 
 
+def test_auto_restarts_the_tiled_cut_where_its_busiest_rank_stays_high():
+    """4K-64K documents (seed 6) on a2a+mesh's 4x8 mesh (MHA): cut from the first tiled order the busiest
+    rank stays above CUT_GOAL times the mean (the order's footprints and tile blocks leave no re-lay
+    that unloads it); auto takes the cut from a restarted rank search, modelled more balanced, priced and
+    replayed no slower, rebuilt the same from its restart (the simulator's path), its tile blocks its own
+    tiled order's, every document's positions once; a fixed tiled-cut stays the first order's."""
+    from dataclasses import replace
+
+    from megatron_mesh_cp.planning import Workload, load_cluster, ulysses_inner
+    from megatron_mesh_cp.planning.layouts import (CUT_GOAL, CUT_MARGIN, _replay_seconds, choose_layout,
+                                                   resolve_layout, tile_weights)
+    from megatron_mesh_cp.runtime.masks.spans import needed_blocks
+    from megatron_mesh_cp.runtime.topology import MeshShape
+
+    cluster = load_cluster("h100-ib400")
+    inner = ulysses_inner(8, Workload(seq_local=(1 << 20) // 256, heads=32, kv_heads=32, head_dim=128,
+                                      partial_bytes=2))
+    lengths = sample_documents(1 << 20, 4096, 65536, seed=6).lengths
+    weights = tile_weights(inner, cluster)
+    first = arrange(lengths, 32, "tiled-cut", shape=(4, 8), weights=weights)
+    assert first.restart == 0 and first.cut_balance > CUT_GOAL, first.cut_balance
+    choice = choose_layout(lengths, 4, 8, cluster, inner, stride=8)
+    got = choice.arrangement
+    assert got.name == "tiled-cut" and got.restart >= 1, (got.name, got.restart)
+    assert got.cut_balance <= first.cut_balance - CUT_MARGIN, (got.cut_balance, first.cut_balance)
+    assert _replay_seconds(got, 4, 8, cluster, inner, 8) < _replay_seconds(first, 4, 8, cluster, inner, 8)
+    again = arrange(lengths, 32, "tiled-cut", shape=(4, 8), weights=weights, restart=got.restart)
+    assert np.array_equal(again.order, got.order) and again.mask == got.mask
+    docs = UnpaddedDocuments(tuple(lengths))
+    auto = resolve_layout(replace(inner, mask=docs.with_layout("auto")), 4, 8, cluster, 8)
+    assert auto.mask.layout == "tiled-cut" and auto.mask.restart == got.restart
+    assert auto.mask.arranged(32) == got.mask
+    fixed = resolve_layout(replace(inner, mask=docs.with_layout("tiled-cut")), 4, 8, cluster, 8)
+    assert fixed.mask.arranged(32) == first.mask
+    tiled = arrange(lengths, 32, "tiled", shape=(4, 8), weights=weights, restart=got.restart)
+    total, shape = sum(lengths), MeshShape(4, 8)
+    assert needed_blocks(got.mask.bind(32, total, True).nonempty(), shape) <= needed_blocks(
+        tiled.mask.bind(32, total, True).nonempty(), shape)
+    pos = [np.sort(np.concatenate([np.arange(p, p + n) for d, p, n in zip(*got.runs) if d == k]))
+           for k in range(len(lengths))]
+    assert all(np.array_equal(p, np.arange(lengths[k])) for k, p in enumerate(pos))
+
+
 def test_tiled_cut_cuts_documents_of_the_exactness_mixes():
     """The float64 exactness test (tests/test_layouts.py) runs tiled-cut layouts that do re-lay documents,
     some of them trading tokens with another document's."""

@@ -63,6 +63,9 @@ class UnpaddedDocuments(SpanMask):
     #: with ``split``: the last this many split documents cut over half of each mesh row's chunks
     #: (runtime/layouts.py), laid out per mesh like ``tiled``
     halves: int = 0
+    #: with ``tiled``: the rank search's restart its order comes from (runtime/layouts.py ``arrange``);
+    #: auto sets it where it took a restarted tiled-cut layout (planning/layouts.py)
+    restart: int = 0
     mesh: Tuple[int, ...] = ()
     weights: Tuple[float, ...] = ()
 
@@ -111,7 +114,7 @@ class UnpaddedDocuments(SpanMask):
 
     def with_balance(self, balanced: bool) -> "UnpaddedDocuments":
         return replace(self, balanced=bool(balanced), split=0, auto=False, tiled=False, cut=False, halves=0, mesh=(),
-                       weights=())
+                       weights=(), restart=0)
 
     def with_layout(self, layout: str) -> "UnpaddedDocuments":
         """The same documents run in ``layout``: ``zigzag``, ``balanced``, ``tiled`` (the mesh's ranks
@@ -132,7 +135,7 @@ class UnpaddedDocuments(SpanMask):
                              "1 <= H <= K) or auto")
         return replace(self, balanced=name == "balanced", split=int(k) if k else 0, auto=name == "auto",
                        tiled=name in ("tiled", "tiled-cut"), cut=name == "tiled-cut", halves=int(h) if h else 0,
-                       mesh=(), weights=())
+                       mesh=(), weights=(), restart=0)
 
     def for_mesh(self, a: int, b: int, weights) -> "UnpaddedDocuments":
         """The tiled layout (or a split one with halves) made concrete for the a x b mesh and its
@@ -219,7 +222,8 @@ def _tiled(docs: UnpaddedDocuments, causal: bool) -> UnpaddedDocuments:
 @lru_cache(maxsize=64)
 def _tiled_cut(docs: UnpaddedDocuments, causal: bool):
     a, b = docs.mesh
-    return arrange(docs.lengths, a * b, "tiled-cut", causal=causal, shape=(a, b), weights=docs.weights or None).mask
+    return arrange(docs.lengths, a * b, "tiled-cut", causal=causal, shape=(a, b), weights=docs.weights or None,
+                   restart=docs.restart).mask
 
 
 @lru_cache(maxsize=64)

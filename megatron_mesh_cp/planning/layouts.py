@@ -12,8 +12,10 @@ leaves it) and the bytes of the transfers some rank needs over its links. The fa
 layouts priced the same (a phase bound by its transfers hides its compute), the one whose busiest
 rank's block seconds are lowest, and of those the earlier candidate (zigzag, then balanced, then
 tiled, then tiled-cut, then fewer documents split), so a layout priced slower, or only matching
-today's in both, is never taken over it. Deterministic: every rank chooses the same from the same
-lengths.
+today's in both, is never taken over it. Where the tiled-cut layout's busiest rank stays above
+CUT_GOAL times the mean, it is also cut from a restarted rank search's order, and that one taken
+where it is more balanced and its plans replay faster (:func:`_restarted`). Deterministic: every rank
+chooses the same from the same lengths.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..runtime.layouts import (Arrangement, arrange_splits, arrange_whole, half_rows, split_label,
+from ..runtime.layouts import (Arrangement, arrange, arrange_splits, arrange_whole, half_rows, split_label,
                                splits_cross_every_piece, tiled_cut)
 from ..runtime.tile_balance import BUDGET, search_entries
 from .bounds import full_comm_bound, mesh_bound
@@ -38,6 +40,16 @@ __all__ = ["LayoutChoice", "choose_layout", "candidate_layouts", "resolve_layout
 
 #: the split layout is tried cutting 1 .. this many of the longest documents
 SPLIT_CANDIDATES = 4
+#: where the tiled-cut layout's busiest rank stays above CUT_GOAL times the mean (its modelled cost,
+#: runtime/tile_cut.py; the block engine's busiest / mean came out within 0.015 above it on 4K-64K documents
+#: at CP = 256), auto also cuts from the tiled orders of up to CUT_RESTARTS restarted rank searches
+#: (:func:`_restarted`; one: of 4K-64K seeds 0-7, a second or third restart was taken on GQA seed 6 alone,
+#: and they cost host time on every draw they did not help)
+CUT_GOAL, CUT_RESTARTS = 1.12, 1
+#: ... and takes one only where its modelled balance is at least CUT_MARGIN lower and its plans replay at
+#: least CUT_GAIN (relative) faster: the replay here runs without the live-chunk limit the shape's plans may
+#: run under (4K-64K seed 1, GQA at 2x16: a restart 0.2% faster unlimited replayed 0.7% slower at 35 live)
+CUT_MARGIN, CUT_GAIN = 0.01, 0.003
 
 
 @dataclass(frozen=True, eq=False)
@@ -143,10 +155,47 @@ def choose_layout(lengths: Sequence[int], a: int, b: int, cluster: Cluster, w: W
                 halves = arrange_splits(lengths, n, most, causal=w.causal, shape=(a, b), halves=pairs)
                 cands += halves
                 rows += [_priced(arr, a, b, cluster, w, stride) for arr in halves]
+    if own:  # tiled-cut from a restarted search, where it is priced fastest of all and stays unbalanced
+        _restarted(lengths, cands, rows, a, b, cluster, w, stride)
     best = _fastest(cands, rows, a, b, cluster, w)
     if cands[best].halves:
         best = _replayed_fastest(cands, rows, a, b, cluster, w, stride)
     return LayoutChoice(cands[best], rows[best][1], tuple(rows), time.perf_counter() - t0)
+
+
+def _restarted(lengths, cands: List[Arrangement], rows: list, a: int, b: int, cluster: Cluster, w: Workload,
+               stride: int) -> None:
+    """Where the tiled-cut candidate's busiest rank stays above :data:`CUT_GOAL` times the mean (its
+    cut's model), the same cut from the tiled orders of restarted rank searches (runtime/layouts.py
+    ``arrange(..., restart=k)``, k = 1 .. :data:`CUT_RESTARTS`, from the same balanced start): a re-lay
+    keeps its tiled order's footprint and tile blocks, which can leave no re-lay that unloads the
+    busiest rank (4K-64K seed 6, MHA at 4x8: 1.25x the mean from the first order, 1.11x from the
+    second). The first one modelled :data:`CUT_MARGIN` more balanced, priced no slower and whose plans
+    replay :data:`CUT_GAIN` faster replaces it in ``cands`` and ``rows``; else they stay (the busiest
+    rank's blocks are not all of the step: which blocks wait for which chunks moves with the order;
+    4K-64K seed 5, MHA: a restart modelled 1.147 -> 1.119 replayed 8% slower). Only where tiled-cut is
+    priced fastest; host time: one more tiled search and cut, and two replays (about as much again as
+    the whole-document candidates)."""
+    i = next((k for k, arr in enumerate(cands) if arr.name == "tiled-cut"), None)
+    if i is None or cands[i].cut_balance <= CUT_GOAL or rows[i][1] > min(r[1] for r in rows):
+        return
+    first, n = cands[i], a * b
+    weights = tile_weights(w, cluster)
+    start = next(arr.runs[0] for arr in cands if arr.name == "balanced")  # the tiled searches' start
+    base = None
+    for k in range(1, CUT_RESTARTS + 1):
+        arr = tiled_cut(arrange(lengths, n, "tiled", causal=w.causal, shape=(a, b), weights=weights, start=start,
+                                restart=k), causal=w.causal, weights=weights)
+        if arr.cut_balance > first.cut_balance - CUT_MARGIN:
+            continue
+        row = _priced(arr, a, b, cluster, w, stride)
+        if row[1] > rows[i][1]:
+            continue
+        if base is None:
+            base = _replay_seconds(first, a, b, cluster, w, stride)
+        if _replay_seconds(arr, a, b, cluster, w, stride) <= base * (1 - CUT_GAIN):
+            cands[i], rows[i] = arr, row
+            return
 
 
 def _replayed_fastest(cands: Sequence[Arrangement], rows, a: int, b: int, cluster: Cluster, w: Workload,
@@ -211,5 +260,5 @@ def _resolved(w: Workload, a: int, b: int, cluster: Cluster, stride: int) -> Wor
     choice = choose_layout(docs.lengths, a, b, cluster, replace(w, mask=None), stride=stride)  # as the launcher does
     arr = choice.arrangement
     layout = arr.label
-    out = docs.with_layout(layout)
+    out = replace(docs.with_layout(layout), restart=arr.restart)
     return replace(w, mask=out.for_mesh(a, b, tile_weights(w, cluster)) if out.tiled or out.halves else out)

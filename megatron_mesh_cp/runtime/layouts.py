@@ -17,7 +17,8 @@ layout's work per chunk is exact and cheap. Four layouts:
   with another document's in another chunk (runtime/tile_cut.py), moving cross-piece work from the
   busiest ranks to lighter ones without making any tile block non-empty that the tiled order
   leaves empty (same chunks sent); the mask is
-  :class:`~megatron_mesh_cp.runtime.masks.arranged.Arranged`;
+  :class:`~megatron_mesh_cp.runtime.masks.arranged.Arranged`; ``restart=k`` cuts from the order of
+  the rank search restarted with seed + k instead (auto tries one where the first stays unbalanced);
 * ``split``: the longest documents cut the way TE's THD partition cuts every document -- 2N pieces,
   pieces g and 2N-1-g to chunk g, unpadded (uneven by a token at most) -- so each spreads its work
   evenly; piece g ends piece g of x' and piece 2N-1-g starts piece 2N-1-g, so in chunk g they are
@@ -74,6 +75,8 @@ class Arrangement:
     shape: Tuple[int, ...] = ()  # (a, b): the mesh a tiled layout balances the ranks of
     rank_work: Optional[np.ndarray] = field(default=None, repr=False)  # tiled, split with halves: each rank's pairs
     halves: int = 0  # split: the last this many split documents cut over half of each mesh row's chunks
+    restart: int = 0  # tiled, tiled-cut: its rank search's seed past the balanced order's (arrange's ``restart``)
+    cut_balance: float = 0.0  # tiled-cut: the busiest rank's modelled cost over the mean's (runtime/tile_cut.py)
 
     @cached_property
     def order(self) -> Optional[np.ndarray]:
@@ -462,14 +465,16 @@ def _run_block_pairs(doc: np.ndarray, pos: np.ndarray, length: np.ndarray, chunk
 def arrange(lengths: Sequence[int], chunks: int, layout: str = "balanced", *, causal: bool = True,
             split: int = 1, seed: int = 0, shape: Optional[Tuple[int, int]] = None,
             weights: Optional[Tuple[float, float, float, float]] = None,
-            start: Optional[Sequence[int]] = None, halves: int = 0) -> Arrangement:
+            start: Optional[Sequence[int]] = None, halves: int = 0, restart: int = 0) -> Arrangement:
     """The layout ``layout`` of documents of ``lengths`` (in the micro-batch's order) over ``chunks``
     mesh chunks; ``split``: how many of the longest documents the ``split`` layout cuts (``halves``: the
     last this many of them over half of each row's chunks of the ``shape`` mesh); ``shape``:
     the (a, b) mesh whose ranks the ``tiled`` layout balances (a * b = ``chunks``), ``weights`` its
     kernel-call cost model (runtime/tile_balance.py; default: pairs), ``start`` the order its search
-    starts from (default: the balanced one, which it computes). ``ValueError`` naming the fix for a
-    layout that cannot be built."""
+    starts from (default: the balanced one, which it computes), ``restart`` (tiled, tiled-cut) the rank
+    search's seed past ``seed`` (from the same start: another local optimum; planning/layouts.py tries
+    one where the tiled-cut layout stays unbalanced). ``ValueError`` naming the fix for a layout that
+    cannot be built."""
     x = _check(lengths, chunks)
     if layout == "zigzag":
         return _whole(x, range(len(x)), chunks, causal, "zigzag")
@@ -480,16 +485,20 @@ def arrange(lengths: Sequence[int], chunks: int, layout: str = "balanced", *, ca
             raise ValueError(f"the tiled layout balances the ranks of an a x b mesh of {chunks} chunks: pass "
                              f"shape=(a, b) with a * b = {chunks}, not {shape!r}")
         a, b = int(shape[0]), int(shape[1])
-        order = tile_order(x.tolist(), a, b, causal=causal, weights=weights, seed=seed, start=start)
+        if not isinstance(restart, (int, np.integer)) or restart < 0:
+            raise ValueError(f"restart counts the tiled search's restarts: an int >= 0, not {restart!r}")
+        if restart and start is None:  # the balanced order of ``seed``, as tile_order starts from
+            start = balance_order(x.tolist(), chunks, causal=causal, seed=seed)
+        order = tile_order(x.tolist(), a, b, causal=causal, weights=weights, seed=seed + restart, start=start)
         return replace(_whole(x, order, chunks, causal, "tiled"), shape=(a, b),
-                       rank_work=tile_work(x.tolist(), a, b, causal=causal, orders=[order])[0])
+                       rank_work=tile_work(x.tolist(), a, b, causal=causal, orders=[order])[0], restart=restart)
     if layout == "tiled-cut":
         if shape is None or len(shape) != 2 or int(shape[0]) * int(shape[1]) != chunks:
             raise ValueError(f"the tiled-cut layout balances the ranks of an a x b mesh of {chunks} chunks: pass "
                              f"shape=(a, b) with a * b = {chunks}, not {shape!r}")
         a, b = int(shape[0]), int(shape[1])
         return tiled_cut(arrange(x.tolist(), chunks, "tiled", causal=causal, seed=seed, shape=(a, b),
-                                 weights=weights, start=start), causal=causal, weights=weights)
+                                 weights=weights, start=start, restart=restart), causal=causal, weights=weights)
     if layout == "split":
         if not 1 <= split <= len(x):
             raise ValueError(f"the split layout cuts 1 .. {len(x)} documents, not {split}")
@@ -547,14 +556,16 @@ def tiled_cut(tiled: Arrangement, *, causal: bool = True,
     total = int(lengths.sum())
     m = total // (2 * n)
     runs_, cut, rank_pairs = [(int(d), 0, int(lengths[d])) for d in order.tolist()], 0, tiled.rank_work
+    ratio = 0.0
     if causal and n > 1:
         base = np.full(n, w[0] + (w[1] + w[2]) * 2 * m)  # each rank's own (diagonal) varlen call
-        runs_, cut, _, rank_pairs = cut_documents(lengths, order, a, b, weights=w, base=base)
+        runs_, cut, cost, rank_pairs = cut_documents(lengths, order, a, b, weights=w, base=base)
+        ratio = float(cost.max() / cost.mean())
     doc, pos, length = (np.asarray(v, dtype=np.int64) for v in zip(*runs_))
     runs, work = _runs_work(doc, pos, length, lengths, n, causal)
     mask = _mask_of(doc, pos, length, "tiled-cut")
     return Arrangement("tiled-cut", mask, work, runs, tiled.starts, cut=cut, given=_given(doc, pos, length, lengths),
-                       shape=(a, b), rank_work=rank_pairs)
+                       shape=(a, b), rank_work=rank_pairs, restart=tiled.restart, cut_balance=ratio)
 
 
 def arrange_splits(lengths: Sequence[int], chunks: int, splits: int, *, causal: bool = True,
