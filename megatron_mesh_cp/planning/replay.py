@@ -205,11 +205,15 @@ def replay(
     record: Optional[int] = 0,
     costs: Optional[tuple] = None,
     bound: Optional[float] = None,
+    floor: Optional[float] = None,
 ) -> PhaseResult:
     """Replay ``plan`` on all ranks of its mesh; CP position p sits on GPU ``p * stride``. ``costs``:
     :func:`replay_costs` of a plan with the same ops (scoring re-orderings of one plan computes them once).
     ``bound``: stop once a rank's compute stream passes it (the phase cannot end sooner); the result's
-    ``finish`` is then infinite (a candidate that cannot beat the best so far costs less to score)."""
+    ``finish`` is then infinite (a candidate that cannot beat the best so far costs less to score).
+    ``floor``: stop, likewise, once a rank's compute stream plus the seconds of the computes still to
+    run on it is past ``floor`` (by more than rounding): then the phase surely ends after ``floor``,
+    and it is never stopped where it would end at or before it."""
     n = plan.a * plan.b
     nxt, inter, bw, lat, slow, dims, blocks, calls, waits = costs or replay_costs(plan, cluster, w, stride)
     backward = plan.phase == BACKWARD
@@ -273,10 +277,23 @@ def replay(
             sent["intra"] += np.where(inter[key], 0, count * nbytes)
         return PhaseResult(finish, busy, sent, by_cat, timeline, arrivals, host_free)
 
+    todo = None  # floor: per compute, in plan order, the block seconds of it and every later compute per rank
+    if floor is not None:
+        comps = [np.broadcast_to(blocks[op], (n,)) for op in plan.ops if isinstance(op, Compute)]
+        if comps:
+            todo = np.cumsum(np.array(comps)[::-1], axis=0)[::-1]
+            limit = floor * (1.0 + 1e-9)  # sums in another order than the replay's: far more than their rounding
+    k, last = 0, plan.ops[-1] if plan.ops else None
     for op in plan.ops:
-        if bound is not None and compute_free.max() > bound:
+        # the compute stream never goes back, so it is past the bound before some op iff before the last:
+        # looked at before each compute (to stop early) and the last op (the same stop as before every op)
+        if bound is not None and (op is last or isinstance(op, Compute)) and compute_free.max() > bound:
             return result(np.full(n, np.inf))
         if isinstance(op, Compute):
+            if todo is not None:
+                if (compute_free + todo[k]).max() > limit:
+                    return result(np.full(n, np.inf))
+                k += 1
             if waits is None:
                 start = np.maximum(compute_free, arrival[("q", op.q)])
                 for kv in op.kvs:
