@@ -27,6 +27,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from .replay import per_rank
 from ..runtime.plan import (GATHER_KINDS, REDUCE_KINDS, RING_OF, Compute, Free, Plan, PlanError, Transfer,
                             partial_offset, payload, validate)
 
@@ -207,7 +208,7 @@ def ready_orders(plan: Plan, durations: Sequence[np.ndarray], critical: int, tra
     ``critical``: the slowest rank of the pruned order (the ``critical`` stat's rank)."""
     out: List[Plan] = []
     seen = {plan.ops}
-    d = np.array([np.broadcast_to(x, (plan.a * plan.b,)) for x in durations]).reshape(len(durations), -1)
+    d = np.array([per_rank(x, plan.a * plan.b) for x in durations]).reshape(len(durations), -1)
     stats = {"mean": d.mean(axis=1), "max": d.max(axis=1), "critical": d[:, critical]} if len(d) else {}
     for stat, tie in variants or [(s, t) for s in STATS for t in TIES]:
         cand = ready_order(plan, stats[stat].tolist() if stats else [], transfer_s, inter, fold_s, tie)
@@ -302,7 +303,7 @@ def scored_reorder(plan: Plan, cluster, w, *, stride: int = 1, max_live: Optiona
         beat = own = base.time
         critical = base.critical
     else:  # the rank with the most block seconds stands for the slowest
-        critical = int(np.argmax(sum(np.broadcast_to(blocks[op], (n,)) for op in plan.computes)))
+        critical = int(np.argmax(sum(per_rank(blocks[op], n) for op in plan.computes)))
     cands = ready_orders(plan, [blocks[op] for op in plan.computes], critical, transfer_s, crosses, folds,
                          max_live=max_live, variants=variants, check=False)
     scored, best_t = [], None if force else beat

@@ -191,6 +191,35 @@ def replay_costs(plan: Plan, cluster: Cluster, w: Workload, stride: int = 1) -> 
     return ring_links(plan.a, plan.b, cluster, stride) + (workload_dims(w), blocks, calls, waits)
 
 
+def _still_to_run(plan: Plan, blocks, n: int, wire, backward: bool) -> Dict[int, np.ndarray]:
+    """For replay's ``floor``: before each compute and each reduction transfer (op index), per rank the
+    seconds its compute stream surely still spends -- the blocks of this and every later compute, and every
+    fold of an arrived partial from then on (each transfer forwarding a partial first folds those that
+    arrived into it; the owner folds its own at the end) -- each of which starts no earlier than now."""
+    folds, arrived = [0.0] * len(plan.ops), {}
+    for k, op in enumerate(plan.ops):
+        if isinstance(op, Transfer) and op.kind not in ("q", "kv"):
+            folds[k] = arrived.pop((op.kind, op.src), 0) * wire(op.kind)[2]
+            key = (op.kind, plan.dst(op))
+            arrived[key] = arrived.get(key, 0) + 1
+    later = sum(arrived.get((kind, 0), 0) * wire(kind)[2] for kind in (("dq", "dkv") if backward else ("o",)))
+    out, run = {}, np.zeros(n)
+    for k in range(len(plan.ops) - 1, -1, -1):
+        op = plan.ops[k]
+        later += folds[k]
+        if isinstance(op, Compute):
+            run = run + per_rank(blocks[op], n)
+        if isinstance(op, Compute) or folds[k]:
+            out[k] = run + later
+    return out
+
+
+def per_rank(x, n: int) -> np.ndarray:
+    """``x`` (a compute's seconds: per rank, or one for all) as an array over the ``n`` ranks (as it is, where it
+    is one already: np.broadcast_to costs tens of microseconds a call)."""
+    return x if isinstance(x, np.ndarray) and x.shape == (n,) else np.broadcast_to(x, (n,))
+
+
 def _waits(ran: np.ndarray):
     """Which ranks wait for a chunk: True (all), False (none) or the boolean array."""
     return True if ran.all() else False if not ran.any() else ran
@@ -277,23 +306,17 @@ def replay(
             sent["intra"] += np.where(inter[key], 0, count * nbytes)
         return PhaseResult(finish, busy, sent, by_cat, timeline, arrivals, host_free)
 
-    todo = None  # floor: per compute, in plan order, the block seconds of it and every later compute per rank
-    if floor is not None:
-        comps = [np.broadcast_to(blocks[op], (n,)) for op in plan.ops if isinstance(op, Compute)]
-        if comps:
-            todo = np.cumsum(np.array(comps)[::-1], axis=0)[::-1]
-            limit = floor * (1.0 + 1e-9)  # sums in another order than the replay's: far more than their rounding
-    k, last = 0, plan.ops[-1] if plan.ops else None
-    for op in plan.ops:
+    todo = _still_to_run(plan, blocks, n, wire, backward) if floor is not None else None
+    limit = None if floor is None else floor * (1.0 + 1e-9)  # sums in another order: far more than their rounding
+    last = plan.ops[-1] if plan.ops else None
+    for k, op in enumerate(plan.ops):
         # the compute stream never goes back, so it is past the bound before some op iff before the last:
         # looked at before each compute (to stop early) and the last op (the same stop as before every op)
         if bound is not None and (op is last or isinstance(op, Compute)) and compute_free.max() > bound:
             return result(np.full(n, np.inf))
+        if todo is not None and k in todo and (compute_free + todo[k]).max() > limit:
+            return result(np.full(n, np.inf))
         if isinstance(op, Compute):
-            if todo is not None:
-                if (compute_free + todo[k]).max() > limit:
-                    return result(np.full(n, np.inf))
-                k += 1
             if waits is None:
                 start = np.maximum(compute_free, arrival[("q", op.q)])
                 for kv in op.kvs:
