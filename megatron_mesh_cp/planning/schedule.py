@@ -167,7 +167,7 @@ def call_plans(a: int, b: int, planner: str = "greedy", *, workload: Workload, c
         if planner == "greedy" and not every and 2 * len(keep) > a * b and reorder is None:
             scaled = _scaled_pruned(full, a, b, keep, slabs, cl, workload, layer, stride, max_live)
         ready = [_ready(p, u, f, keep, slabs, cl, layer, stride, max_live, bool(reorder),
-                        floor=None if scaled is None or scaled[k] is None else scaled[k][0])
+                        *((None, None) if scaled is None or scaled[k] is None else (scaled[k][0], scaled[k][2])))
                  for k, (p, u, f) in enumerate(zip(full, unpruned, free))]
         full = tuple(p for _, p in ready)
         if scaled is not None:
@@ -185,10 +185,11 @@ def _scaled_pruned(plans, a, b, keep, slabs: bool, cluster: Cluster, workload: W
     four, so it is not tried there. Its pool is within :func:`masked_pool_bytes`, which holds every scale's
     full plans.
 
-    Per phase of the pruned ``plans``, ``(replayed seconds, plan)`` of the scaled one, replayed first so
-    its seconds are the ``floor`` of the phase's ready-order search (an order that surely replays slower
-    is stopped early: it loses to this plan anyway); None where it is the pruned plan itself (its scaled
-    plan fell back to the unscaled one), or for both where the scale is 1."""
+    Per phase of the pruned ``plans``, ``(replayed seconds, plan, costs)`` of the scaled one, replayed first
+    so its seconds are the ``floor`` of the phase's ready-order search (an order that surely replays slower
+    is stopped early: it loses to this plan anyway), with the pruned plan's replay_costs (the search's; the
+    scaled plan's replay shares them where its computes are among the pruned plan's); None where it is the
+    pruned plan itself (its scaled plan fell back to the unscaled one), or for both where the scale is 1."""
     scale = plan_scale(layer, cluster, a * b)
     if scale == 1.0:
         return None
@@ -196,8 +197,12 @@ def _scaled_pruned(plans, a, b, keep, slabs: bool, cluster: Cluster, workload: W
     for plan, full in zip(plans, _scaled_plans(a, b, cluster, workload, stride, max_live, float(scale), slabs)):
         alt = prune(full, keep)
         alt = alt if slabs else without_slabs(alt)
-        out.append(None if alt.ops == plan.ops and alt.slabs == plan.slabs
-                   else (replay(alt, cluster, layer, stride=stride, record=None).time, alt))
+        if alt.ops == plan.ops and alt.slabs == plan.slabs:
+            out.append(None)
+            continue
+        costs = replay_costs(plan, cluster, layer, stride) if plan.computes else None
+        shared = costs if costs is not None and set(alt.computes) <= set(plan.computes) else None
+        out.append((replay(alt, cluster, layer, stride=stride, record=None, costs=shared).time, alt, costs))
     return out
 
 
@@ -206,14 +211,15 @@ def _faster(plan: Plan, t: float, scaled, cluster: Cluster, layer: Workload, str
     the scaled plan's; nan where not replayed) or ``scaled`` (:func:`_scaled_pruned`), where that replays faster."""
     if scaled is None:  # the pruned plan itself: never faster than the ready-order search's pick
         return plan
-    t_alt, alt = scaled
+    t_alt, alt, _ = scaled
     if t != t:  # not replayed (too large to re-order): price it now
         t = replay(plan, cluster, layer, stride=stride, record=None, bound=t_alt, floor=t_alt).time
     return alt if t_alt < t else plan
 
 
 def _ready(pruned: Plan, full: Plan, free: Plan, keep, slabs: bool, cluster: Cluster, layer: Workload, stride: int,
-           max_live: Optional[int], force: bool, floor: Optional[float] = None) -> Tuple[float, Plan]:
+           max_live: Optional[int], force: bool, floor: Optional[float] = None,
+           costs: Optional[tuple] = None) -> Tuple[float, Plan]:
     """(replayed seconds or nan, plan): the ready order of one phase's pruned plan (planning/ready.py), within ``full``'s pool bytes (in
     the form that runs: without KV slabs where ``slabs`` is False) and ``max_live``; backward, where the limit made ``full`` differ from the unlimited ``free`` plan, also
     the first ready order of ``free`` pruned alike, kept if it replays faster still and fits the same
@@ -221,12 +227,13 @@ def _ready(pruned: Plan, full: Plan, free: Plan, keep, slabs: bool, cluster: Clu
     this takes the backward 1% lower (0.33 ms on the issue's draw); forward it never won, so it is
     not tried there (each try is a replay and more: ~1.5 ms of host time). ``floor``: the seconds of the plan
     the caller takes unless this one is faster (scored_reorder's: the seconds come back infinite where
-    this phase's orders surely replay slower)."""
+    this phase's orders surely replay slower); ``costs``: ``pruned``'s replay_costs where the caller has them."""
     if pruned.tile is None:
         return float("nan"), pruned
     room = peak_live_bytes(full if slabs else without_slabs(full), workload_dims(layer))  # the form that runs
     second = free.ops != full.ops and pruned.phase == BACKWARD  # forward: never faster over 8 draws
-    costs = replay_costs(pruned, cluster, layer, stride) if second else None  # shared when the computes are
+    if costs is None and second:  # shared when the computes are
+        costs = replay_costs(pruned, cluster, layer, stride)
     t, plan = scored_reorder(pruned, cluster, layer, stride=stride, max_live=max_live, room=room, force=force,
                              costs=costs, floor=floor)
     if not second or t != t:  # nan: too large to re-order
