@@ -192,10 +192,10 @@ def replay_costs(plan: Plan, cluster: Cluster, w: Workload, stride: int = 1) -> 
 
 
 def _still_to_run(plan: Plan, blocks, n: int, wire, backward: bool) -> Dict[int, np.ndarray]:
-    """For replay's ``floor``: before each compute and each reduction transfer (op index), per rank the
-    seconds its compute stream surely still spends -- the blocks of this and every later compute, and every
-    fold of an arrived partial from then on (each transfer forwarding a partial first folds those that
-    arrived into it; the owner folds its own at the end) -- each of which starts no earlier than now."""
+    """For replay's ``floor``: before each compute and each reduction transfer (op index), the seconds its
+    compute stream surely still spends -- per rank, the blocks of this and every later compute; for every
+    rank, every fold of an arrived partial from then on (each transfer forwarding a partial first folds those
+    that arrived into it; the owner folds its own at the end) -- each of which starts no earlier than now."""
     folds, arrived = [0.0] * len(plan.ops), {}
     for k, op in enumerate(plan.ops):
         if isinstance(op, Transfer) and op.kind not in ("q", "kv"):
@@ -203,14 +203,18 @@ def _still_to_run(plan: Plan, blocks, n: int, wire, backward: bool) -> Dict[int,
             key = (op.kind, plan.dst(op))
             arrived[key] = arrived.get(key, 0) + 1
     later = sum(arrived.get((kind, 0), 0) * wire(kind)[2] for kind in (("dq", "dkv") if backward else ("o",)))
-    out, run = {}, np.zeros(n)
+    comps = [k for k, op in enumerate(plan.ops) if isinstance(op, Compute)]
+    runs = np.zeros((len(comps) + 1, n))  # row j: the blocks of computes j, j + 1, ... (in plan order)
+    if comps:
+        runs[:-1] = np.cumsum(np.array([per_rank(blocks[plan.ops[k]], n) for k in comps])[::-1], axis=0)[::-1]
+    out, j = {}, len(comps)
     for k in range(len(plan.ops) - 1, -1, -1):
-        op = plan.ops[k]
         later += folds[k]
-        if isinstance(op, Compute):
-            run = run + per_rank(blocks[op], n)
-        if isinstance(op, Compute) or folds[k]:
-            out[k] = run + later
+        if j and comps[j - 1] == k:
+            j -= 1
+            out[k] = (runs[j], later)
+        elif folds[k]:
+            out[k] = (runs[j], later)
     return out
 
 
@@ -298,12 +302,15 @@ def replay(
     def result(finish):
         sent = {"intra": np.zeros(n), "inter": np.zeros(n)}
         by_cat: Dict[Tuple[str, str], int] = {}
+        per_key: Dict[Tuple[str, int], int] = {}  # bytes per ring direction (whole numbers: exact in any order)
         for (key, kind), count in sends.items():
             specs, nbytes, _ = wire(kind)
             for s in specs:
                 by_cat[(plan.phase, s.category)] = by_cat.get((plan.phase, s.category), 0) + count * s.nbytes
-            sent["inter"] += np.where(inter[key], count * nbytes, 0)
-            sent["intra"] += np.where(inter[key], 0, count * nbytes)
+            per_key[key] = per_key.get(key, 0) + count * nbytes
+        for key, nbytes in per_key.items():
+            sent["inter"] += np.where(inter[key], nbytes, 0)
+            sent["intra"] += np.where(inter[key], 0, nbytes)
         return PhaseResult(finish, busy, sent, by_cat, timeline, arrivals, host_free)
 
     todo = _still_to_run(plan, blocks, n, wire, backward) if floor is not None else None
@@ -314,7 +321,7 @@ def replay(
         # looked at before each compute (to stop early) and the last op (the same stop as before every op)
         if bound is not None and (op is last or isinstance(op, Compute)) and compute_free.max() > bound:
             return result(np.full(n, np.inf))
-        if todo is not None and k in todo and (compute_free + todo[k]).max() > limit:
+        if todo is not None and k in todo and (compute_free + todo[k][0]).max() + todo[k][1] > limit:
             return result(np.full(n, np.inf))
         if isinstance(op, Compute):
             if waits is None:
