@@ -278,15 +278,21 @@ def _scaled_plans(a, b, cluster, workload, stride, max_live, scale, slabs: bool 
     shape's budget of 4x TE Ring's); :func:`masked_pool_bytes` is what the dry run reports."""
     full = build_plans(a, b, cluster=cluster, workload=workload, stride=stride, max_live=max_live,
                        chains="both-ways")
-    peaks = tuple(validate(p) for p in full)
+    peaks = tuple(_live_chunks(p) for p in full)
     try:
         tuned = build_plans(a, b, cluster=cluster, workload=replace(workload, plan_scale=scale), stride=stride,
                             max_live=max(peaks), chains="both-ways")
     except ValueError:  # no scaled plan within the unscaled ones' live chunks: keep them
         return full
     if not slabs:  # compared as they run: every KV chunk in its own buffer
-        peaks = tuple(validate(without_slabs(p)) for p in full)
+        peaks = tuple(_live_chunks(without_slabs(p)) for p in full)
     return tuple(t if validate(t if slabs else without_slabs(t)) <= peak else f for t, f, peak in zip(tuned, full, peaks))
+
+
+@lru_cache(maxsize=64)  # the unscaled full plans of a few layers and shapes, each scale's build reads them
+def _live_chunks(plan: Plan) -> int:
+    """validate's peak live chunks of a full plan (read again for every scale: :func:`_scaled_plans`)."""
+    return validate(plan)
 
 
 def masked_pool_bytes(a: int, b: int, cluster: Cluster, workload: Workload, stride: int = 1,
@@ -323,6 +329,7 @@ def clear_plan_cache() -> None:
     """Forget every plan built so far (benchmarks time planning from scratch)."""
     _greedy_plans.cache_clear()
     _scaled_plans.cache_clear()
+    _live_chunks.cache_clear()
     document_plans.cache_clear()
 
 
