@@ -92,6 +92,19 @@ def test_layouts_are_permutations_and_their_blocks_the_dense_mask(n):
             assert np.allclose(arr.work, work), (lengths, arr.name, arr.work, work)
 
 
+def test_order_is_its_runs_laid_back_to_back():
+    """A layout's order (built in place from its runs) is each run's tokens in x, run after run."""
+    for n in (2, 4):
+        for lengths in document_mixes(16 * n, random.Random(10 + n)):
+            for arr in laid_out(lengths, n):
+                if arr.order is None:
+                    continue
+                doc, pos, length = arr.runs
+                want = np.concatenate([np.arange(arr.starts[d] + p, arr.starts[d] + p + k)
+                                       for d, p, k in zip(doc, pos, length)])
+                assert arr.order.dtype == np.int64 and np.array_equal(arr.order, want), (lengths, arr.name)
+
+
 def test_split_layout_balances_a_long_document():
     """A document of 60% of the sequence among short ones: the zigzag's busiest chunk does ~1.5x the
     mean; split, every chunk does about the same (the short documents balanced around it)."""

@@ -110,3 +110,57 @@ def test_a_live_chunk_limit_bounds_the_scaled_plans_and_the_pool_covers_them():
         plans = call_plans(2, 4, workload=w, cluster=H100, masked=True, keep=None, scale=scale, max_live=limit)
         assert all(validate(p) <= limit for p in plans) and plan_peak_bytes(*plans, w) <= pool
         scale /= 2
+
+
+def test_the_scaled_comparison_stops_slower_orders_early_and_keeps_the_same_plans(monkeypatch):
+    """Where a mask keeps most tile blocks but not all, the scaled plan is replayed first and its seconds are the
+    floor of the ready-order search (orders that surely replay slower are stopped early): the plans are the
+    ones of the search run to its end and then compared with the scaled plan (heavy-tailed draw, a2a+mesh
+    8x2x16 GQA: 23 of 32 tile blocks kept), and fewer op steps are replayed."""
+    import sys
+
+    from megatron_mesh_cp.planning import choose_layout, sample_documents, ulysses_inner
+    from megatron_mesh_cp.planning import schedule
+    from megatron_mesh_cp.runtime.prune import prune, without_slabs
+
+    rp = sys.modules["megatron_mesh_cp.planning.replay"]  # the module (the package exports its replay function)
+    w = ulysses_inner(8, Workload(seq_local=4096, heads=32, kv_heads=8, head_dim=128, partial_bytes=2))
+    docs = sample_documents(1 << 20, seed=7, lo=384, hi=512 * 1024, dist="powerlaw").lengths
+    layer = replace(w, mask=choose_layout(docs, 2, 16, H100, w, stride=8).arrangement.mask)
+    keep, slabs = layer.needed(2, 16), layer.blocks(32).zigzag_keys
+    assert 16 < len(keep) < 32 and plan_scale(layer, H100, 32) < 1.0
+    kw = dict(workload=w, cluster=H100, stride=8, keep=keep, masked=True, slabs=slabs, layer=layer)
+    stopped, real = [], rp.replay
+
+    def counted(*a, **k):
+        res = real(*a, **k)
+        stopped.append(res.time == np.inf)
+        return res
+
+    monkeypatch.setattr(rp, "replay", counted)
+    got = call_plans(2, 16, **kw)
+    assert any(stopped)
+    # the search without a floor, then the scaled plan pruned alike where it replays faster (ties: the search's)
+    full = schedule.build_plans(2, 16, cluster=H100, workload=w, stride=8, chains="both-ways")
+    scaled = schedule._scaled_plans(2, 16, H100, w, 8, None, plan_scale(layer, H100, 32), slabs)
+    want, won = [], []
+    for f, s in zip(full, scaled):
+        pruned = prune(f, keep) if slabs else without_slabs(prune(f, keep))
+        t, plan = schedule._ready(pruned, f, f, keep, slabs, H100, layer, 8, None, False)
+        alt = prune(s, keep) if slabs else without_slabs(prune(s, keep))
+        won.append(real(alt, H100, layer, stride=8, record=None).time < t)
+        want.append(alt if won[-1] else plan)
+    assert [p.ops for p in got] == [p.ops for p in want] and any(won)
+
+
+def test_a_replay_stopped_at_a_floor_is_surely_slower():
+    """replay's ``floor``: a plan that ends at or before it replays exactly; one stopped is slower than it."""
+    from megatron_mesh_cp.planning.replay import replay
+
+    w = _layer(8, UnpaddedDocuments(LONG))
+    for p in call_plans(2, 4, workload=w.unmasked, cluster=H100, masked=True, keep=w.needed(2, 4), layer=w,
+                        slabs=w.blocks(8).zigzag_keys):
+        t = replay(p, H100, w, record=None).time
+        assert replay(p, H100, w, record=None, floor=t).time == t
+        assert replay(p, H100, w, record=None, floor=0.5 * t).time == np.inf
+        assert replay(p, H100, w, record=None, floor=t * (1 - 1e-6)).time in (t, np.inf)

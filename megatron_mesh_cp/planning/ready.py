@@ -27,6 +27,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from .replay import per_rank
 from ..runtime.plan import (GATHER_KINDS, REDUCE_KINDS, RING_OF, Compute, Free, Plan, PlanError, Transfer,
                             partial_offset, payload, validate)
 
@@ -207,7 +208,7 @@ def ready_orders(plan: Plan, durations: Sequence[np.ndarray], critical: int, tra
     ``critical``: the slowest rank of the pruned order (the ``critical`` stat's rank)."""
     out: List[Plan] = []
     seen = {plan.ops}
-    d = np.array([np.broadcast_to(x, (plan.a * plan.b,)) for x in durations]).reshape(len(durations), -1)
+    d = np.array([per_rank(x, plan.a * plan.b) for x in durations]).reshape(len(durations), -1)
     stats = {"mean": d.mean(axis=1), "max": d.max(axis=1), "critical": d[:, critical]} if len(d) else {}
     for stat, tie in variants or [(s, t) for s in STATS for t in TIES]:
         cand = ready_order(plan, stats[stat].tolist() if stats else [], transfer_s, inter, fold_s, tie)
@@ -273,11 +274,17 @@ def reorder(plan: Plan, cluster, w, *, stride: int = 1, max_live: Optional[int] 
 
 def scored_reorder(plan: Plan, cluster, w, *, stride: int = 1, max_live: Optional[int] = None,
                    room: Optional[int] = None, force: bool = False, variants=None,
-                   beat: Optional[float] = None, costs: Optional[tuple] = None) -> Tuple[float, Plan]:
+                   beat: Optional[float] = None, costs: Optional[tuple] = None,
+                   floor: Optional[float] = None) -> Tuple[float, Plan]:
     """:func:`reorder` with its replayed seconds: ``(seconds, plan)``. ``variants``: the (stat, tie)
     candidates (default :data:`VARIANTS` of the phase); ``beat``: the seconds to beat instead of the
     pruned order's (which is then not replayed, and not returned: ``(inf, plan)`` when nothing beats it);
-    ``costs``: replay_costs of a plan with these computes (and more), computed once by the caller."""
+    ``costs``: replay_costs of a plan with these computes (and more), computed once by the caller.
+    ``floor``: the seconds of another plan the caller takes over this search's unless it is beaten
+    (strictly): an order that replays slower than ``floor`` is stopped as soon as it surely does (replay's
+    ``bound`` and ``floor``), so it comes back as infinite -- the pruned order's too, except where a
+    variant is picked by the slowest rank of its replay (``critical``) -- which changes no result the
+    caller keeps: what replays at or under ``floor`` is scored as without it."""
     from ..runtime.memory import peak_live_bytes
     from .replay import replay, replay_costs
 
@@ -288,17 +295,23 @@ def scored_reorder(plan: Plan, cluster, w, *, stride: int = 1, max_live: Optiona
     costs = costs or replay_costs(plan, cluster, w, stride)
     _, inter, bw, lat, _, dims, blocks, _, _ = costs
     transfer_s, crosses, folds = link_costs(plan, dims, bw, lat, inter, cluster.hbm_bw)
+    variants = variants or VARIANTS[plan.phase]
     if beat is None:
-        base = replay(plan, cluster, w, stride=stride, record=None, costs=costs)
+        # the slowest rank of the pruned order's replay picks the critical variant: that replay runs to its end
+        stop = None if force or any(stat == "critical" for stat, _ in variants) else floor
+        base = replay(plan, cluster, w, stride=stride, record=None, costs=costs, bound=stop, floor=stop)
         beat = own = base.time
         critical = base.critical
     else:  # the rank with the most block seconds stands for the slowest
-        critical = int(np.argmax(sum(np.broadcast_to(blocks[op], (n,)) for op in plan.computes)))
+        critical = int(np.argmax(sum(per_rank(blocks[op], n) for op in plan.computes)))
     cands = ready_orders(plan, [blocks[op] for op in plan.computes], critical, transfer_s, crosses, folds,
-                         max_live=max_live, variants=variants or VARIANTS[plan.phase], check=False)
+                         max_live=max_live, variants=variants, check=False)
     scored, best_t = [], None if force else beat
+    if floor is not None and not force:
+        best_t = min(best_t, floor)
     for k, p in enumerate(cands):  # a candidate is dropped as soon as it cannot beat the best so far
-        t = replay(p, cluster, w, stride=stride, record=None, costs=costs, bound=best_t).time
+        t = replay(p, cluster, w, stride=stride, record=None, costs=costs, bound=best_t,
+                   floor=None if force else floor).time
         scored.append((t, k, p))
         best_t = t if best_t is None else min(best_t, t)
     scored.sort()

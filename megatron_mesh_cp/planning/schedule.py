@@ -163,51 +163,79 @@ def call_plans(a: int, b: int, planner: str = "greedy", *, workload: Workload, c
         # fit the same pool from the unlimited full plans, whose ready order can be faster
         free = (build_plans(a, b, planner, cluster=cluster, workload=workload, stride=stride, max_live=None,
                             chains="both-ways") if max_live is not None and planner == "greedy" else unpruned)
-        ready = [_ready(p, u, f, keep, slabs, cl, layer, stride, max_live, bool(reorder))
-                 for p, u, f in zip(full, unpruned, free)]
-        full = tuple(p for _, p in ready)
+        scaled = None
         if planner == "greedy" and not every and 2 * len(keep) > a * b and reorder is None:
-            full = _scaled_pruned(full, [t for t, _ in ready], a, b, keep, slabs, cl, workload, layer, stride, max_live)
+            scaled = _scaled_pruned(full, a, b, keep, slabs, cl, workload, layer, stride, max_live)
+        ready = [_ready(p, u, f, keep, slabs, cl, layer, stride, max_live, bool(reorder),
+                        *((None, None) if scaled is None or scaled[k] is None else (scaled[k][0], scaled[k][2])))
+                 for k, (p, u, f) in enumerate(zip(full, unpruned, free))]
+        full = tuple(p for _, p in ready)
+        if scaled is not None:
+            full = tuple(_faster(plan, t, alt, cl, layer, stride) for (t, plan), alt in zip(ready, scaled))
     return full
 
 
-def _scaled_pruned(plans, seconds, a, b, keep, slabs: bool, cluster: Cluster, workload: Workload, layer: Workload,
-                   stride: int, max_live: Optional[int]) -> Tuple[Plan, Plan]:
-    """Where a mask keeps most tile blocks but not all, each phase's plan or the full plan planned for the
-    layer's :func:`plan_scale` pruned alike, whichever replays faster (ties: the first). Measured on
-    docs/packing.md's heavy-tailed draw with documents over half of each mesh row (23 and 29 of 32 tile
-    blocks kept): 79.4 -> 75.9 ms GQA 8x2x16, 93.2 -> 86.1 ms MHA 8x4x8; where few blocks are kept (the
-    4K-64K draws, 9-12 of 32) the scaled order is slower in three of four, so it is not tried there. Its
-    pool is within :func:`masked_pool_bytes`, which holds every scale's full plans."""
+def _scaled_pruned(plans, a, b, keep, slabs: bool, cluster: Cluster, workload: Workload, layer: Workload,
+                   stride: int, max_live: Optional[int]) -> Optional[list]:
+    """Where a mask keeps most tile blocks but not all, each phase's plan (its ready order, :func:`_ready`)
+    or the full plan planned for the layer's :func:`plan_scale` pruned alike, whichever replays faster
+    (ties: the former; :func:`_faster`). Measured on docs/packing.md's heavy-tailed draw with documents over
+    half of each mesh row (23 and 29 of 32 tile blocks kept): 79.4 -> 75.9 ms GQA 8x2x16, 93.2 -> 86.1 ms MHA
+    8x4x8; where few blocks are kept (the 4K-64K draws, 9-12 of 32) the scaled order is slower in three of
+    four, so it is not tried there. Its pool is within :func:`masked_pool_bytes`, which holds every scale's
+    full plans.
+
+    Per phase of the pruned ``plans``, ``(replayed seconds, plan, costs)`` of the scaled one, replayed first
+    so its seconds are the ``floor`` of the phase's ready-order search (an order that surely replays slower
+    is stopped early: it loses to this plan anyway), with the pruned plan's replay_costs (the search's; the
+    scaled plan's replay shares them where its computes are among the pruned plan's); None where it is the
+    pruned plan itself (its scaled plan fell back to the unscaled one), or for both where the scale is 1."""
     scale = plan_scale(layer, cluster, a * b)
     if scale == 1.0:
-        return tuple(plans)
-    scaled = _scaled_plans(a, b, cluster, workload, stride, max_live, float(scale), slabs)
+        return None
     out = []
-    for plan, t, full in zip(plans, seconds, scaled):
+    for plan, full in zip(plans, _scaled_plans(a, b, cluster, workload, stride, max_live, float(scale), slabs)):
         alt = prune(full, keep)
         alt = alt if slabs else without_slabs(alt)
-        if t != t:  # not replayed (too large to re-order): price it now
-            t = replay(plan, cluster, layer, stride=stride, record=None).time
-        out.append(alt if replay(alt, cluster, layer, stride=stride, record=None).time < t else plan)
-    return tuple(out)
+        if alt.ops == plan.ops and alt.slabs == plan.slabs:
+            out.append(None)
+            continue
+        costs = replay_costs(plan, cluster, layer, stride) if plan.computes else None
+        shared = costs if costs is not None and set(alt.computes) <= set(plan.computes) else None
+        out.append((replay(alt, cluster, layer, stride=stride, record=None, costs=shared).time, alt, costs))
+    return out
+
+
+def _faster(plan: Plan, t: float, scaled, cluster: Cluster, layer: Workload, stride: int) -> Plan:
+    """``plan`` (its ready-order search's seconds ``t``: infinite where that search stopped it as slower than
+    the scaled plan's; nan where not replayed) or ``scaled`` (:func:`_scaled_pruned`), where that replays faster."""
+    if scaled is None:  # the pruned plan itself: never faster than the ready-order search's pick
+        return plan
+    t_alt, alt, _ = scaled
+    if t != t:  # not replayed (too large to re-order): price it now
+        t = replay(plan, cluster, layer, stride=stride, record=None, bound=t_alt, floor=t_alt).time
+    return alt if t_alt < t else plan
 
 
 def _ready(pruned: Plan, full: Plan, free: Plan, keep, slabs: bool, cluster: Cluster, layer: Workload, stride: int,
-           max_live: Optional[int], force: bool) -> Tuple[float, Plan]:
+           max_live: Optional[int], force: bool, floor: Optional[float] = None,
+           costs: Optional[tuple] = None) -> Tuple[float, Plan]:
     """(replayed seconds or nan, plan): the ready order of one phase's pruned plan (planning/ready.py), within ``full``'s pool bytes (in
     the form that runs: without KV slabs where ``slabs`` is False) and ``max_live``; backward, where the limit made ``full`` differ from the unlimited ``free`` plan, also
     the first ready order of ``free`` pruned alike, kept if it replays faster still and fits the same
     pool and limit (``force`` applies to the first). Over 8 draws of 4K-64K documents on a2a+mesh 8x2x16
     this takes the backward 1% lower (0.33 ms on the issue's draw); forward it never won, so it is
-    not tried there (each try is a replay and more: ~1.5 ms of host time)."""
+    not tried there (each try is a replay and more: ~1.5 ms of host time). ``floor``: the seconds of the plan
+    the caller takes unless this one is faster (scored_reorder's: the seconds come back infinite where
+    this phase's orders surely replay slower); ``costs``: ``pruned``'s replay_costs where the caller has them."""
     if pruned.tile is None:
         return float("nan"), pruned
     room = peak_live_bytes(full if slabs else without_slabs(full), workload_dims(layer))  # the form that runs
     second = free.ops != full.ops and pruned.phase == BACKWARD  # forward: never faster over 8 draws
-    costs = replay_costs(pruned, cluster, layer, stride) if second else None  # shared when the computes are
+    if costs is None and second:  # shared when the computes are
+        costs = replay_costs(pruned, cluster, layer, stride)
     t, plan = scored_reorder(pruned, cluster, layer, stride=stride, max_live=max_live, room=room, force=force,
-                             costs=costs)
+                             costs=costs, floor=floor)
     if not second or t != t:  # nan: too large to re-order
         return t, plan
     alt = prune(free, keep)
@@ -217,7 +245,7 @@ def _ready(pruned: Plan, full: Plan, free: Plan, keep, slabs: bool, cluster: Clu
     if not set(alt.computes) <= set(pruned.computes):  # other computes (grouped otherwise): price them anew
         costs = None
     t2, alt = scored_reorder(alt, cluster, layer, stride=stride, max_live=max_live, room=room,
-                             variants=VARIANTS[alt.phase][:1], beat=t, costs=costs)
+                             variants=VARIANTS[alt.phase][:1], beat=t, costs=costs, floor=floor)
     return (t2, alt) if t2 < t else (t, plan)
 
 
@@ -250,15 +278,21 @@ def _scaled_plans(a, b, cluster, workload, stride, max_live, scale, slabs: bool 
     shape's budget of 4x TE Ring's); :func:`masked_pool_bytes` is what the dry run reports."""
     full = build_plans(a, b, cluster=cluster, workload=workload, stride=stride, max_live=max_live,
                        chains="both-ways")
-    peaks = tuple(validate(p) for p in full)
+    peaks = tuple(_live_chunks(p) for p in full)
     try:
         tuned = build_plans(a, b, cluster=cluster, workload=replace(workload, plan_scale=scale), stride=stride,
                             max_live=max(peaks), chains="both-ways")
     except ValueError:  # no scaled plan within the unscaled ones' live chunks: keep them
         return full
     if not slabs:  # compared as they run: every KV chunk in its own buffer
-        peaks = tuple(validate(without_slabs(p)) for p in full)
+        peaks = tuple(_live_chunks(without_slabs(p)) for p in full)
     return tuple(t if validate(t if slabs else without_slabs(t)) <= peak else f for t, f, peak in zip(tuned, full, peaks))
+
+
+@lru_cache(maxsize=64)  # the unscaled full plans of a few layers and shapes, each scale's build reads them
+def _live_chunks(plan: Plan) -> int:
+    """validate's peak live chunks of a full plan (read again for every scale: :func:`_scaled_plans`)."""
+    return validate(plan)
 
 
 def masked_pool_bytes(a: int, b: int, cluster: Cluster, workload: Workload, stride: int = 1,
@@ -304,6 +338,7 @@ def clear_plan_cache() -> None:
     """Forget every plan built so far (benchmarks time planning from scratch)."""
     _greedy_plans.cache_clear()
     _scaled_plans.cache_clear()
+    _live_chunks.cache_clear()
     document_plans.cache_clear()
 
 
