@@ -290,7 +290,8 @@ def documents_page():
         "split:K:H, for the split count priced fastest (and split:k:k for larger counts), is taken only where its "
         "plans also replay faster "
         "than the fastest other candidate's (its tile blocks differ from rank to rank, which the bound does "
-        "not see). Every "
+        "not see); where tiled-cut is priced fastest but its busiest rank stays above 1.12x the mean, tiled-cut "
+        "from a restarted rank search too, taken where it is more balanced and its plans replay faster. Every "
         "layout is exact: each "
         "document keeps its tokens, labels and positions (RoPE rotates each token at its own position). TE's "
         "THD partition balances any order.",
@@ -332,8 +333,9 @@ def documents_page():
         "preparation's share. The launcher makes this choice where the sample loads, in the data loader's "
         "workers ahead of the step (`megatron/layout.py` `LaidOutDataset`); the step only decodes it (under 1 ms) "
         "and prepares the call (its pruned plans re-ordered by `planning/ready.py`; `bench_layout_host.py` measured "
-        "a median of 16-19 ms on the 4K-64K draws and 53 ms, at most 67, on the heavy-tailed ones, where the "
-        "split layouts' plans are replayed against their scaled form).",
+        "a median of 20-23 ms on the 4K-64K draws and 32-43 ms on the heavy-tailed ones, where the split layouts' "
+        "plans are replayed against their scaled form, at most 70 ms where a draw's plan scale is new and its scaled "
+        "plans are built once).",
         "",
         "Reading the tables. *Exposed comm* is the critical rank's idle time: with documents it includes waiting "
         "for partials and chunks from busier ranks, i.e. load imbalance, not only the wire. Megatron's ordinary "
