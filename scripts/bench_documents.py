@@ -71,10 +71,11 @@ def _mesh_of(algo, res, w, cluster):
     """(u, a, b, max_live) of a mesh-family result as it ran."""
     if algo == "ring-pruned":
         return 1, 1, N, None
+    even = bool(getattr(w.mask, "halves", 0)) and N % 4 == 0  # as simulate_algorithm: split:K:H on even meshes
     if algo == "mesh":  # the same call (and cache entry) as simulate_algorithm's
-        ch = choose_shape(N, cluster, w, stride=1, max_live=None)
+        ch = choose_shape(N, cluster, w, stride=1, max_live=None, even=even)
         return 1, ch.shape.a, ch.shape.b, ch.max_live
-    ch = choose_hybrid_shape(N, cluster, w, stride=1, max_live=None)
+    ch = choose_hybrid_shape(N, cluster, w, stride=1, max_live=None, even=even)
     return ch.u, ch.shape.a, ch.shape.b, ch.max_live
 
 

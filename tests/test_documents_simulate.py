@@ -237,6 +237,11 @@ def test_split_half_rows_say_when_the_mesh_ran_split():
     n, seq = 8, 64 * 1024
     packing, docs = document_sets(seq, n, lo_hi=(512, 16384), dist="powerlaw", seed=1)
     w = Workload(seq_local=seq // n, heads=8, kv_heads=8, head_dim=64, partial_bytes=2)
-    res = {r.algo: r for r in compare_documents(["mesh:2x4"], n, H100, w, packing, docs, layouts=["split:1:1"])}
+    res = {r.algo: r for r in compare_documents(["mesh:2x4", "mesh", "a2a+mesh"], n, H100, w, packing, docs,
+                                                 layouts=["split:1:1"])}
     assert res["ring-pruned"].layout == "split:1 (split:1:1 needs a, b even)"
     assert res["mesh:2x4"].layout == "split:1:1"
+    # the auto shapes choose among even meshes, as the launcher's --mesh-layout split-half with --mesh-shape auto
+    for algo in ("mesh", "a2a+mesh"):
+        assert all(int(x) % 2 == 0 for x in res[algo].shape.split("x")[-2:]), res[algo].shape
+        assert res[algo].layout == "split:1:1"

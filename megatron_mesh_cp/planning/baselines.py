@@ -271,8 +271,9 @@ def simulate_algorithm(
         return _plan_algo("ring", 1, n, cluster, w, tp, chains="one-way") if n > 1 else _plan_algo("ring", 1, 1, cluster, w, tp)
     if algo == "passq":
         return _plan_algo("passq", n, 1, cluster, w, tp, chains="one-way")
+    even = bool(getattr(w.mask, "halves", 0)) and n % 4 == 0  # split:K:H: even sides, as the launcher's split-half
     if algo in ("mesh", "mesh-naive"):
-        choice = choose_shape(n, cluster, w, stride=tp, max_live=max_live)
+        choice = choose_shape(n, cluster, w, stride=tp, max_live=max_live, even=even)
         a, b = choice.shape.a, choice.shape.b
         if algo == "mesh":  # the plans auto chose: built with the live-chunk limit that fits its budget
             return _plan_algo("mesh", a, b, cluster, w, tp, max_live=choice.max_live, note="auto")
@@ -289,7 +290,7 @@ def simulate_algorithm(
         return _usp(n, cluster, w, tp)
     if algo == "a2a+mesh":
 
-        ch = choose_hybrid_shape(n, cluster, w, stride=tp, max_live=max_live)
+        ch = choose_hybrid_shape(n, cluster, w, stride=tp, max_live=max_live, even=even)
         return a2a_mesh(ch.u, ch.shape.a, ch.shape.b, cluster, w, tp, ch.max_live)
     if algo.startswith("a2a+mesh:"):
     
