@@ -153,7 +153,7 @@ def test_layouts_the_model_cannot_re_lay_are_refused_or_narrowed_with_the_reason
     with pytest.raises(MeshArgumentError, match=r"mesh is 1x4: .* both sides even \(e.g. 2x2x2\)"):  # a2a+mesh: UxAxB
         apply_mesh_args(_flat(**dict(base, context_parallel_algo="a2a+mesh", mesh_shape="2x1x4",
                                      context_parallel_size=8), mesh_layout="split-half"), [])
-    with pytest.raises(MeshArgumentError, match=r"mesh is 1x6: .* both sides even \(there is none for a x b = 6\)"):
+    with pytest.raises(MeshArgumentError, match=r"mesh is 1x6: .* or a CP size that is a multiple of 4 \(a x b = 6 has no such mesh\)"):
         apply_mesh_args(_flat(**dict(base, mesh_shape="1x6", context_parallel_size=6, seq_length=1200),
                               mesh_layout="split-half"), [])
     # --mesh-shape auto (the default) chooses among meshes with both sides even, and says so

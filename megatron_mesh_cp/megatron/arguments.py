@@ -184,12 +184,13 @@ def _check_document_masking(args, launcher: bool, opts: dict) -> None:
             if len(sizes) != 2 or sizes[0] % 2 or sizes[1] % 2:
                 mesh = "x".join(map(str, sizes)) or "none"
                 even = _even_sides(sizes[0] * sizes[1]) if len(sizes) == 2 else None
-                shape = ("e.g. " + "x".join(map(str, every[:-2] + list(even))) if even else
-                         f"there is none for a x b = {sizes[0] * sizes[1]}" if len(sizes) == 2 else "e.g. 2x2")
+                fix = ("or a --mesh-shape with both sides even (e.g. " + "x".join(map(str, every[:-2] + list(even))) + ")"
+                       if even else f"or a CP size that is a multiple of 4 (a x b = {sizes[0] * sizes[1]} has no such mesh)"
+                       if len(sizes) == 2 else "or a --mesh-shape with both sides even (e.g. 2x2)")
                 raise MeshArgumentError(
                     f"--mesh-layout split-half cuts documents over half of each mesh row's chunks, which needs a mesh "
                     f"a x b with a and b even; this run's mesh is {mesh}: use --mesh-layout split (over every chunk) "
-                    f"or auto, or a --mesh-shape with both sides even ({shape})")
+                    f"or auto, {fix}")
         opts["layout"] = layout
         if layout == "auto" and cuts:  # said in the dry run and the log: auto keeps documents whole here
             opts["whole_documents"] = True

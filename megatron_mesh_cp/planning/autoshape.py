@@ -256,6 +256,8 @@ def choose_hybrid_shape(
     best_t, (u, a, b) = timed[0]
     ring = _mesh_time(1, n, cluster, workload, stride, None, chains="one-way")  # TE's p2p Ring (documents: pruned)
     runner = (f", next {'x'.join(map(str, timed[1][1]))} {timed[1][0] * 1e3:.2f} ms" if len(timed) > 1 else "")
+    vs_ring = (f"{ring / best_t:.2f}x slower" if ring >= best_t else  # TE's one-way Ring: not a candidate of auto's
+               f"{best_t / ring:.2f}x faster, but not a layout auto runs")
     text = (
         f"mesh_shape=auto (a2a+mesh) -> {u}x{a}x{b} for CP={n}{_EVEN_NOTE if even else ''} "
         f"(S/rank={workload.seq_local}, heads "
@@ -263,7 +265,7 @@ def choose_hybrid_shape(
         f"simulated {best_t * 1e3:.2f} ms/layer fwd+bwd, peak attention memory {peaks[(u, a, b)][0] / 2**20:.0f} "
         f"MiB/rank (budget {budget / 2**20:.0f} MiB){runner}, {'pruned ' if workload.pruned else ''}Ring 1x1x{n} "
         f"{ring * 1e3:.2f} ms "
-        f"({ring / best_t:.2f}x slower)"
+        f"({vs_ring})"
     )
     log.info(text)
     return HybridChoice(u, MeshShape(a, b), best_t, tuple(sorted(rows)), text, peaks[(u, a, b)][0], budget,
