@@ -263,7 +263,7 @@ def choose_hybrid_shape(
         f"simulated {best_t * 1e3:.2f} ms/layer fwd+bwd, peak attention memory {peaks[(u, a, b)][0] / 2**20:.0f} "
         f"MiB/rank (budget {budget / 2**20:.0f} MiB){runner}, {'pruned ' if workload.pruned else ''}Ring 1x1x{n} "
         f"{ring * 1e3:.2f} ms "
-        f"({ring / best_t:.2f}x slower)"
+        f"({_vs(ring, best_t, even)})"
     )
     log.info(text)
     return HybridChoice(u, MeshShape(a, b), best_t, tuple(sorted(rows)), text, peaks[(u, a, b)][0], budget,
