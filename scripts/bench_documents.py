@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from megatron_mesh_cp.planning import choose_hybrid_shape, choose_shape  # noqa: E402
 from megatron_mesh_cp.planning import simulate_algorithm  # noqa: E402
+from megatron_mesh_cp.planning.baselines import even_sides  # noqa: E402
 from megatron_mesh_cp.planning import Workload, load_cluster, workload_dims  # noqa: E402
 from megatron_mesh_cp.planning import ulysses_inner  # noqa: E402
 from megatron_mesh_cp.planning import compare_documents, document_sets  # noqa: E402
@@ -71,7 +72,7 @@ def _mesh_of(algo, res, w, cluster):
     """(u, a, b, max_live) of a mesh-family result as it ran."""
     if algo == "ring-pruned":
         return 1, 1, N, None
-    even = bool(getattr(w.mask, "halves", 0)) and N % 4 == 0  # as simulate_algorithm: split:K:H on even meshes
+    even = even_sides(w, N)  # as simulate_algorithm: split:K:H on even meshes
     if algo == "mesh":  # the same call (and cache entry) as simulate_algorithm's
         ch = choose_shape(N, cluster, w, stride=1, max_live=None, even=even)
         return 1, ch.shape.a, ch.shape.b, ch.max_live

@@ -257,7 +257,8 @@ def choose_hybrid_shape(
     ring = _mesh_time(1, n, cluster, workload, stride, None, chains="one-way")  # TE's p2p Ring (documents: pruned)
     runner = (f", next {'x'.join(map(str, timed[1][1]))} {timed[1][0] * 1e3:.2f} ms" if len(timed) > 1 else "")
     vs_ring = (f"{ring / best_t:.2f}x slower" if ring >= best_t else  # TE's one-way Ring: not a candidate of auto's
-               f"{best_t / ring:.2f}x faster, but not a layout auto runs")
+               f"{best_t / ring:.2f}x faster, but " + ("its sides are not both even" if even else
+                                                      "not a layout auto runs"))
     text = (
         f"mesh_shape=auto (a2a+mesh) -> {u}x{a}x{b} for CP={n}{_EVEN_NOTE if even else ''} "
         f"(S/rank={workload.seq_local}, heads "

@@ -248,6 +248,13 @@ def _usp(n: int, cluster: Cluster, w: Workload, stride: int) -> SimResult:
     return best
 
 
+def even_sides(w: Workload, n: int) -> bool:
+    """Whether the auto shapes (mesh, a2a+mesh) of ``w`` on ``n`` ranks choose only among meshes with both sides
+    even: split:K:H rows (documents over half rows), as the launcher's split-half with --mesh-shape auto, where
+    the CP size has such a mesh (a multiple of 4; else the row runs as split:K)."""
+    return bool(getattr(w.mask, "halves", 0)) and n % 4 == 0
+
+
 def simulate_algorithm(
     algo: str, n: int, cluster: Cluster, w: Workload, *, tp: int = 1, max_live: Optional[int] = None
 ) -> SimResult:
@@ -271,7 +278,7 @@ def simulate_algorithm(
         return _plan_algo("ring", 1, n, cluster, w, tp, chains="one-way") if n > 1 else _plan_algo("ring", 1, 1, cluster, w, tp)
     if algo == "passq":
         return _plan_algo("passq", n, 1, cluster, w, tp, chains="one-way")
-    even = bool(getattr(w.mask, "halves", 0)) and n % 4 == 0  # split:K:H: even sides, as the launcher's split-half
+    even = even_sides(w, n)
     if algo in ("mesh", "mesh-naive"):
         choice = choose_shape(n, cluster, w, stride=tp, max_live=max_live, even=even)
         a, b = choice.shape.a, choice.shape.b
