@@ -170,6 +170,10 @@ def test_layouts_the_model_cannot_re_lay_are_refused_or_narrowed_with_the_reason
                                                     r"use --mesh-layout split \(over every chunk\)"):
             apply_mesh_args(_flat(**dict(base, context_parallel_algo=algo, mesh_shape=None, context_parallel_size=cp,
                                          seq_length=1200), mesh_layout="split-half"), [])
+    # a model that cannot cut documents is refused for that reason, not for the CP size's lack of an even mesh
+    with pytest.raises(MeshArgumentError, match=r"split-half cuts documents into pieces, which a sliding window"):
+        apply_mesh_args(_flat(**dict(base, mesh_shape=None, context_parallel_size=6, seq_length=1200, window_size=(64, 0)),
+                              mesh_layout="split-half"), [])
     with pytest.raises(MeshArgumentError, match="--mesh-layout lays out the documents of --reset-attention-mask"):
         apply_mesh_args(_flat(**dict(base, reset_attention_mask=False), mesh_layout="zigzag"), [])
     with pytest.raises(MeshArgumentError, match=r"none to lay out in this run \(CP = 1 runs Megatron's dense mask\)"):

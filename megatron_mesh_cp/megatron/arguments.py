@@ -501,8 +501,8 @@ def _auto_even(args, cp: int) -> bool:
     Where the CP size has none (not a multiple of 4; u = 1 is always a Ulysses degree) it is refused here,
     before any shape is simulated."""
     if not (_get(args, "reset_attention_mask", False) and not _get(args, "mesh_packed_data", False)
-            and _layout(args) == "split-half"):
-        return False
+            and _layout(args) == "split-half") or _why_not_split(args):
+        return False  # (a model that cannot cut documents is refused for that reason, after the shape)
     if _even_sides(cp) is None:
         raise MeshArgumentError(
             f"--mesh-layout split-half cuts documents over half of each mesh row's chunks, which needs a mesh a x b "
