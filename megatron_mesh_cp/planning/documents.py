@@ -63,7 +63,8 @@ class UnpaddedDocuments(SpanMask):
     #: with ``split``: the last this many split documents cut over half of each mesh row's chunks
     #: (runtime/layouts.py), laid out per mesh like ``tiled``
     halves: int = 0
-    #: with ``tiled``: the rank search's restart its order comes from (runtime/layouts.py ``arrange``);
+    #: with ``tiled`` and ``cut`` (tiled-cut): the rank search's restart its order comes from
+    #: (runtime/layouts.py ``arrange``);
     #: auto sets it where it took a restarted tiled-cut layout (planning/layouts.py)
     restart: int = 0
     mesh: Tuple[int, ...] = ()

@@ -75,6 +75,7 @@ class Arrangement:
     shape: Tuple[int, ...] = ()  # (a, b): the mesh a tiled layout balances the ranks of
     rank_work: Optional[np.ndarray] = field(default=None, repr=False)  # tiled, split with halves: each rank's pairs
     halves: int = 0  # split: the last this many split documents cut over half of each mesh row's chunks
+    # how it was chosen, for the chooser (decode does not carry them back: the runs alone are the layout)
     restart: int = 0  # tiled, tiled-cut: its rank search's seed past the balanced order's (arrange's ``restart``)
     cut_balance: float = 0.0  # tiled-cut: the busiest rank's modelled cost over the mean's (runtime/tile_cut.py)
 
@@ -493,7 +494,7 @@ def arrange(lengths: Sequence[int], chunks: int, layout: str = "balanced", *, ca
             raise ValueError(f"the tiled layout balances the ranks of an a x b mesh of {chunks} chunks: pass "
                              f"shape=(a, b) with a * b = {chunks}, not {shape!r}")
         a, b = int(shape[0]), int(shape[1])
-        if not isinstance(restart, (int, np.integer)) or restart < 0:
+        if isinstance(restart, bool) or not isinstance(restart, (int, np.integer)) or restart < 0:
             raise ValueError(f"restart counts the tiled search's restarts: an int >= 0, not {restart!r}")
         if restart and start is None:  # the balanced order of ``seed``, as tile_order starts from
             start = balance_order(x.tolist(), chunks, causal=causal, seed=seed)
