@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from megatron_mesh_cp.planning import choose_hybrid_shape, choose_shape  # noqa: E402
 from megatron_mesh_cp.planning import simulate_algorithm  # noqa: E402
-from megatron_mesh_cp.planning.baselines import even_sides  # noqa: E402
+from megatron_mesh_cp.planning import call_seconds, even_sides  # noqa: E402
 from megatron_mesh_cp.planning import Workload, load_cluster, workload_dims  # noqa: E402
 from megatron_mesh_cp.planning import ulysses_inner  # noqa: E402
 from megatron_mesh_cp.planning import compare_documents, document_sets  # noqa: E402
@@ -100,11 +100,31 @@ def diagnose(algo, res, w, cluster):
     runs = inner.nonempty(n)[qi[:, :, None], kj[:, None, :]].sum(axis=(1, 2))
     per = sum(inner.block_times(cluster, bwd, n)[qi[:, :, None], kj[:, None, :]].sum(axis=(1, 2))
               for bwd in (False, True))
-    return {
+    return {**_call_parts(inner, cluster, qi, kj),
         "shape": res.shape, "kept": f"{len(keep)} of {a * b}", "q": len({q for q, _ in keep}), "a": a,
         "kv": len({k for _, k in keep}), "b": b, "runs": runs.mean(), "share": share,
         "max": per.max(), "mean": per.mean(), "step": res.time,
     }
+
+
+def _call_parts(inner, cluster, qi, kj):
+    """The mean rank's block seconds (fwd + bwd) in parts: the kernels' work at peak rate, what small calls
+    lose to lower throughput, and what every call pays whatever its work; and its calls per phase. ``qi``,
+    ``kj``: each rank's tile (its Q chunks, its KV chunks)."""
+    n = len(qi)
+    calls = inner.mask_calls(n)
+
+    def mean_rank(v):
+        blocks = np.bincount(calls.i * n + calls.j, weights=v, minlength=n * n).reshape(n, n)
+        return float(blocks[qi[:, :, None], kj[:, None, :]].sum(axis=(1, 2)).mean())
+
+    parts = {"peak": 0.0, "slow": 0.0, "fixed": 0.0}
+    for bwd in (False, True):
+        sec = call_seconds(inner, cluster, bwd, calls)
+        parts["peak"] += mean_rank(sec.peak)
+        parts["slow"] += mean_rank(sec.kernel - sec.peak)
+        parts["fixed"] += mean_rank(sec.call + sec.keys)
+    return {**parts, "calls": mean_rank(np.ones(len(calls.i)))}
 
 
 def needs(verdicts):
@@ -118,7 +138,11 @@ def needs(verdicts):
             out.append(f"* {title.split(' documents')[0]} {heads}: {goal:g}x needs a step of at most "
                        f"{usp / goal * 1e3:.1f} ms. In auto's layout the busiest rank's blocks alone take "
                        f"{d['max'] * 1e3:.1f} ms and the mean rank's {d['mean'] * 1e3:.1f} ms: with every rank at "
-                       f"the mean and no communication exposed, the step would be {usp / d['mean']:.2f}x USP.")
+                       f"the mean and no communication exposed, the step would be {usp / d['mean']:.2f}x USP. "
+                       f"Of the mean rank's {d['mean'] * 1e3:.1f} ms, {d['peak'] * 1e3:.1f} ms is its kernels' work at "
+                       f"peak rate, {d['slow'] * 1e3:.1f} ms what small calls lose to lower throughput, and "
+                       f"{d['fixed'] * 1e3:.1f} ms what its {d['calls']:.0f} kernel calls per phase pay whatever "
+                       f"their work (call overhead, the correction over their rows, dK/dV over their keys).")
     return ["What the unmet goals need (a2a+mesh, auto's layout):", "", *out] if out else []
 
 

@@ -18,7 +18,8 @@ from megatron_mesh_cp.planning.baselines import simulate_algorithm
 from megatron_mesh_cp.planning.cluster import Workload, load_cluster
 from megatron_mesh_cp.planning.costs import ulysses_inner
 from megatron_mesh_cp.planning.doc_baselines import compare_documents, document_sets, format_documents_table
-from megatron_mesh_cp.planning.documents import UnpaddedDocuments, _block_calls, block_calls, sample_documents
+from megatron_mesh_cp.planning.documents import (UnpaddedDocuments, _block_calls, block_calls, call_seconds,
+                                                 sample_documents)
 from megatron_mesh_cp.planning.packing import _rect, _tri, sample_packing
 from megatron_mesh_cp.planning.replay import replay
 from megatron_mesh_cp.planning.schedule import build_plans, default_cluster, document_plans
@@ -86,6 +87,24 @@ def test_empty_blocks_cost_nothing_and_every_call_is_charged():
                 want += (H100.attention_time(w.pair_flops(s.pairs, backward), rows, backward)
                          + w._call_cost(H100, rows, backward) + w._keys_cost(H100, keys, backward))
             assert t[i, j] == pytest.approx(want, rel=1e-12), (i, j)
+
+
+def test_call_seconds_are_the_parts_block_times_sum():
+    """call_seconds splits every call's seconds (bench_documents' breakdown of a rank's block seconds): the
+    parts add up to block_times exactly, the kernel never runs faster than its peak rate, and the
+    peak-rate parts sum to the mask's work at that rate."""
+    n = 8
+    docs = sample_documents(64 * 1024, 256, 16384, seed=5)
+    w = _w(n, docs)
+    calls = w.mask_calls(n)
+    for backward in (False, True):
+        sec = call_seconds(w, H100, backward, calls)
+        total = np.bincount(calls.i * n + calls.j, weights=sec.kernel + sec.call + sec.keys, minlength=n * n)
+        assert np.array_equal(total.reshape(n, n), w.block_times(H100, backward, n))
+        assert (sec.peak > 0).all() and (sec.kernel > sec.peak).all() and (sec.call > 0).all()
+        assert (sec.keys > 0).all() if backward else not sec.keys.any()
+        rate = H100.bwd_flops if backward else H100.fwd_flops
+        assert sec.peak.sum() == pytest.approx(w.pair_flops(float(calls.work.sum()), backward) / rate, rel=1e-12)
 
 
 def test_block_times_at_256_are_vectorised():

@@ -28,7 +28,7 @@ from ..runtime.masks import Span, SpanMask, check_offsets, check_one_sequence
 from .packing import DISTRIBUTIONS, _fill, _read_lengths, _rect, _tri, length_draws
 
 __all__ = ["UnpaddedDocuments", "BlockCalls", "block_calls", "arranged_block_calls", "span_sequence_work",
-           "price_calls", "tile_bound",
+           "price_calls", "call_seconds", "CallSeconds", "tile_bound",
            "sample_documents", "read_documents"]
 
 
@@ -432,12 +432,31 @@ def span_sequence_work(span: Span, causal: bool) -> int:
     return int(_tri(x, span.tile).sum() if causal else _rect(x, x, span.tile).sum())
 
 
+class CallSeconds(NamedTuple):
+    """Per kernel call of a :class:`BlockCalls`, the parts of its seconds: ``peak`` its work at the
+    kernel's peak rate, ``kernel`` that work at the throughput of its rows (small calls run slower),
+    ``call`` the call overhead and the correction over its rows, ``keys`` the backward's dK/dV over its keys
+    (the last two are paid whatever the call's work)."""
+
+    peak: np.ndarray
+    kernel: np.ndarray
+    call: np.ndarray
+    keys: np.ndarray
+
+
+def call_seconds(w, cluster, backward: bool, calls: BlockCalls) -> CallSeconds:
+    """Every call's seconds, in parts (:class:`CallSeconds`): what :func:`price_calls` sums per block."""
+    rows = calls.rows.astype(float)
+    flops = w.pair_flops(calls.work.astype(float), backward)
+    peak = flops / (cluster.bwd_flops if backward else cluster.fwd_flops)
+    keys = np.broadcast_to(w._keys_cost(cluster, calls.keys.astype(float), backward), rows.shape)
+    return CallSeconds(peak, cluster.attention_time(flops, rows, backward), w._call_cost(cluster, rows, backward), keys)
+
+
 def price_calls(w, cluster, backward: bool, ranks: int, calls: BlockCalls) -> np.ndarray:
     """[ranks, ranks] seconds: every block's calls, each its kernel and its fixed costs."""
-    rows = calls.rows.astype(float)
-    sec = (cluster.attention_time(w.pair_flops(calls.work.astype(float), backward), rows, backward)
-           + w._call_cost(cluster, rows, backward) + w._keys_cost(cluster, calls.keys.astype(float), backward))
-    out = np.bincount(calls.i * ranks + calls.j, weights=sec, minlength=ranks * ranks)
+    sec = call_seconds(w, cluster, backward, calls)
+    out = np.bincount(calls.i * ranks + calls.j, weights=sec.kernel + sec.call + sec.keys, minlength=ranks * ranks)
     return out.reshape(ranks, ranks)
 
 
