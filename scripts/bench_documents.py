@@ -359,9 +359,9 @@ def documents_page():
         "preparation's share. The launcher makes this choice where the sample loads, in the data loader's "
         "workers ahead of the step (`megatron/layout.py` `LaidOutDataset`); the step only decodes it (under 1 ms) "
         "and prepares the call (its pruned plans re-ordered by `planning/ready.py`; `bench_layout_host.py` measured "
-        "a median of 20-23 ms on the 4K-64K draws and 32-43 ms on the heavy-tailed ones, where the split layouts' "
-        "plans are replayed against their scaled form, at most 70 ms where a draw's plan scale is new and its scaled "
-        "plans are built once).",
+        "a median of 8-10 ms on the 4K-64K draws and 16-18 ms on the heavy-tailed ones, where the split layouts' "
+        "plans are replayed against their scaled form, at most 28 ms, on an idle 2-core CPU host; about twice that "
+        "on the same host loaded).",
         "",
         "Reading the tables. *Exposed comm* is the critical rank's idle time: with documents it includes waiting "
         "for partials and chunks from busier ranks, i.e. load imbalance, not only the wire. Megatron's ordinary "
