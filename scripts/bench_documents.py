@@ -32,7 +32,7 @@ from megatron_mesh_cp.planning import ulysses_inner  # noqa: E402
 from megatron_mesh_cp.planning import compare_documents, document_sets  # noqa: E402
 from megatron_mesh_cp.planning import sample_documents  # noqa: E402
 from megatron_mesh_cp.planning import build_plans, document_plans  # noqa: E402
-from megatron_mesh_cp.planning import resolve_layout  # noqa: E402
+from megatron_mesh_cp.planning import replay, resolve_layout  # noqa: E402
 from megatron_mesh_cp.runtime import plan_traffic  # noqa: E402
 
 N, SEQ, CLUSTER = 256, 1 << 20, "h100-ib400"
@@ -100,7 +100,9 @@ def diagnose(algo, res, w, cluster):
     runs = inner.nonempty(n)[qi[:, :, None], kj[:, None, :]].sum(axis=(1, 2))
     per = sum(inner.block_times(cluster, bwd, n)[qi[:, :, None], kj[:, None, :]].sum(axis=(1, 2))
               for bwd in (False, True))
-    return {**_call_parts(inner, cluster, qi, kj),
+    busy = sum(float(replay(p, cluster, inner, stride=u).busy.mean()) for p in pruned)  # blocks, folds, overlap
+    a2a = sum(end - start for lane, start, end, _ in res.timeline if lane == "all-to-all")
+    return {**_call_parts(inner, cluster, qi, kj), "busy": busy, "a2a": a2a,
         "shape": res.shape, "kept": f"{len(keep)} of {a * b}", "q": len({q for q, _ in keep}), "a": a,
         "kv": len({k for _, k in keep}), "b": b, "runs": runs.mean(), "share": share,
         "max": per.max(), "mean": per.mean(), "step": res.time,
@@ -142,7 +144,12 @@ def needs(verdicts):
                        f"Of the mean rank's {d['mean'] * 1e3:.1f} ms, {d['peak'] * 1e3:.1f} ms is its kernels' work at "
                        f"peak rate, {d['slow'] * 1e3:.1f} ms what small calls lose to lower throughput, and "
                        f"{d['fixed'] * 1e3:.1f} ms what its {d['calls']:.0f} kernel calls per phase pay whatever "
-                       f"their work (call overhead, the correction over their rows, dK/dV over their keys).")
+                       f"their work (call overhead, the correction over their rows, dK/dV over their keys). Its "
+                       f"compute stream is busy {d['busy'] * 1e3:.1f} ms (its blocks, the partials' folds, and kernels slowed "
+                       f"by the transfers beside them) and the "
+                       f"all-to-alls, before and after the mesh, take {d['a2a'] * 1e3:.1f} ms: every rank at the mean "
+                       f"and nothing else exposed would still take {(d['busy'] + d['a2a']) * 1e3:.1f} ms "
+                       f"({int(usp / (d['busy'] + d['a2a']) * 1000) / 1000:.3f}x USP, truncated).")
     return ["What the unmet goals need (a2a+mesh, auto's layout):", "", *out] if out else []
 
 
