@@ -253,6 +253,8 @@ def test_restart_is_taken_by_the_tiled_layouts_only():
     """arrange's restart restarts the tiled rank search: tiled and tiled-cut take it (and carry it); any other
     layout, which has no such search, refuses it rather than building its unrestarted self; a bool or a
     negative count is refused."""
+    from dataclasses import replace
+
     lengths = [300, 200, 60, 120, 70, 90, 80, 104]
     assert arrange(lengths, 4, "tiled", shape=(2, 2), restart=1).restart == 1
     assert arrange(lengths, 4, "tiled-cut", shape=(2, 2), restart=1).restart == 1
@@ -263,6 +265,12 @@ def test_restart_is_taken_by_the_tiled_layouts_only():
     for bad in (True, -1):
         with pytest.raises(ValueError, match="restart"):
             arrange(lengths, 4, "tiled", shape=(2, 2), restart=bad)
+    # the simulator's documents: restart only with tiled-cut (its _tiled_cut rebuilds from it; tiled's would not)
+    docs = UnpaddedDocuments(tuple(lengths))
+    assert replace(docs.with_layout("tiled-cut"), restart=1).restart == 1
+    for layout in ("tiled", "balanced", "split:1", "auto"):
+        with pytest.raises(ValueError, match=f"applies to the tiled-cut layout, not '{layout}'"):
+            replace(docs.with_layout(layout), restart=1)
 
 
 def test_tiled_cut_cuts_documents_of_the_exactness_mixes():
