@@ -184,6 +184,24 @@ def test_layouts_the_model_cannot_re_lay_are_refused_or_narrowed_with_the_reason
         apply_mesh_args(_flat(**base, mesh_layout="split", mesh_document_order="given"), [])
 
 
+def test_split_half_on_an_a2a_mesh_with_no_even_sides_names_a_smaller_ulysses_degree():
+    """a2a+mesh at CP = 8 with U = 4 or 8 leaves a 1x2 or 1x1 mesh: the refusal names a --mesh-shape whose mesh
+    part has both sides even (2x2x2), not a CP size that is a multiple of 4 (CP = 8 is one); where no Ulysses
+    degree leaves one (CP = 6), it names a CP size that is a multiple of 4."""
+    from test_megatron_integration import _flat
+
+    base = dict(context_parallel_algo="a2a+mesh", context_parallel_size=8, reset_attention_mask=True,
+                create_attention_mask_in_dataloader=False)
+    for shape in ("4x1x2", "8x1x1"):
+        with pytest.raises(MeshArgumentError, match=r"mesh is 1x[12]: .* or a --mesh-shape with both sides even "
+                                                    r"\(e.g. 2x2x2\)$"):
+            apply_mesh_args(_flat(**dict(base, mesh_shape=shape), mesh_layout="split-half"), [])
+    with pytest.raises(MeshArgumentError, match=r"mesh is 1x2: .* or a CP size that is a multiple of 4 "
+                                                r"\(a x b = 2 has no such mesh\)"):
+        apply_mesh_args(_flat(**dict(base, mesh_shape="3x1x2", context_parallel_size=6, seq_length=1200,
+                                     num_attention_heads=6), mesh_layout="split-half"), [])
+
+
 def test_the_summary_names_the_layout_that_ran_and_why_auto_kept_documents_whole(caplog):
     """The closing summary's layout line says --mesh-layout auto's narrowing (not a flag nobody passed)."""
     import logging

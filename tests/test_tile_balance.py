@@ -249,6 +249,30 @@ def test_auto_restarts_the_tiled_cut_where_its_busiest_rank_stays_high():
     assert all(np.array_equal(p, np.arange(lengths[k])) for k, p in enumerate(pos))
 
 
+def test_restart_is_taken_by_the_tiled_layouts_only():
+    """arrange's restart restarts the tiled rank search: tiled and tiled-cut take it (and carry it); any other
+    layout, which has no such search, refuses it rather than building its unrestarted self; a bool or a
+    negative count is refused."""
+    from dataclasses import replace
+
+    lengths = [300, 200, 60, 120, 70, 90, 80, 104]
+    assert arrange(lengths, 4, "tiled", shape=(2, 2), restart=1).restart == 1
+    assert arrange(lengths, 4, "tiled-cut", shape=(2, 2), restart=1).restart == 1
+    for layout, kw in (("zigzag", {}), ("balanced", {}), ("split", dict(split=1))):
+        assert arrange(lengths, 4, layout, restart=0, **kw).restart == 0
+        with pytest.raises(ValueError, match=f"tiled and tiled-cut layouts take it, not '{layout}'"):
+            arrange(lengths, 4, layout, restart=1, **kw)
+    for bad in (True, -1):
+        with pytest.raises(ValueError, match="restart"):
+            arrange(lengths, 4, "tiled", shape=(2, 2), restart=bad)
+    # the simulator's documents: restart only with tiled-cut (its _tiled_cut rebuilds from it; tiled's would not)
+    docs = UnpaddedDocuments(tuple(lengths))
+    assert replace(docs.with_layout("tiled-cut"), restart=1).restart == 1
+    for layout in ("tiled", "balanced", "split:1", "auto"):
+        with pytest.raises(ValueError, match=f"applies to the tiled-cut layout, not '{layout}'"):
+            replace(docs.with_layout(layout), restart=1)
+
+
 def test_tiled_cut_cuts_documents_of_the_exactness_mixes():
     """The float64 exactness test (tests/test_layouts.py) runs tiled-cut layouts that do re-lay documents,
     some of them trading tokens with another document's."""

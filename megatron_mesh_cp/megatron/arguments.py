@@ -184,7 +184,13 @@ def _check_document_masking(args, launcher: bool, opts: dict) -> None:
             if len(sizes) != 2 or sizes[0] % 2 or sizes[1] % 2:
                 mesh = "x".join(map(str, sizes)) or "none"
                 even = _even_sides(sizes[0] * sizes[1]) if len(sizes) == 2 else None
-                fix = ("or a --mesh-shape with both sides even (e.g. " + "x".join(map(str, every[:-2] + list(even))) + ")"
+                lead = every[:-2]
+                if even is None and len(sizes) == 2 and lead:  # a2a+mesh: a smaller Ulysses degree may leave one
+                    cp, u = lead[0] * sizes[0] * sizes[1], lead[0]
+                    smaller = next((d for d in range(u - 1, 0, -1) if u % d == 0 and _even_sides(cp // d)), None)
+                    if smaller:
+                        lead, even = [smaller], _even_sides(cp // smaller)
+                fix = ("or a --mesh-shape with both sides even (e.g. " + "x".join(map(str, lead + list(even))) + ")"
                        if even else f"or a CP size that is a multiple of 4 (a x b = {sizes[0] * sizes[1]} has no such mesh)"
                        if len(sizes) == 2 else "or a --mesh-shape with both sides even (e.g. 2x2)")
                 raise MeshArgumentError(

@@ -84,6 +84,8 @@ class UnpaddedDocuments(SpanMask):
         if (self.split or self.cut) and self.tile:
             raise ValueError("a layout cutting documents (split, tiled-cut) has its blocks priced by their exact "
                              "pairs; give the documents kernel tile 0")
+        if self.restart and not (self.tiled and self.cut):  # else silently the unrestarted layout
+            raise ValueError(f"restart (the tiled rank search's) applies to the tiled-cut layout, not {self.layout!r}")
         object.__setattr__(self, "lengths", tuple(int(x) for x in self.lengths))
 
     @property

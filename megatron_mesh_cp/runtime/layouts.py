@@ -485,6 +485,9 @@ def arrange(lengths: Sequence[int], chunks: int, layout: str = "balanced", *, ca
     one where the tiled-cut layout stays unbalanced). ``ValueError`` naming the fix for a layout that
     cannot be built."""
     x = _check(lengths, chunks)
+    if restart and layout not in ("tiled", "tiled-cut"):  # else silently the unrestarted layout
+        raise ValueError(f"restart restarts the tiled rank search: the tiled and tiled-cut layouts take it, not "
+                         f"{layout!r} (pass restart=0)")
     if layout == "zigzag":
         return _whole(x, range(len(x)), chunks, causal, "zigzag")
     if layout == "balanced":
