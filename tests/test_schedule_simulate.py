@@ -183,6 +183,17 @@ def test_auto_shape_for_16_ranks_beats_ring():
     assert c.shape != MeshShape(1, 16) and c.seconds < ring
 
 
+def test_ring_comparison_says_why_a_faster_ring_was_left_out():
+    """The auto-shape line's Ring comparison (choose_shape, choose_hybrid_shape): a ratio only where Ring is
+    slower; where it is faster, why auto did not take it."""
+    from megatron_mesh_cp.planning.autoshape import _vs
+
+    assert _vs(2.0, 1.0, False, "over the memory budget") == "2.00x slower"
+    assert _vs(1.0, 1.0, True, "over the memory budget") == "1.00x slower"
+    assert _vs(1.0, 1.5, False, "over the memory budget") == "1.50x faster, but over the memory budget"
+    assert _vs(1.0, 1.5, True, "not a layout auto runs") == "1.50x faster, but its sides are not both even"
+
+
 # --- baselines and bad input -----------------------------------------------------------------
 
 

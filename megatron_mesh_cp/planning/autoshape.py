@@ -155,12 +155,13 @@ def _shapes(n: int, even: bool) -> List[Tuple[int, int]]:
 _EVEN_NOTE = " among meshes with both sides even (--mesh-layout split-half)"
 
 
-def _vs(ring: float, best: float, even: bool) -> str:
-    """How Ring's time compares with the choice's: slower, or faster but left out (its 1 x n sides are not both
-    even, or its plans are over the memory budget)."""
+def _vs(ring: float, best: float, even: bool, otherwise: str) -> str:
+    """How Ring's time compares with the choice's: slower, or faster but left out -- its 1 x n sides are not both
+    even (``even``), or ``otherwise`` why (its plans are over the memory budget; TE's one-way Ring is no layout
+    auto runs)."""
     if ring >= best:
         return f"{ring / best:.2f}x slower"
-    return f"{best / ring:.2f}x faster, but " + ("its sides are not both even" if even else "over the memory budget")
+    return f"{best / ring:.2f}x faster, but " + ("its sides are not both even" if even else otherwise)
 
 
 @lru_cache(maxsize=64)
@@ -199,7 +200,7 @@ def choose_shape(
     if ring is None and best != (1, n):
         ring = _mesh_time(1, n, cluster, workload, stride, max_live)
     runner = f", next {timed[1][1][0]}x{timed[1][1][1]} {timed[1][0] * 1e3:.2f} ms" if len(timed) > 1 else ""
-    vs_ring = (f", 1x{n} (Ring layout) {ring * 1e3:.2f} ms ({_vs(ring, best_t, even)})"
+    vs_ring = (f", 1x{n} (Ring layout) {ring * 1e3:.2f} ms ({_vs(ring, best_t, even, 'over the memory budget')})"
                if ring and best != (1, n) else "")
     text = (
         f"mesh_shape=auto -> {best[0]}x{best[1]} for CP={n}{_EVEN_NOTE if even else ''} "
@@ -256,9 +257,7 @@ def choose_hybrid_shape(
     best_t, (u, a, b) = timed[0]
     ring = _mesh_time(1, n, cluster, workload, stride, None, chains="one-way")  # TE's p2p Ring (documents: pruned)
     runner = (f", next {'x'.join(map(str, timed[1][1]))} {timed[1][0] * 1e3:.2f} ms" if len(timed) > 1 else "")
-    vs_ring = (f"{ring / best_t:.2f}x slower" if ring >= best_t else  # TE's one-way Ring: not a candidate of auto's
-               f"{best_t / ring:.2f}x faster, but " + ("its sides are not both even" if even else
-                                                      "not a layout auto runs"))
+    vs_ring = _vs(ring, best_t, even, "not a layout auto runs")  # TE's one-way Ring: not a candidate of auto's
     text = (
         f"mesh_shape=auto (a2a+mesh) -> {u}x{a}x{b} for CP={n}{_EVEN_NOTE if even else ''} "
         f"(S/rank={workload.seq_local}, heads "
