@@ -33,7 +33,7 @@ from megatron_mesh_cp.planning import compare_documents, document_sets  # noqa: 
 from megatron_mesh_cp.planning import sample_documents  # noqa: E402
 from megatron_mesh_cp.planning import build_plans, document_plans  # noqa: E402
 from megatron_mesh_cp.planning import replay, resolve_layout  # noqa: E402
-from megatron_mesh_cp.runtime import plan_traffic  # noqa: E402
+from megatron_mesh_cp.runtime import plan_traffic, tile_sums  # noqa: E402
 
 N, SEQ, CLUSTER = 256, 1 << 20, "h100-ib400"
 #: a2a+mesh is also priced in each fixed token layout (auto: the layout chosen per mesh, the launcher's default)
@@ -93,32 +93,26 @@ def diagnose(algo, res, w, cluster):
                                                                            for p in full)
     n = a * b
     keep = inner.needed(a, b)  # the documents in the order they run on this mesh (balanced)
-    g = np.arange(n)
-    r, c = g // a, g % a
-    qi = r[:, None] * a + (c[:, None] - np.arange(a)[None, :]) % a
-    kj = ((r[:, None] - np.arange(b)[None, :]) % b) * a + c[:, None]
-    runs = inner.nonempty(n)[qi[:, :, None], kj[:, None, :]].sum(axis=(1, 2))
-    per = sum(inner.block_times(cluster, bwd, n)[qi[:, :, None], kj[:, None, :]].sum(axis=(1, 2))
-              for bwd in (False, True))
+    runs = tile_sums(inner.nonempty(n), a, b)
+    per = sum(tile_sums(inner.block_times(cluster, bwd, n), a, b) for bwd in (False, True))
     busy = sum(float(replay(p, cluster, inner, stride=u).busy.mean()) for p in pruned)  # blocks, folds, overlap
     a2a = sum(end - start for lane, start, end, _ in res.timeline if lane == "all-to-all")
-    return {**_call_parts(inner, cluster, qi, kj), "busy": busy, "a2a": a2a,
+    return {**_call_parts(inner, cluster, a, b), "busy": busy, "a2a": a2a,
         "shape": res.shape, "kept": f"{len(keep)} of {a * b}", "q": len({q for q, _ in keep}), "a": a,
         "kv": len({k for _, k in keep}), "b": b, "runs": runs.mean(), "share": share,
         "max": per.max(), "mean": per.mean(), "step": res.time,
     }
 
 
-def _call_parts(inner, cluster, qi, kj):
+def _call_parts(inner, cluster, a, b):
     """The mean rank's block seconds (fwd + bwd) in parts: the kernels' work at peak rate, what small calls
-    lose to lower throughput, and what every call pays whatever its work; and its calls per phase. ``qi``,
-    ``kj``: each rank's tile (its Q chunks, its KV chunks)."""
-    n = len(qi)
+    lose to lower throughput, and what every call pays whatever its work; and its calls per phase."""
+    n = a * b
     calls = inner.mask_calls(n)
 
     def mean_rank(v):
         blocks = np.bincount(calls.i * n + calls.j, weights=v, minlength=n * n).reshape(n, n)
-        return float(blocks[qi[:, :, None], kj[:, None, :]].sum(axis=(1, 2)).mean())
+        return float(tile_sums(blocks, a, b).mean())
 
     parts = {"peak": 0.0, "slow": 0.0, "fixed": 0.0}
     for bwd in (False, True):
@@ -137,6 +131,7 @@ def needs(verdicts):
         for heads, v, goal, usp, d in verdict:
             if goal is None or v >= goal:
                 continue
+            floor = d["busy"] + d["a2a"]  # the mean rank's compute stream and the all-to-alls beside it
             out.append(f"* {title.split(' documents')[0]} {heads}: {goal:g}x needs a step of at most "
                        f"{usp / goal * 1e3:.1f} ms. In auto's layout the busiest rank's blocks alone take "
                        f"{d['max'] * 1e3:.1f} ms and the mean rank's {d['mean'] * 1e3:.1f} ms: with every rank at "
@@ -145,11 +140,10 @@ def needs(verdicts):
                        f"peak rate, {d['slow'] * 1e3:.1f} ms what small calls lose to lower throughput, and "
                        f"{d['fixed'] * 1e3:.1f} ms what its {d['calls']:.0f} kernel calls per phase pay whatever "
                        f"their work (call overhead, the correction over their rows, dK/dV over their keys). Its "
-                       f"compute stream is busy {d['busy'] * 1e3:.1f} ms (its blocks, the partials' folds, and kernels slowed "
-                       f"by the transfers beside them) and the "
-                       f"all-to-alls, before and after the mesh, take {d['a2a'] * 1e3:.1f} ms: every rank at the mean "
-                       f"and nothing else exposed would still take {(d['busy'] + d['a2a']) * 1e3:.1f} ms "
-                       f"({int(usp / (d['busy'] + d['a2a']) * 1000) / 1000:.3f}x USP, truncated).")
+                       f"compute stream is busy {d['busy'] * 1e3:.1f} ms (its blocks, the partials' folds, and "
+                       f"kernels slowed by the transfers beside them) and the all-to-alls, before and after the mesh, "
+                       f"take {d['a2a'] * 1e3:.1f} ms: every rank at the mean and nothing else exposed would still "
+                       f"take {floor * 1e3:.1f} ms ({int(usp / floor * 1000) / 1000:.3f}x USP, truncated).")
     return ["What the unmet goals need (a2a+mesh, auto's layout):", "", *out] if out else []
 
 

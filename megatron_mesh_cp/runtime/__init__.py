@@ -18,7 +18,8 @@ from .kernels import (
     input_spec, lse_dtype, select_kernel,
 )
 from .layout import LAYOUTS, BlockCase, BlockSlices, block_case, seq_dim, zigzag_gather, zigzag_positions, zigzag_shard
-from .layouts import TOKEN_LAYOUTS, Arrangement, arrange, decode as decode_layout, encode as encode_layout, positions_of
+from .layouts import (TOKEN_LAYOUTS, Arrangement, arrange, decode as decode_layout, encode as encode_layout,
+                      positions_of, tile_sums)
 from .masks import (
     FULL, Arranged, Chunked, Documents, Mask, PackedDocuments, Span, Window, as_mask, check_window, documents_from_eod,
     documents_of, intersect, packed_documents,
@@ -45,7 +46,7 @@ __all__ = [
     "KERNELS", "BlockKernel", "FlashKernel", "KernelNeeds", "TEKernel", "TorchKernel", "Varlen", "available_kernels",
     "get_kernel", "input_spec", "lse_dtype", "select_kernel",
     "LAYOUTS", "BlockCase", "BlockSlices", "block_case", "seq_dim", "zigzag_gather", "zigzag_positions", "zigzag_shard",
-    "TOKEN_LAYOUTS", "Arrangement", "arrange", "positions_of", "encode_layout", "decode_layout",
+    "TOKEN_LAYOUTS", "Arrangement", "arrange", "positions_of", "encode_layout", "decode_layout", "tile_sums",
     "FULL", "Arranged", "Chunked", "Documents", "Mask", "PackedDocuments", "Span", "Window", "as_mask", "check_window",
     "documents_from_eod", "documents_of", "intersect", "packed_documents",
     "buffer_lives", "peak_live_bytes", "memory_layout", "empty_partial", "merge_into", "merge_sink", "sink_grad",
