@@ -193,10 +193,8 @@ def _check_document_masking(args, launcher: bool, opts: dict) -> None:
                 fix = ("or a --mesh-shape with both sides even (e.g. " + "x".join(map(str, lead + list(even))) + ")"
                        if even else f"or a CP size that is a multiple of 4 (a x b = {sizes[0] * sizes[1]} has no such mesh)"
                        if len(sizes) == 2 else "or a --mesh-shape with both sides even (e.g. 2x2)")
-                raise MeshArgumentError(
-                    f"--mesh-layout split-half cuts documents over half of each mesh row's chunks, which needs a mesh "
-                    f"a x b with a and b even; this run's mesh is {mesh}: use --mesh-layout split (over every chunk) "
-                    f"or auto, {fix}")
+                raise MeshArgumentError(f"{SPLIT_HALF_NEEDS}; this run's mesh is {mesh}: use --mesh-layout split "
+                                        f"(over every chunk) or auto, {fix}")
         opts["layout"] = layout
         if layout == "auto" and cuts:  # said in the dry run and the log: auto keeps documents whole here
             opts["whole_documents"] = True
@@ -205,6 +203,11 @@ def _check_document_masking(args, launcher: bool, opts: dict) -> None:
                                    f"which {cuts}")
     else:
         opts["layout"] = "zigzag"
+
+
+#: what both split-half refusals (a run's mesh, auto's shapes for its CP size) begin with
+SPLIT_HALF_NEEDS = ("--mesh-layout split-half cuts documents over half of each mesh row's chunks, which needs a mesh "
+                    "a x b with a and b even")
 
 
 def _even_sides(n: int):
@@ -511,8 +514,7 @@ def _auto_even(args, cp: int) -> bool:
         return False  # (a model that cannot cut documents is refused for that reason, after the shape)
     if _even_sides(cp) is None:
         raise MeshArgumentError(
-            f"--mesh-layout split-half cuts documents over half of each mesh row's chunks, which needs a mesh a x b "
-            f"with a and b even; CP = {cp} has none (a x b = {cp} is not a multiple of 4), so --mesh-shape auto cannot "
+            f"{SPLIT_HALF_NEEDS}; CP = {cp} has none (a x b = {cp} is not a multiple of 4), so --mesh-shape auto cannot "
             f"choose one: use --mesh-layout split (over every chunk) or auto, or a CP size that is a multiple of 4")
     return True
 
