@@ -41,6 +41,7 @@ import torch
 
 from .cluster import Cluster, Workload, workload_dims
 from ..runtime.layout import BlockCase, kernel_calls
+from ..runtime.layouts import tile_chunks
 from ..runtime.plan import (BACKWARD, FORWARD, ChunkDims, Compute, Free, Plan, Transfer, payload, slab_containing,
                             RING_OF)
 
@@ -93,15 +94,10 @@ def _calls_by_case(kvs: Tuple[int, ...], pattern: Tuple[int, ...], slabs) -> Tup
 @lru_cache(maxsize=64)  # keyed by the mesh shape
 def _tile_index(a: int, b: int):
     """([a, 1, n], [1, b, n]) index arrays: on every rank of the a x b mesh, the Q chunk at each Q offset and the KV
-    chunk at each KV offset (a [rank, rank] array indexed by both gives [q offset, kv offset, rank])."""
-    pos = np.arange(a * b)
-    r, c = pos // a, pos % a
-    qi = r[None, :] * a + (c[None, :] - np.arange(a)[:, None]) % a
-    kj = ((r[None, :] - np.arange(b)[:, None]) % b) * a + c[None, :]
-    qi, kj = qi[:, None, :], kj[None, :, :]
-    qi.setflags(write=False)
-    kj.setflags(write=False)
-    return qi, kj
+    chunk at each KV offset (runtime.layouts.tile_chunks, offset-major; a [rank, rank] array indexed by both gives
+    [q offset, kv offset, rank])."""
+    qi, kj = tile_chunks(a, b)
+    return qi.T[:, None, :], kj.T[None, :, :]
 
 
 def _block_durations(plan: Plan, w: Workload, cluster: Cluster, backward: bool):

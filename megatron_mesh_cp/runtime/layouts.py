@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field, replace
-from functools import cached_property
+from functools import cached_property, lru_cache
 from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -47,7 +47,7 @@ from .tile_cut import cut_documents
 from .masks import Documents, Mask, arranged_of
 
 __all__ = ["TOKEN_LAYOUTS", "Arrangement", "arrange", "arrange_whole", "arrange_splits", "splits_cross_every_piece",
-           "tiled_cut", "token_work", "chunk_of_piece", "half_rows", "split_label", "tile_sums"]
+           "tiled_cut", "token_work", "chunk_of_piece", "half_rows", "split_label", "tile_chunks", "tile_sums"]
 
 TOKEN_LAYOUTS = ("zigzag", "balanced", "tiled", "tiled-cut", "split")
 #: the split layout's balance search (its whole documents around the split ones): at most this many
@@ -387,13 +387,23 @@ def _block_pairs(sizes, causal: bool, chunks: int) -> np.ndarray:
     return out
 
 
-def tile_sums(blocks: np.ndarray, a: int, b: int) -> np.ndarray:
-    """Each rank's sum of ``blocks`` over its tile: rank g = (r, c) runs Q chunks a*r + (c - qo) % a by
-    KV chunks a*((r - ko) % b) + c, and its own block is chunk g's."""
+@lru_cache(maxsize=64)  # keyed by the mesh shape
+def tile_chunks(a: int, b: int) -> Tuple[np.ndarray, np.ndarray]:
+    """Every rank's tile of the a x b mesh as chunk indices, ``[rank, Q offset]`` and ``[rank, KV offset]``
+    (read-only): rank g = (r, c) runs Q chunks a*r + (c - qo) % a by KV chunks a*((r - ko) % b) + c, and its
+    own block (offsets 0, 0) is chunk g's."""
     g = np.arange(a * b)
     r, c = g // a, g % a
     qi = r[:, None] * a + (c[:, None] - np.arange(a)[None, :]) % a
     kj = ((r[:, None] - np.arange(b)[None, :]) % b) * a + c[:, None]
+    qi.setflags(write=False)
+    kj.setflags(write=False)
+    return qi, kj
+
+
+def tile_sums(blocks: np.ndarray, a: int, b: int) -> np.ndarray:
+    """Each rank's sum of ``blocks`` (``[chunk, chunk]``) over its tile (:func:`tile_chunks`)."""
+    qi, kj = tile_chunks(a, b)
     return blocks[qi[:, :, None], kj[:, None, :]].sum(axis=(1, 2))
 
 
