@@ -136,7 +136,8 @@ def choose_layout(lengths: Sequence[int], a: int, b: int, cluster: Cluster, w: W
         raise ValueError(f"the documents span {sum(lengths)} tokens but {n} chunks of {w.seq_local} tokens hold "
                          f"{w.seq_local * n}")
     own = candidates is None
-    cands = (_whole_candidates(lengths, n, w.causal, (a, b), tile_weights(w, cluster), cut=max_split >= 1) if own
+    weights = tile_weights(w, cluster)
+    cands = (_whole_candidates(lengths, n, w.causal, (a, b), weights, cut=max_split >= 1) if own
              else list(candidates))
     rows = [_priced(arr, a, b, cluster, w, stride) for arr in cands]
     if own:
@@ -156,7 +157,7 @@ def choose_layout(lengths: Sequence[int], a: int, b: int, cluster: Cluster, w: W
                 cands += halves
                 rows += [_priced(arr, a, b, cluster, w, stride) for arr in halves]
     if own:  # tiled-cut from a restarted search, where it is priced fastest of all and stays unbalanced
-        _restarted(lengths, cands, rows, a, b, cluster, w, stride)
+        _restarted(lengths, cands, rows, a, b, cluster, w, stride, weights)
     best = _fastest(cands, rows, a, b, cluster, w)
     if cands[best].halves:
         best = _replayed_fastest(cands, rows, a, b, cluster, w, stride)
@@ -164,7 +165,7 @@ def choose_layout(lengths: Sequence[int], a: int, b: int, cluster: Cluster, w: W
 
 
 def _restarted(lengths, cands: List[Arrangement], rows: list, a: int, b: int, cluster: Cluster, w: Workload,
-               stride: int) -> None:
+               stride: int, weights) -> None:
     """Where the tiled-cut candidate's busiest rank stays above :data:`CUT_GOAL` times the mean (its
     cut's model), the same cut from the tiled orders of restarted rank searches (runtime/layouts.py
     ``arrange(..., restart=k)``, k = 1 .. :data:`CUT_RESTARTS`, from the same balanced start): a re-lay
@@ -175,12 +176,11 @@ def _restarted(lengths, cands: List[Arrangement], rows: list, a: int, b: int, cl
     rank's blocks are not all of the step: which blocks wait for which chunks moves with the order;
     4K-64K seed 5, MHA: a restart modelled 1.147 -> 1.119 replayed 8% slower). Only where tiled-cut is
     priced fastest; host time: one more tiled search and cut, and two replays (about as much again as
-    the whole-document candidates)."""
+    the whole-document candidates). ``weights``: the tiled searches' :func:`tile_weights`."""
     i = next((k for k, arr in enumerate(cands) if arr.name == "tiled-cut"), None)
     if i is None or cands[i].cut_balance <= CUT_GOAL or rows[i][1] > min(r[1] for r in rows):
         return
     first, n = cands[i], a * b
-    weights = tile_weights(w, cluster)
     start = next(arr.runs[0] for arr in cands if arr.name == "balanced")  # the tiled searches' start
     base = None
     for k in range(1, CUT_RESTARTS + 1):
