@@ -351,7 +351,8 @@ def plan(spec: CallSpec):
         layer = replace(w, mask=spec.mask) if blocks.pruned else None  # the masked layer: plans planned for it
         plans = call_plans(spec.shape.a, spec.shape.b, spec.planner, workload=w, cluster=opts.cluster,
                            stride=opts.stride * spec.ulysses, max_live=opts.max_live, keep=blocks.needed(spec.shape),
-                           masked=blocks.pruned, slabs=blocks.zigzag_keys, layer=layer, reorder=opts.reorder)
+                           masked=blocks.pruned, slabs=blocks.zigzag_keys, layer=layer, reorder=opts.reorder,
+                           search=opts.search)
     else:
         from .runtime.prune import prune, without_slabs
 

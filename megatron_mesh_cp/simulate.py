@@ -75,6 +75,9 @@ def main(argv=None) -> int:
                    "or a2a+mesh:UxAxB (ring-pruned: with unpadded documents only)")
     p.add_argument("--plot", default=None, metavar="FILE.png", help="draw one rank's timeline per algorithm")
     p.add_argument("--max-live", type=int, default=None, help="memory budget (live chunks) for mesh plans")
+    p.add_argument("--plan-search", type=int, default=0, metavar="N",
+                   help="unpadded documents: replays per phase the order search may spend improving our pruned "
+                        "plans (planning/search.py; the launcher's --mesh-plan-search; 0: none)")
     pk = p.add_argument_group(
         "documents: attention masked at document boundaries (--docs or --doc-lengths); --doc-layout says how they run")
     pk.add_argument(
@@ -147,6 +150,11 @@ def main(argv=None) -> int:
         else:
             packing = None
         algos = [a.strip() for a in args.algos.split(",") if a.strip()]
+        if args.plan_search < 0:
+            raise ValueError(f"--plan-search counts replays per phase: give N >= 0, got {args.plan_search}")
+        if args.plan_search and documents is None:
+            raise ValueError("--plan-search re-orders the plans of unpadded documents: give --docs or --doc-lengths "
+                             "(with --doc-layout unpadded), or drop it")
         unpacked, window_rows = None, None
         if windowed is not None and windowed.window is None:
             raise ValueError(f"--window {args.window[0]},{args.window[1]} is no window (-1: unbounded); drop it")
@@ -159,7 +167,7 @@ def main(argv=None) -> int:
         results = unpacked
         if documents is not None:
             results = compare_documents(algos, args.cp, cluster, w, packing, documents, tp=args.tp,
-                                        max_live=args.max_live, layouts=layouts)
+                                        max_live=args.max_live, layouts=layouts, search=args.plan_search)
         elif packing is not None:
             results = compare(algos, args.cp, cluster, replace(w, mask=packing), tp=args.tp, max_live=args.max_live)
     except ValueError as exc:

@@ -38,7 +38,8 @@ def runs(tmp_path_factory):
     return {
         "cp1": train(work, "cp1", 1, extra=DOC_DATA, **dict(DOCS, train_iters=ITERS)),
         "mesh2x2": train(work, "mesh2x2", 4, extra=DOC_DATA,
-                         **dict(MESH4, context_parallel_algo="mesh", mesh_shape="2x2", mesh_layout="split-half")),
+                         **dict(MESH4, context_parallel_algo="mesh", mesh_shape="2x2", mesh_layout="split-half",
+                                mesh_plan_search=40)),
         "a2a2x1x2": train(work, "a2a2x1x2", 4, extra=DOC_DATA,
                           **dict(MESH4, context_parallel_algo="a2a+mesh", mesh_shape="2x1x2")),
     }
@@ -61,6 +62,7 @@ def test_document_masking_matches_megatrons_dense_mask(runs, name):
     if name == "mesh2x2":  # split-half: the long documents over half of each mesh row's chunks where they fit
         assert all(k.startswith("split:") for k in ran) and any(k.count(":") == 2 for k in ran), ran
     assert 1.0 <= got["layouts"]["busiest_over_mean_mean"] <= got["layouts"]["busiest_over_mean_max"], got["layouts"]
+    assert got["plan_search"] == {"mesh2x2": 40, "a2a2x1x2": 0}[name]  # searched plans ran exactly too
     assert ref["losses"][-1][1] < ref["losses"][0][1]  # it learns
 
 
@@ -117,6 +119,23 @@ def test_multi_token_prediction_over_documents_is_refused():
         apply_mesh_args(_flat(**base, mtp_num_layers=1), [])
     apply_mesh_args(_flat(**base, mtp_num_layers=None), [])
     apply_mesh_args(_flat(**dict(base, reset_attention_mask=False), mtp_num_layers=1), [])  # no documents: fine
+
+
+def test_plan_search_is_refused_where_no_pruned_plans_run():
+    """--mesh-plan-search re-orders masked attention's pruned plans: refused without documents or a window
+    under mesh CP, and for a negative count; taken with documents."""
+    from test_megatron_integration import _flat
+
+    base = dict(context_parallel_algo="mesh", mesh_shape="2x2", context_parallel_size=4, reset_attention_mask=True,
+                create_attention_mask_in_dataloader=False)
+    apply_mesh_args(_flat(**base, mesh_plan_search=8), [])
+    assert options().plan_search == 8
+    with pytest.raises(MeshArgumentError, match="--mesh-plan-search re-orders the pruned plans.*drop --mesh-plan-search"):
+        apply_mesh_args(_flat(**dict(base, reset_attention_mask=False), mesh_plan_search=8), [])
+    with pytest.raises(MeshArgumentError, match="give N >= 0, got -1"):
+        apply_mesh_args(_flat(**base, mesh_plan_search=-1), [])
+    apply_mesh_args(_flat(**dict(base, reset_attention_mask=False), mesh_plan_search=0), [])
+    assert options().plan_search == 0
 
 
 def test_layouts_the_model_cannot_re_lay_are_refused_or_narrowed_with_the_reason():

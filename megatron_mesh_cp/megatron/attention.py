@@ -85,7 +85,8 @@ def mesh_groups_for(pg_collection=None, levels: int = 2) -> MeshGroups:
     if key not in _MESHES:
         tp = parallel_state.get_tensor_model_parallel_world_size() if parallel_state.model_parallel_is_initialized() else 1
         opts = options()
-        plan_options = PlanOptions(cluster=opts.cluster, stride=tp, max_live=opts.max_live)
+        plan_options = PlanOptions(cluster=opts.cluster, stride=tp, max_live=opts.max_live,
+                                   search=opts.plan_search)
         if levels == 3:
             mesh = MeshGroups.from_groups(cp, hcp[1], hcp[2], ulysses_group=hcp[0], plan_options=plan_options)
         else:

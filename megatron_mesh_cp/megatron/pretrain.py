@@ -449,6 +449,7 @@ def _summary(args, opts, started: float) -> Dict:
         "packed_documents_per_sequence": _documents_per_sequence(),
         "layout": options().layout if options().documents == "eod" else None,
         "layout_note": options().layout_note or None,  # why auto kept documents whole
+        "plan_search": options().plan_search,  # --mesh-plan-search: replays per phase of the order search
         "layouts": COUNTERS.layout_summary(),
         "document_batches_reordered": COUNTERS.relaid,
         "seconds": time.time() - started,

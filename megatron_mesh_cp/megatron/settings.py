@@ -34,6 +34,7 @@ class MeshOptions:
     layout: str = "auto"  # --mesh-layout: each micro-batch's token layout (megatron/layout.py)
     layout_note: str = ""  # why auto was narrowed to whole documents (the model cannot re-lay pieces)
     whole_documents: bool = False  # auto chooses among the layouts keeping documents whole (zigzag, balanced, tiled)
+    plan_search: int = 0  # --mesh-plan-search: replays per phase the order search spends on each micro-batch's plans
 
 
 @dataclass

@@ -102,10 +102,11 @@ def _from_phases(algo: str, fwd: PhaseResult, bwd: PhaseResult, shape: str, note
     )
 
 
-def _plan_algo(algo, a, b, cluster, w, stride, planner="greedy", chains="auto", max_live=None, note=""):
+def _plan_algo(algo, a, b, cluster, w, stride, planner="greedy", chains="auto", max_live=None, note="", search=0):
     w = resolve_layout(w, a, b, cluster, stride)  # documents laid out by auto: the layout chosen for this mesh
     if w.pruned:  # the runtime's plans for documents, chunks or a window: full, chains both ways, pruned
-        fwd, bwd = document_plans(a, b, planner, cluster=cluster, workload=w, stride=stride, max_live=max_live)
+        fwd, bwd = document_plans(a, b, planner, cluster=cluster, workload=w, stride=stride, max_live=max_live,
+                                  search=search)
     else:
         fwd, bwd = build_plans(a, b, planner, cluster=cluster, workload=w, stride=stride, max_live=max_live,
                                chains=chains)
@@ -229,9 +230,10 @@ def _usp_with(u: int, n: int, cluster: Cluster, w: Workload, stride: int, algo: 
 
 
 def a2a_mesh(u: int, a: int, b: int, cluster: Cluster, w: Workload, stride: int = 1,
-             max_live: Optional[int] = None, algo: str = "a2a+mesh") -> SimResult:
-    """Ulysses over u consecutive ranks x the greedy a x b mesh over the u-rank groups (docs/hybrid.md)."""
-    mesh = (_plan_algo("mesh", a, b, cluster, ulysses_inner(u, w), stride * u, max_live=max_live)
+             max_live: Optional[int] = None, algo: str = "a2a+mesh", search: int = 0) -> SimResult:
+    """Ulysses over u consecutive ranks x the greedy a x b mesh over the u-rank groups (docs/hybrid.md);
+    ``search``: the order search's replays per phase (``PlanOptions.search``)."""
+    mesh = (_plan_algo("mesh", a, b, cluster, ulysses_inner(u, w), stride * u, max_live=max_live, search=search)
             if a * b > 1 else None)
     return _ulysses_around(u, mesh, cluster, w, stride, algo, f"{u}x{a}x{b}")
 
@@ -255,10 +257,21 @@ def even_sides(w: Workload, n: int) -> bool:
     return bool(getattr(w.mask, "halves", 0)) and n % 4 == 0
 
 
+def searches(algo: str) -> bool:
+    """Whether ``algo`` takes the order search (``search=``): our greedy plans pruned for a mask."""
+    return algo.startswith(PRUNED) and algo != "mesh-naive"
+
+
 def simulate_algorithm(
-    algo: str, n: int, cluster: Cluster, w: Workload, *, tp: int = 1, max_live: Optional[int] = None
+    algo: str, n: int, cluster: Cluster, w: Workload, *, tp: int = 1, max_live: Optional[int] = None,
+    search: int = 0,
 ) -> SimResult:
-    """One algorithm's simulated forward+backward of one attention layer on ``n`` CP ranks."""
+    """One algorithm's simulated forward+backward of one attention layer on ``n`` CP ranks; ``search``: the
+    order search's replays per phase for the pruned plans of the mesh family (``PlanOptions.search``; the
+    shape is chosen on the plans without it, as the launcher's ``--mesh-shape auto``)."""
+    if search and not (w.pruned and searches(algo)):
+        raise ValueError(f"search re-orders the pruned plans of mesh, mesh:AxB, a2a+mesh and ring-pruned under a "
+                         f"mask (documents, a window); {algo}{'' if w.pruned else ' without a mask'} has none")
     if w.pruned and w.mask.cuts_documents and not algo.startswith(PRUNED):
         raise ValueError(f"{algo} cannot run unpadded documents (TE's THD pads every document to 2*CP and sends "
                          f"every chunk): price it on the padded packing of the same documents (doc_baselines, "
@@ -273,7 +286,7 @@ def simulate_algorithm(
             raise ValueError("ring-pruned is our Ring 1xn with plans pruned for unpadded documents or a window; give "
                              "documents (--docs / --doc-lengths with --doc-layout unpadded) or --window, or use "
                              "ring / mesh:1xN")
-        return _plan_algo("ring-pruned", 1, n, cluster, w, tp)
+        return _plan_algo("ring-pruned", 1, n, cluster, w, tp, search=search)
     if algo == "ring":
         return _plan_algo("ring", 1, n, cluster, w, tp, chains="one-way") if n > 1 else _plan_algo("ring", 1, 1, cluster, w, tp)
     if algo == "passq":
@@ -283,12 +296,12 @@ def simulate_algorithm(
         choice = choose_shape(n, cluster, w, stride=tp, max_live=max_live, even=even)
         a, b = choice.shape.a, choice.shape.b
         if algo == "mesh":  # the plans auto chose: built with the live-chunk limit that fits its budget
-            return _plan_algo("mesh", a, b, cluster, w, tp, max_live=choice.max_live, note="auto")
+            return _plan_algo("mesh", a, b, cluster, w, tp, max_live=choice.max_live, note="auto", search=search)
         return _plan_algo("mesh-naive", a, b, cluster, w, tp, planner="in-order")
     if algo.startswith("mesh:"):
 
         shape = MeshShape.for_size(algo.split(":", 1)[1], n)
-        return _plan_algo(algo, shape.a, shape.b, cluster, w, tp, max_live=max_live)
+        return _plan_algo(algo, shape.a, shape.b, cluster, w, tp, max_live=max_live, search=search)
     if algo == "allgather":
         return _allgather(n, cluster, w, tp)
     if algo == "ulysses":
@@ -298,7 +311,7 @@ def simulate_algorithm(
     if algo == "a2a+mesh":
 
         ch = choose_hybrid_shape(n, cluster, w, stride=tp, max_live=max_live, even=even)
-        return a2a_mesh(ch.u, ch.shape.a, ch.shape.b, cluster, w, tp, ch.max_live)
+        return a2a_mesh(ch.u, ch.shape.a, ch.shape.b, cluster, w, tp, ch.max_live, search=search)
     if algo.startswith("a2a+mesh:"):
     
         parts = algo.split(":", 1)[1].lower().split("x")
@@ -310,7 +323,7 @@ def simulate_algorithm(
         if u not in ulysses_degrees(n, cluster, w.heads, w.kv_heads, tp):
             raise ValueError(f"{algo}: Ulysses degree {u} is not valid here; choose one of "
                              f"{ulysses_degrees(n, cluster, w.heads, w.kv_heads, tp)}")
-        return a2a_mesh(u, a, b, cluster, w, tp, max_live, algo)
+        return a2a_mesh(u, a, b, cluster, w, tp, max_live, algo, search=search)
     if algo.startswith("usp:"):
         u = int(algo.split(":", 1)[1])
         if u < 1 or n % u or w.heads % u:

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import List, Optional, Sequence, Tuple
 
-from .baselines import PRUNED, SimResult, check_algorithms, simulate_algorithm
+from .baselines import PRUNED, SimResult, check_algorithms, searches, simulate_algorithm
 from .cluster import Cluster, Workload
 from .documents import UnpaddedDocuments, read_documents, sample_documents
 from .packing import Packing, read_packing, sample_packing
@@ -43,10 +43,11 @@ def document_sets(seq: int, cp: int, *, lo_hi: Optional[Tuple[int, int]] = None,
 
 def compare_documents(algos: List[str], n: int, cluster: Cluster, w: Workload, packing: Packing,
                       documents: UnpaddedDocuments, *, tp: int = 1, max_live=None,
-                      layouts: Optional[Sequence[str]] = None) -> List[SimResult]:
+                      layouts: Optional[Sequence[str]] = None, search: int = 0) -> List[SimResult]:
     """Each algorithm on the documents as it runs them; TE's Ring first, our pruned Ring second. Ours
     run once per token layout in ``layouts`` (``UnpaddedDocuments.with_layout`` names; None: the
-    documents' own), TE's once (its THD partition balances every order)."""
+    documents' own), TE's once (its THD partition balances every order). ``search``: the order search's
+    replays per phase for ours (not mesh-naive, the in-order baseline)."""
     names = ["ring", "ring-pruned"] + [a for a in algos if a not in ("ring", "ring-pruned")]
     check_algorithms(names)
     padded = replace(w, mask=packing)
@@ -55,7 +56,7 @@ def compare_documents(algos: List[str], n: int, cluster: Cluster, w: Workload, p
     for a in names:
         for docs in (variants if runs_unpadded(a) else [None]):
             out.append(simulate_algorithm(a, n, cluster, padded if docs is None else replace(w, mask=docs), tp=tp,
-                                          max_live=max_live))
+                                          max_live=max_live, search=search if docs is not None and searches(a) else 0))
             if docs is not None and docs.auto:
                 out[-1].layout = f"auto: {out[-1].layout}"
             elif docs is not None and docs.halves and out[-1].layout != docs.layout:  # a or b odd: ran as split:K

@@ -32,6 +32,7 @@ from .costs import plan_peak_bytes
 from .greedy import CONFIGS, PlanCost, greedy_plan, grouping_pays
 from .ready import VARIANTS, scored_reorder
 from .replay import replay, replay_costs
+from .search import search_order
 
 __all__ = ["in_order_plan", "build_plans", "call_plans", "document_plans", "plan_scale", "masked_pool_bytes", "PLANNERS", "default_cluster",
            "DEFAULT_WORKLOAD", "clear_plan_cache", "uncached_document_plans"]
@@ -127,7 +128,7 @@ def build_plans(
 def call_plans(a: int, b: int, planner: str = "greedy", *, workload: Workload, cluster: Optional[Cluster] = None,
                stride: int = 1, max_live: Optional[int] = None, keep=None, masked: bool = False,
                slabs: bool = True, scale: Optional[float] = None, layer: Optional[Workload] = None,
-               reorder: Optional[bool] = None) -> Tuple[Plan, Plan]:
+               reorder: Optional[bool] = None, search: int = 0) -> Tuple[Plan, Plan]:
     """(forward, backward) plans of one call on an a x b mesh for the unmasked layer ``workload``.
 
     ``masked``: the call's mask may leave blocks empty (documents, chunks, a window), so the full plans
@@ -143,7 +144,10 @@ def call_plans(a: int, b: int, planner: str = "greedy", *, workload: Workload, c
     lower blocks can need a KV chunk's second piece (its engine's ``zigzag_keys``), so no KV chunk is
     kept in a slab. ``layer``: the masked layer (``workload`` with the call's mask); with it a pruned
     plan is re-ordered by when its chunks are ready (planning/ready.py: ``reorder=None`` where the
-    replay says that is faster, ``True`` always, ``False`` never)."""
+    replay says that is faster, ``True`` always, ``False`` never) and then, with ``search`` > 0, searched
+    for a faster order by at most that many replays per phase (planning/search.py; ``PlanOptions.search``)."""
+    if not isinstance(search, int) or isinstance(search, bool) or search < 0:
+        raise ValueError(f"search must be an int >= 0 (replays per phase of the order search), got {search!r}")
     every = keep is None or len(keep) == a * b
     if scale is None:
         scale = plan_scale(layer, cluster or default_cluster(), a * b) if masked and every and layer is not None else 1.0
@@ -172,7 +176,17 @@ def call_plans(a: int, b: int, planner: str = "greedy", *, workload: Workload, c
         full = tuple(p for _, p in ready)
         if scaled is not None:
             full = tuple(_faster(plan, t, alt, cl, layer, stride) for (t, plan), alt in zip(ready, scaled))
+        if search:
+            full = tuple(_searched(p, u, slabs, cl, layer, stride, max_live, search) for p, u in zip(full, unpruned))
     return full
+
+
+def _searched(plan: Plan, full: Plan, slabs: bool, cluster: Cluster, layer: Workload, stride: int,
+              max_live: Optional[int], budget: int) -> Plan:
+    """``plan`` after the order search (planning/search.py) within ``full``'s pool bytes (in the form that
+    runs) and ``max_live``, as :func:`_ready` keeps a ready order."""
+    room = peak_live_bytes(full if slabs else without_slabs(full), workload_dims(layer))
+    return search_order(plan, cluster, layer, budget=budget, stride=stride, max_live=max_live, room=room)[1]
 
 
 def _scaled_pruned(plans, a, b, keep, slabs: bool, cluster: Cluster, workload: Workload, layer: Workload,
@@ -316,22 +330,22 @@ def masked_pool_bytes(a: int, b: int, cluster: Cluster, workload: Workload, stri
 @lru_cache(maxsize=256)
 def document_plans(a: int, b: int, planner: str = "greedy", *, cluster: Optional[Cluster] = None,
                    workload: Workload, stride: int = 1, max_live: Optional[int] = None,
-                   reorder: Optional[bool] = None) -> Tuple[Plan, Plan]:
+                   reorder: Optional[bool] = None, search: int = 0) -> Tuple[Plan, Plan]:
     """(forward, backward) plans for a masked ``workload`` (documents, chunks, a window), as
-    ``mesh_attention`` runs them (:func:`call_plans`, planned for its :func:`plan_scale`; ``reorder`` as
-    ``PlanOptions.reorder``); cached (:func:`uncached_document_plans` builds them)."""
+    ``mesh_attention`` runs them (:func:`call_plans`, planned for its :func:`plan_scale`; ``reorder`` and
+    ``search`` as ``PlanOptions``'); cached (:func:`uncached_document_plans` builds them)."""
     return uncached_document_plans(a, b, planner, cluster=cluster, workload=workload, stride=stride,
-                                   max_live=max_live, reorder=reorder)
+                                   max_live=max_live, reorder=reorder, search=search)
 
 
 def uncached_document_plans(a: int, b: int, planner: str = "greedy", *, cluster: Optional[Cluster] = None,
                             workload: Workload, stride: int = 1, max_live: Optional[int] = None,
-                            reorder: Optional[bool] = None) -> Tuple[Plan, Plan]:
+                            reorder: Optional[bool] = None, search: int = 0) -> Tuple[Plan, Plan]:
     """:func:`document_plans` without its cache: for plans of masks that may never run (auto's layout
     candidates, planning/layouts.py), which would otherwise evict the plans of the layouts that do."""
     return call_plans(a, b, planner, workload=workload.unmasked, cluster=cluster, stride=stride, max_live=max_live,
                       keep=workload.needed(a, b), masked=True, slabs=workload.blocks(a * b).zigzag_keys,
-                      layer=workload, reorder=reorder)
+                      layer=workload, reorder=reorder, search=search)
 
 
 def clear_plan_cache() -> None:

@@ -23,12 +23,15 @@ class PlanOptions:
     live-chunk limit plans keep to (None: none; ``--mesh-shape auto`` sets what fits its budget).
     ``reorder``: whether pruned plans (documents, chunks, a window) run re-ordered by when their
     chunks are ready (planning/ready.py): None where the simulator says it is faster, True always
-    (tests run re-ordered plans this way), False never."""
+    (tests run re-ordered plans this way), False never. ``search``: replays per phase the order search
+    (planning/search.py) may spend improving those plans, every micro-batch (0: none; about 1 ms of host
+    time each at 32 ranks)."""
 
     cluster: Any = None
     stride: int = 1
     max_live: Optional[int] = None
     reorder: Optional[bool] = None
+    search: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.stride, int) or self.stride < 1:
@@ -37,6 +40,10 @@ class PlanOptions:
             raise ValueError(f"max_live must be an int >= 2 (live chunks) or None, got {self.max_live!r}")
         if self.reorder not in (None, True, False):
             raise ValueError(f"reorder must be None (where faster), True or False, got {self.reorder!r}")
+        if not isinstance(self.search, int) or isinstance(self.search, bool) or self.search < 0:
+            raise ValueError(f"search must be an int >= 0 (replays per phase of the order search), got {self.search!r}")
+        if self.search and self.reorder is False:
+            raise ValueError("search re-orders pruned plans, which reorder=False forbids: set search=0 or reorder=None")
 
 
 DEFAULT_PLAN_OPTIONS = PlanOptions()

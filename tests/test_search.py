@@ -1,0 +1,114 @@
+"""Order search (planning/search.py): searched plans validate, keep the pruned plan's ops and bytes,
+never replay slower, come out the same on every call, run exactly (fp32 within 1e-5 of float64,
+forward and backward, MHA and GQA), and are the plans the simulator replays."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from megatron_mesh_cp.planning import UnpaddedDocuments, Workload, simulate_algorithm
+from megatron_mesh_cp.planning.costs import ulysses_inner
+from megatron_mesh_cp.planning.replay import replay
+from megatron_mesh_cp.planning.schedule import call_plans, default_cluster, document_plans, uncached_document_plans
+from megatron_mesh_cp.planning.search import search_order
+from megatron_mesh_cp.reference import packed_reference, relative_errors
+from megatron_mesh_cp.runtime.mesh import PlanOptions
+from megatron_mesh_cp.runtime.plan import ChunkDims, plan_traffic, validate
+from megatron_mesh_cp.runtime.topology import valid_shapes
+from megatron_mesh_cp.virtual import VirtualMesh, virtual_mesh_attention
+from test_documents import document_sets
+
+
+def _layer(cu, n, heads=4, kv_heads=2):
+    lengths = tuple(b - a for a, b in zip(cu[:-1], cu[1:]))
+    return Workload(seq_local=cu[-1] // n, heads=heads, kv_heads=kv_heads, head_dim=8, bytes_per_element=4,
+                    partial_bytes=4, mask=UnpaddedDocuments(lengths))
+
+
+@pytest.mark.parametrize("n", [4, 6, 8])
+def test_searched_plans_keep_the_ops_and_bytes_and_never_replay_slower(n):
+    rng = random.Random(n)
+    cl = default_cluster()
+    dims = ChunkDims(1, 16 * n, 4, 2, 8, torch.float32)
+    moved = 0
+    for a, b in valid_shapes(n):
+        for cu in document_sets(n, rng):
+            w = _layer(cu, n)
+            plain = document_plans(a, b, cluster=cl, workload=w)
+            searched = uncached_document_plans(a, b, cluster=cl, workload=w, search=12)
+            assert searched == uncached_document_plans(a, b, cluster=cl, workload=w, search=12)  # deterministic
+            for p, s in zip(plain, searched):
+                validate(s)
+                assert sorted(map(repr, s.ops)) == sorted(map(repr, p.ops))
+                assert s.tile == p.tile and s.slabs == p.slabs
+                assert plan_traffic(s, dims) == plan_traffic(p, dims)
+                assert replay(s, cl, w).time <= replay(p, cl, w).time
+                moved += s.ops != p.ops
+    assert moved  # some plans really are re-ordered
+
+
+def test_no_budget_is_the_plan_itself_and_a_negative_one_is_refused():
+    n, cu = 4, (0, 10, 30, 64)
+    w, cl = _layer(cu, n), default_cluster()
+    plans = document_plans(2, 2, cluster=cl, workload=w)
+    assert document_plans(2, 2, cluster=cl, workload=w, search=0) == plans
+    assert search_order(plans[1], cl, w, budget=0)[1] is plans[1]
+    with pytest.raises(ValueError, match="replays"):
+        search_order(plans[1], cl, w, budget=-1)
+    with pytest.raises(ValueError, match="search must be an int"):
+        call_plans(2, 2, workload=w.unmasked, cluster=cl, search=-1)
+    for bad in (-1, True, 2.0):
+        with pytest.raises(ValueError, match="search must be an int"):
+            PlanOptions(search=bad)
+    with pytest.raises(ValueError, match="reorder=False"):
+        PlanOptions(search=4, reorder=False)
+
+
+def test_the_simulator_refuses_a_search_it_would_not_run():
+    w = Workload(seq_local=64, heads=4, kv_heads=2, head_dim=8)
+    with pytest.raises(ValueError, match="search re-orders"):
+        simulate_algorithm("a2a+mesh", 4, default_cluster(), w, search=4)  # no mask: no pruned plans
+    docs = Workload(seq_local=16, heads=4, kv_heads=2, head_dim=8, mask=UnpaddedDocuments((10, 20, 34)))
+    with pytest.raises(ValueError, match="search re-orders"):
+        simulate_algorithm("mesh-naive", 4, default_cluster(), docs, search=4)
+
+
+SHAPES = [(2, 2), (1, 4), (2, 3), (2, 4), (2, 1, 2)]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=["x".join(map(str, s)) for s in SHAPES])
+def test_searched_plans_exact_against_float64(shape):
+    """The executor runs the searched plans (the simulator's, op for op): fp32 forward and backward
+    within 1e-5 of float64, MHA and GQA; its byte counters are plan_traffic of them."""
+    n = math.prod(shape)
+    u = shape[0] if len(shape) == 3 else 1
+    a, b = shape[-2:]
+    rng = random.Random(n * 11 + len(shape))
+    g = torch.Generator().manual_seed(n)
+    moved = 0
+    for s, cu in enumerate(document_sets(n, rng)[:3]):
+        for heads, kv_heads in ((4, 2), (4, 4)) if s == 0 else ((4, 2),):
+            t = cu[-1]
+            q, k, v, do = (torch.randn(t, x, 8, generator=g, dtype=torch.float64)
+                           for x in (heads, kv_heads, kv_heads, heads))
+            ref = packed_reference(q, k, v, do, cu, causal=True)
+            mesh = VirtualMesh(shape, PlanOptions(search=40))
+            res = virtual_mesh_attention(*(x.float()[None] for x in (q, k, v)), mesh, dout=do.float()[None],
+                                         cu_seqlens=torch.tensor(cu, dtype=torch.int32), kernel="torch")
+            got = {name: res[name][0] for name in ("out", "lse", "dq", "dk", "dv")}
+            for name, err in relative_errors(got, ref).items():
+                assert err <= 1e-5, (shape, heads, kv_heads, cu, name, err)
+            inner = ulysses_inner(u, _layer(cu, n, heads, kv_heads))
+            want = document_plans(a, b, cluster=default_cluster(), workload=inner, stride=u, search=40)
+            assert [p.ops for p in res["plans"]] == [p.ops for p in want]
+            plain = document_plans(a, b, cluster=default_cluster(), workload=inner, stride=u)
+            moved += any(p.ops != q.ops for p, q in zip(want, plain))
+            if u == 1:
+                dims = ChunkDims(1, t // n, heads, kv_heads, 8, torch.float32)
+                sent = {**plan_traffic(want[0], dims), **plan_traffic(want[1], dims)}
+                assert all(dict(tr.sent) == sent for tr in res["traffic"]), (shape, cu)
+    assert moved, shape  # the searched plans did run
