@@ -355,9 +355,11 @@ def documents_page():
         f"`--mesh-plan-search {SEARCH}`, `simulate --plan-search {SEARCH}`): each try moves one op of a pruned plan "
         "(seeded, the same on every rank), and a move is kept where the plan stays valid within its memory and "
         "replays faster; the transfers and bytes are the plan's. It costs about 1 ms of host time per replay "
-        f"(32 mesh ranks, one CPU thread): {SEARCH} per phase took 1.9-2.1 s per micro-batch (both phases, the heavy-tailed mix) in the step, so it "
-        "pays where a micro-batch's attention layers together gain more than that (every layer of a micro-batch "
-        "runs the same plans); it is off by default.",
+        f"(32 mesh ranks, one CPU thread): {SEARCH} per phase took 1.9-2.1 s per micro-batch (both phases, the heavy-tailed mix). "
+        "The launcher spends it where the micro-batch loads, in the data loader's workers beside the layout choice; "
+        "the step takes the orders found there (by the digest of the plan, mask and budget, checked valid) and "
+        "searches only a plan nobody searched ahead (the summary counts both). Off by default "
+        "(`--mesh-plan-search 0`); the 1M stages of the Llama-3.1 recipe set 800.",
         "",
         *needs(verdicts),
         "",

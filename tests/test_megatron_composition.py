@@ -56,11 +56,11 @@ SP = dict(sequence_parallel=True, spec=["sp_norm_spec", "gpt_mesh_sp_spec"])
 RUNS: Dict[str, tuple] = {
     "tp2": (2, TP2),
     "tp2_cp2_sel": (4, dict(TP2, **MESH, mesh_shape="2x1", **SELECTIVE, save_interval=5)),
-    "tp2_cp2_sp": (4, dict(TP2, **MESH, mesh_shape="1x2", mesh_layout="split", **SP)),
+    "tp2_cp2_sp": (4, dict(TP2, **MESH, mesh_shape="1x2", mesh_layout="split", mesh_plan_search=20, **SP)),
     "pp2vpp2": (2, VPP),
     "pp2vpp2_cp2_full": (4, dict(VPP, **MESH, mesh_shape="2x1", **FULL)),
     "pp2": (2, PP2),
-    "pp2_cp2": (4, dict(PP2, **MESH, mesh_shape="1x2", mesh_layout="split")),
+    "pp2_cp2": (4, dict(PP2, **MESH, mesh_shape="1x2", mesh_layout="split", mesh_plan_search=20)),
     "dp2": (2, DP2),
     "dp2_cp2_distopt": (4, dict(DP2, **MESH, mesh_shape="2x1")),
 }
@@ -122,6 +122,8 @@ def test_mesh_composes_with_megatron_feature(runs, name):
     assert lay["chosen_ahead"] == sum(lay["micro_batches"].values()) > 0, lay
     if RUNS[name][1].get("mesh_layout") == "split":  # the documents ran cut into pieces
         assert any(k.startswith("split:") for k in got["layouts"]["micro_batches"]), got["layouts"]
+    if RUNS[name][1].get("mesh_plan_search"):  # searched in the loader; TP: the orders broadcast with the documents
+        assert got["plan_searches_ahead"] > 0 and got["plan_searches_in_step"] == 0, got
     assert ref["losses"][-1][1] < ref["losses"][0][1]  # it learns
 
 

@@ -112,3 +112,41 @@ def test_searched_plans_exact_against_float64(shape):
                 sent = {**plan_traffic(want[0], dims), **plan_traffic(want[1], dims)}
                 assert all(dict(tr.sent) == sent for tr in res["traffic"]), (shape, cu)
     assert moved, shape  # the searched plans did run
+
+
+def test_orders_found_ahead_are_taken_for_the_same_plans_and_checked():
+    """The launcher's data loader searches ahead (orders_ahead); the step, given those orders, takes them
+    for the plans with the same digest -- the plans a search there gives -- and searches only the others."""
+    from dataclasses import replace
+
+    from megatron_mesh_cp.planning import search
+    from megatron_mesh_cp.runtime.masks import Documents
+    from megatron_mesh_cp.runtime.plan import PlanError
+    from megatron_mesh_cp.runtime.topology import MeshShape
+
+    cu = (0, 10, 40, 41, 90, 128)
+    w, mask = _layer(cu, 8).unmasked, Documents(cu)
+    blocks = mask.bind(8, 128, True)
+    kw = dict(workload=w, keep=blocks.needed(MeshShape(2, 4)), masked=True, slabs=blocks.zigzag_keys,
+              layer=replace(w, mask=mask))
+    codes = search.orders_ahead(2, 4, "greedy", workload=w, mask=mask, budget=40)
+    here = call_plans(2, 4, search=40, **kw)
+    before = dict(search.SEARCHES)
+    assert search.remember_encoded(codes) == 2
+    assert call_plans(2, 4, search=40, **kw) == here  # the orders found ahead are the search's
+    assert search.SEARCHES["ahead"] == before.get("ahead", 0) + 2 and search.SEARCHES["here"] == before.get("here", 0)
+    assert search.orders_ahead(2, 4, "greedy", workload=w, mask=mask, budget=0).size == 0
+    with pytest.raises(ValueError, match="cut short"):
+        search.remember_encoded(codes[:-1])
+    base = call_plans(2, 4, **kw)[1]
+    key = search.digest(base, mask, 40)
+    assert key != search.digest(base, mask, 41) and key != search.digest(base, Documents((0, 64, 128)), 40)
+    try:
+        search.remember(key, list(range(len(base.ops) - 1)))  # not an order of its ops
+        with pytest.raises(PlanError, match="does not re-order"):
+            call_plans(2, 4, search=40, **kw)
+        search.remember(key, list(range(len(base.ops)))[::-1])  # its ops, backwards: invalid
+        with pytest.raises(PlanError):
+            call_plans(2, 4, search=40, **kw)
+    finally:
+        search.forget()

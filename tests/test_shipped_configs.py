@@ -129,7 +129,8 @@ PAIRS = [  # (a, b, the only settings that differ)
     ("llama31_70b_1m_tp4pp2_a2a_mesh_nodocmask", "llama31_70b_1m_tp4pp2_a2a_p2p_nodocmask",
      ALGO | {"hierarchical_context_parallel_sizes"}),
 ]
-MASKING = {"reset_attention_mask", "reset_position_ids", "eod_mask_loss"}
+#: what document masking changes; mesh_plan_search searches the masked plans (refused without masking)
+MASKING = {"reset_attention_mask", "reset_position_ids", "eod_mask_loss", "mesh_plan_search"}
 
 
 @pytest.mark.parametrize("a,b,keys", PAIRS, ids=[p[1] for p in PAIRS])
@@ -150,7 +151,8 @@ def test_document_masking_partners_differ_only_in_masking_and_the_70b_ulysses_la
 
 
 STAGE_KEYS = {"pretrained_checkpoint", "seq_length", "max_position_embeddings", "rotary_base", "context_parallel_size",
-              "global_batch_size", "train_iters", "lr_warmup_iters", "eval_interval", "save_interval"}
+              "global_batch_size", "train_iters", "lr_warmup_iters", "eval_interval", "save_interval",
+              "mesh_plan_search"}  # the 1M stage searches its plans' order (in the data loader)
 
 
 @pytest.mark.parametrize("model,base", [("8b", "${LLAMA31_8B_CKPT}"), ("70b", "${LLAMA31_70B_CKPT}")])

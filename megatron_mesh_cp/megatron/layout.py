@@ -101,6 +101,17 @@ class LayoutPolicy:
     inner: object = None
     stride: int = 1
     whole_documents: bool = False  # auto narrowed: documents stay whole
+    search: object = None  # --mesh-plan-search N > 0: (N, planner, the attention's layer, cluster, stride, max_live)
+
+    def orders(self, arr):
+        """The searched orders of ``arr``'s plans (planning.search.orders_ahead; empty without a search)."""
+        from ..planning.search import encode_orders, orders_ahead
+
+        if self.search is None:
+            return encode_orders(())
+        budget, planner, layer, cluster, stride, max_live = self.search
+        return orders_ahead(*self.shape, planner, workload=layer, mask=arr.mask, cluster=cluster, stride=stride,
+                            max_live=max_live, budget=budget)
 
     def choose(self, lengths):
         """The Arrangement of documents ``lengths`` and, for auto, the choice's report."""
@@ -141,13 +152,16 @@ def policy(args) -> LayoutPolicy:
 
     u, a, b = _mesh_dims(args)
     layout = options().layout
-    if layout not in ("auto", "tiled", "tiled-cut"):
-        return LayoutPolicy(layout, a * b, (a, b))
     w = attention_workload(args)
+    inner = ulysses_inner(u, w) if u > 1 else w
     cluster = options().cluster or (load_cluster(args.mesh_cluster) if getattr(args, "mesh_cluster", None)
                                    else default_cluster())
-    return LayoutPolicy(layout, a * b, (a, b), cluster, ulysses_inner(u, w) if u > 1 else w,
-                        args.tensor_model_parallel_size * u, options().whole_documents)
+    stride = args.tensor_model_parallel_size * u
+    search = ((options().plan_search, options().planner, inner, options().cluster, stride, options().max_live)
+              if options().plan_search else None)  # the attention's plan inputs (megatron/attention.py)
+    if layout not in ("auto", "tiled", "tiled-cut"):
+        return LayoutPolicy(layout, a * b, (a, b), search=search)
+    return LayoutPolicy(layout, a * b, (a, b), cluster, inner, stride, options().whole_documents, search)
 
 
 def choose(lengths, args):
@@ -156,7 +170,7 @@ def choose(lengths, args):
 
 
 #: the fields a :class:`LaidOutDataset` sample adds (runtime.layouts.encode, and auto's report)
-AHEAD_FIELDS = ("mesh_layout", "mesh_layout_work", "mesh_layout_report")
+AHEAD_FIELDS = ("mesh_layout", "mesh_layout_work", "mesh_layout_report", "mesh_plan_orders")
 
 
 class LaidOutDataset(torch.utils.data.Dataset):
@@ -186,6 +200,7 @@ class LaidOutDataset(torch.utils.data.Dataset):
         code, work = encode(arr)
         sample["mesh_layout"], sample["mesh_layout_work"] = torch.from_numpy(code), torch.from_numpy(work)
         worker = torch.utils.data.get_worker_info() is not None  # else the main process, when the batch is fetched
+        sample["mesh_plan_orders"] = torch.from_numpy(self.rule.orders(arr))  # --mesh-plan-search, found here
         sample["mesh_layout_report"] = torch.tensor(_report(choice, time.perf_counter() - t0, worker),
                                                     dtype=torch.float64)
         return sample
@@ -269,9 +284,12 @@ def _lay_out(batch: dict, params, args, ahead=None):
     if ahead is not None:  # chosen in the data loader: this batch's documents, checked
         from ..runtime import decode_layout as decode
 
-        code, work, report = (t.reshape(-1).cpu().numpy() for t in ahead)
+        from ..planning.search import remember_encoded
+
+        code, work, report, orders = (t.reshape(-1).cpu().numpy() for t in ahead)
         u, a, b = _mesh_dims(args)
         arr = decode(code, work, lengths, a * b)
+        remember_encoded(orders)  # the plans' searched orders (--mesh-plan-search), taken when the call plans
         choice, chose = _choice_of(arr, report), (float(report[0]), bool(report[1]))
     else:
         (arr, choice), chose = choose(lengths, args), None

@@ -270,6 +270,7 @@ def _documents(tokens, args, ahead=None):
     from megatron.training import get_tokenizer
 
     from ..runtime import documents_from_eod
+    from .layout import AHEAD_FIELDS
 
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     cu = documents_from_eod(tokens[0].to(device), get_tokenizer().eod) if tokens is not None else None
@@ -277,13 +278,14 @@ def _documents(tokens, args, ahead=None):
         group, src = mpu.get_tensor_model_parallel_group(), mpu.get_tensor_model_parallel_src_rank()
         parts = [] if cu is None else [cu.to(torch.int64)] + [
             t.reshape(-1).to(device).view(torch.int64) for t in (ahead or ())]
-        count = torch.tensor([p.numel() for p in parts] + [0] * (4 - len(parts)), dtype=torch.int64, device=device)
+        count = torch.tensor([p.numel() for p in parts] + [0] * (1 + len(AHEAD_FIELDS) - len(parts)), dtype=torch.int64,
+                             device=device)
         torch.distributed.broadcast(count, src, group=group)
         flat = torch.cat(parts) if parts else torch.empty(int(count.sum()), dtype=torch.int64, device=device)
         torch.distributed.broadcast(flat, src, group=group)
         pieces = flat.split(count.tolist())
         cu = pieces[0].to(torch.int32)
-        ahead = (pieces[1], pieces[2].view(torch.float64), pieces[3].view(torch.float64)) if count[1] else None
+        ahead = (pieces[1], pieces[2].view(torch.float64), pieces[3].view(torch.float64), pieces[4]) if count[1] else None
     s = args.seq_length
     return PackedSeqParams(qkv_format="sbhd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=s,
                            max_seqlen_kv=s), ahead
@@ -433,6 +435,7 @@ def _documents_per_sequence() -> Optional[float]:
 
 def _summary(args, opts, started: float) -> Dict:
     from .attention import attention_traffic
+    from ..planning.search import SEARCHES
     from .settings import COUNTERS, options
 
     traffic = attention_traffic()
@@ -450,6 +453,8 @@ def _summary(args, opts, started: float) -> Dict:
         "layout": options().layout if options().documents == "eod" else None,
         "layout_note": options().layout_note or None,  # why auto kept documents whole
         "plan_search": options().plan_search,  # --mesh-plan-search: replays per phase of the order search
+        # where those searches ran: in the data loader (orders found ahead, taken) or in the step
+        "plan_searches_ahead": SEARCHES["ahead"], "plan_searches_in_step": SEARCHES["here"],
         "layouts": COUNTERS.layout_summary(),
         "document_batches_reordered": COUNTERS.relaid,
         "seconds": time.time() - started,

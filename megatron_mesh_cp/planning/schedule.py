@@ -32,7 +32,7 @@ from .costs import plan_peak_bytes
 from .greedy import CONFIGS, PlanCost, greedy_plan, grouping_pays
 from .ready import VARIANTS, scored_reorder
 from .replay import replay, replay_costs
-from .search import search_order
+from .search import searched
 
 __all__ = ["in_order_plan", "build_plans", "call_plans", "document_plans", "plan_scale", "masked_pool_bytes", "PLANNERS", "default_cluster",
            "DEFAULT_WORKLOAD", "clear_plan_cache", "uncached_document_plans"]
@@ -186,7 +186,7 @@ def _searched(plan: Plan, full: Plan, slabs: bool, cluster: Cluster, layer: Work
     """``plan`` after the order search (planning/search.py) within ``full``'s pool bytes (in the form that
     runs) and ``max_live``, as :func:`_ready` keeps a ready order."""
     room = peak_live_bytes(full if slabs else without_slabs(full), workload_dims(layer))
-    return search_order(plan, cluster, layer, budget=budget, stride=stride, max_live=max_live, room=room)[1]
+    return searched(plan, cluster, layer, budget=budget, stride=stride, max_live=max_live, room=room)
 
 
 def _scaled_pruned(plans, a, b, keep, slabs: bool, cluster: Cluster, workload: Workload, layer: Workload,

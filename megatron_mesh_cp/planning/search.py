@@ -12,19 +12,29 @@ themselves never change, so the transfers and their bytes are the plan's.
 Each try that passes :func:`~megatron_mesh_cp.runtime.plan.validate` costs one replay (about 1 ms
 at 32 ranks x 55 ops on one CPU thread), so the search is bounded by a count of replays (``budget``),
 not by time: the result is a deterministic function of the plan, the masked layer and the cluster.
+
+Since it is, it can run ahead, where the micro-batch is loaded (the launcher's data loader workers):
+:func:`found_order` gives a searched plan as its base plan's :func:`digest` and the order of its ops,
+and :func:`remember` hands that to the process that trains, whose ``call_plans`` then takes the order
+for the plan with that digest (checked valid) instead of searching again; a plan nobody searched
+ahead is searched where it is made. Either way the plan is the same; :data:`SEARCHES` counts where.
 """
 
 from __future__ import annotations
 
+import hashlib
 import random
+from collections import Counter, OrderedDict
 from dataclasses import replace
-from typing import Optional, Tuple
+from typing import Optional, Sequence, Tuple
+
+import numpy as np
 
 from ..runtime.memory import peak_live_bytes
 from ..runtime.plan import GATHER_KINDS, Compute, Free, Plan, PlanError, validate
 from .cluster import workload_dims
 
-__all__ = ["search_order", "ATTEMPTS_PER_REPLAY", "SEED"]
+__all__ = ["search_order", "searched", "digest", "found_order", "remember", "forget", "encode_orders", "remember_encoded", "orders_ahead", "SEARCHES", "ATTEMPTS_PER_REPLAY", "SEED"]
 
 #: tries drawn per replay of the budget at most (most tries break a dependency and cost no replay)
 ATTEMPTS_PER_REPLAY = 20
@@ -99,3 +109,111 @@ def search_order(plan: Plan, cluster, w, *, budget: int, stride: int = 1, max_li
         if t < best * (1 - MARGIN) and peak_live_bytes(cand, dims) <= room:
             best, kept, movable = t, cand, order
     return best, (kept if kept is plan else replace(kept, name=plan.name + "+search"))
+
+
+#: where the searches of this process's plans ran: "ahead" (an order remembered from the data loader) or "here"
+SEARCHES: Counter = Counter()
+#: orders found ahead, by the digest of the plan they re-order (bounded: one micro-batch's phases, a few ahead)
+_AHEAD: "OrderedDict[int, Tuple[int, ...]]" = OrderedDict()
+_AHEAD_SIZE = 16
+_COUNTING = [True]  # False while orders_ahead searches (that is the search ahead, not one in the step)
+
+
+def digest(plan: Plan, mask=None, budget: int = 0) -> int:
+    """A 60-bit digest of a search: everything that makes ``plan`` what it is (phase, mesh, ops, slabs, tile),
+    the mask it is searched for and the budget -- the same in every process (unlike ``hash``, which Python
+    salts per process); it fits an int64 tensor."""
+    tile = sorted(plan.tile) if plan.tile is not None else None
+    text = repr((plan.phase, plan.a, plan.b, plan.ops, plan.slabs, tile, mask, int(budget)))
+    return int(hashlib.sha1(text.encode()).hexdigest()[:15], 16)
+
+
+def found_order(base: Plan, found: Plan, mask=None, budget: int = 0) -> Tuple[int, Tuple[int, ...]]:
+    """``found`` (``base`` searched for ``mask`` with ``budget``) as ``(digest(base, mask, budget), the index
+    in base.ops of each of its ops)``."""
+    at = {op: k for k, op in enumerate(base.ops)}
+    order = tuple(at[op] for op in found.ops)
+    if len(order) != len(base.ops) or len(set(order)) != len(order):
+        raise ValueError("found_order: the plans do not hold the same ops")
+    return digest(base, mask, budget), order
+
+
+def forget() -> None:
+    """Drop every order found ahead (tests)."""
+    _AHEAD.clear()
+
+
+def remember(key: int, order: Sequence[int]) -> None:
+    """Keep an order found ahead for the plan with digest ``key`` (the last few kept)."""
+    _AHEAD[int(key)] = tuple(int(k) for k in order)
+    _AHEAD.move_to_end(key)
+    while len(_AHEAD) > _AHEAD_SIZE:
+        _AHEAD.popitem(last=False)
+
+
+def searched(plan: Plan, cluster, w, *, budget: int, stride: int = 1, max_live: Optional[int] = None,
+             room: Optional[int] = None) -> Plan:
+    """:func:`search_order`'s plan, or the order remembered for ``plan`` (:func:`remember`), which is that
+    same plan found ahead: checked valid within ``max_live`` and ``room`` before it is taken."""
+    order = _AHEAD.get(digest(plan, w.mask, budget)) if budget else None
+    if order is None:
+        found = search_order(plan, cluster, w, budget=budget, stride=stride, max_live=max_live, room=room)[1]
+        SEARCHES["here"] += int(bool(budget) and _COUNTING[0])
+        return found
+    if sorted(order) != list(range(len(plan.ops))):
+        raise PlanError(f"the order found ahead for {plan.name} does not re-order its {len(plan.ops)} ops")
+    cand = plan if order == tuple(range(len(plan.ops))) else replace(
+        plan, ops=tuple(plan.ops[k] for k in order), name=plan.name + "+search")
+    validate(cand, max_live=max_live)
+    if peak_live_bytes(cand, workload_dims(w)) > max(room or 0, peak_live_bytes(plan, workload_dims(w))):
+        raise PlanError(f"the order found ahead for {plan.name} needs a larger buffer pool than its plan may")
+    SEARCHES["ahead"] += 1
+    return cand
+
+
+def encode_orders(pairs) -> np.ndarray:
+    """``(digest, order)`` pairs (:func:`found_order`) as one int64 array: per pair its digest, its length,
+    its order."""
+    out = []
+    for key, order in pairs:
+        out += [int(key), len(order), *order]
+    return np.asarray(out, dtype=np.int64)
+
+
+def remember_encoded(codes) -> int:
+    """:func:`remember` every pair of an :func:`encode_orders` array; the number of pairs."""
+    codes = [int(x) for x in codes]
+    k = count = 0
+    while k < len(codes):
+        key, length = codes[k], codes[k + 1]
+        if length < 0 or k + 2 + length > len(codes):
+            raise ValueError("a plan order found ahead is cut short: the sample's mesh_plan_orders is damaged")
+        remember(key, codes[k + 2:k + 2 + length])
+        k, count = k + 2 + length, count + 1
+    return count
+
+
+def orders_ahead(a: int, b: int, planner: str, *, workload, mask, cluster=None, stride: int = 1,
+                 max_live: Optional[int] = None, budget: int) -> np.ndarray:
+    """The searched orders of the plans ``call_plans`` makes for ``mask`` on an a x b mesh (the layer
+    ``workload`` unmasked, as the attention call builds it), :func:`encode_orders`-ed: what the launcher's
+    data loader workers compute for a micro-batch, so that its step takes them (:func:`remember_encoded`)
+    instead of searching. Empty where the mask leaves no pruned plans or ``budget`` is 0."""
+    from ..runtime.topology import MeshShape
+    from .schedule import call_plans
+
+    if not budget:
+        return encode_orders(())
+    blocks = mask.bind(a * b, workload.seq_local * a * b, workload.causal)
+    if not blocks.pruned:
+        return encode_orders(())
+    kw = dict(workload=workload, cluster=cluster, stride=stride, max_live=max_live,
+              keep=blocks.needed(MeshShape(a, b)), masked=True, slabs=blocks.zigzag_keys,
+              layer=replace(workload, mask=mask))
+    base = call_plans(a, b, planner, **kw)
+    _COUNTING[0] = False
+    try:
+        found = call_plans(a, b, planner, search=budget, **kw)
+    finally:
+        _COUNTING[0] = True
+    return encode_orders(found_order(p, f, mask, budget) for p, f in zip(base, found))
