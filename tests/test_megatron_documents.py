@@ -136,6 +136,11 @@ def test_plan_search_is_refused_where_no_pruned_plans_run():
         apply_mesh_args(_flat(**dict(base, reset_attention_mask=False), mesh_plan_search=8), [])
     with pytest.raises(MeshArgumentError, match="give N >= 0, got -1"):
         apply_mesh_args(_flat(**base, mesh_plan_search=-1), [])
+    nodocs = dict(base, reset_attention_mask=False)
+    with pytest.raises(MeshArgumentError, match="a window that bounds nothing"):  # (-1, 0): causal, no window
+        apply_mesh_args(_flat(**nodocs, mesh_plan_search=8, window_size=(-1, 0)), [])
+    apply_mesh_args(_flat(**nodocs, mesh_plan_search=8, window_size=(128, 0)), [])  # a window: pruned plans
+    assert options().plan_search == 8
     apply_mesh_args(_flat(**dict(base, reset_attention_mask=False), mesh_plan_search=0), [])
     assert options().plan_search == 0
 

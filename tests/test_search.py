@@ -66,6 +66,23 @@ def test_no_budget_is_the_plan_itself_and_a_negative_one_is_refused():
             PlanOptions(search=bad)
     with pytest.raises(ValueError, match="reorder=False"):
         PlanOptions(search=4, reorder=False)
+    with pytest.raises(ValueError, match="reorder=False"):
+        call_plans(2, 2, workload=w.unmasked, cluster=cl, search=4, reorder=False)
+
+
+@pytest.mark.parametrize("algo,shape", [("passq", (8, 1)), ("ring-pruned", (1, 8)), ("mesh:2x4", (2, 4))])
+def test_the_simulator_replays_the_searched_plans(algo, shape):
+    """simulate_algorithm(..., search=N) is the replay of the searched plans, for every algorithm it takes it."""
+    rng = random.Random(3)
+    cl = default_cluster()
+    searched_some = False
+    for cu in document_sets(8, rng):
+        w = _layer(cu, 8)
+        plans = document_plans(*shape, cluster=cl, workload=w, search=40)
+        want = sum(replay(p, cl, w).time for p in plans)
+        assert simulate_algorithm(algo, 8, cl, w, search=40).time == pytest.approx(want, rel=1e-12)
+        searched_some |= want < sum(replay(p, cl, w).time for p in document_plans(*shape, cluster=cl, workload=w))
+    assert searched_some, algo
 
 
 def test_the_simulator_refuses_a_search_it_would_not_run():

@@ -151,15 +151,19 @@ def apply_mesh_args(args, argv: Optional[Sequence[str]] = None, *, launcher: boo
 def _plan_search(args, opts: dict) -> int:
     """``--mesh-plan-search N``: refused where it would change nothing (no pruned plans: no document masking
     or window under mesh CP) and for N < 0."""
+    from ..runtime.masks.window import check_window
+
     n = _get(args, "mesh_plan_search", 0) or 0
     if not isinstance(n, int) or isinstance(n, bool) or n < 0:
         raise MeshArgumentError(f"--mesh-plan-search counts replays per phase: give N >= 0, got {n!r}")
     cp = int(_get(args, "context_parallel_size", 1) or 1)
     algo = _get(args, "context_parallel_algo") or (_as_list(_get(args, "cp_comm_type")) or ["p2p"])[0]
-    windowed = cp > 1 and algo in MESH_ALGORITHMS and _get(args, "window_size", None) is not None
+    window = _get(args, "window_size", None)
+    windowed = cp > 1 and algo in MESH_ALGORITHMS and window is not None and check_window(tuple(window), True) is not None
     if n and opts.get("documents") != "eod" and not windowed:
         raise MeshArgumentError(
-            "--mesh-plan-search re-orders the pruned plans of masked attention, which this run has none of: add "
+            "--mesh-plan-search re-orders the pruned plans of masked attention, which this run has none of (packed "
+            "THD documents, --mesh-packed-data, and a window that bounds nothing run unpruned plans): add "
             "--reset-attention-mask (documents) or a sliding window under mesh CP, or drop --mesh-plan-search")
     return n
 

@@ -290,7 +290,7 @@ def simulate_algorithm(
     if algo == "ring":
         return _plan_algo("ring", 1, n, cluster, w, tp, chains="one-way") if n > 1 else _plan_algo("ring", 1, 1, cluster, w, tp)
     if algo == "passq":
-        return _plan_algo("passq", n, 1, cluster, w, tp, chains="one-way")
+        return _plan_algo("passq", n, 1, cluster, w, tp, chains="one-way", search=search)
     even = even_sides(w, n)
     if algo in ("mesh", "mesh-naive"):
         choice = choose_shape(n, cluster, w, stride=tp, max_live=max_live, even=even)

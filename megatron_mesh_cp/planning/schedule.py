@@ -148,6 +148,8 @@ def call_plans(a: int, b: int, planner: str = "greedy", *, workload: Workload, c
     for a faster order by at most that many replays per phase (planning/search.py; ``PlanOptions.search``)."""
     if not isinstance(search, int) or isinstance(search, bool) or search < 0:
         raise ValueError(f"search must be an int >= 0 (replays per phase of the order search), got {search!r}")
+    if search and reorder is False:
+        raise ValueError("search re-orders pruned plans, which reorder=False forbids: set search=0 or reorder=None")
     every = keep is None or len(keep) == a * b
     if scale is None:
         scale = plan_scale(layer, cluster or default_cluster(), a * b) if masked and every and layer is not None else 1.0

@@ -31,7 +31,7 @@ from typing import Optional, Sequence, Tuple
 import numpy as np
 
 from ..runtime.memory import peak_live_bytes
-from ..runtime.plan import GATHER_KINDS, Compute, Free, Plan, PlanError, validate
+from ..runtime.plan import GATHER_KINDS, Compute, Free, Plan, PlanError, Transfer, validate
 from .cluster import workload_dims
 
 __all__ = ["search_order", "searched", "digest", "found_order", "remember", "forget", "encode_orders", "remember_encoded", "orders_ahead", "SEARCHES", "ATTEMPTS_PER_REPLAY", "SEED"]
@@ -44,11 +44,14 @@ SEED = 0
 MARGIN = 1e-9
 
 
-def _frees_placed(ops, frees) -> Tuple:
+def _frees_placed(ops, frees, dst) -> Tuple:
     """``ops`` (no Free) with each of ``frees`` right after the last op that reads its chunk (a compute on
-    it, a gather forwarding it) or, if none does, right after the transfer that delivered it."""
+    it, a gather forwarding it) or, if none does, right after the transfer that delivered it (``dst``: a
+    transfer's destination offset)."""
     last = {}
     for k, op in enumerate(ops):
+        if isinstance(op, Transfer) and op.kind in GATHER_KINDS:
+            last.setdefault((op.kind, dst(op)), k)  # delivered here; a later read moves it on
         if isinstance(op, Compute):
             last[("q", op.q)] = k
             for kv in op.kvs:
@@ -75,7 +78,8 @@ def search_order(plan: Plan, cluster, w, *, budget: int, stride: int = 1, max_li
                  room: Optional[int] = None, costs: Optional[tuple] = None,
                  seconds: Optional[float] = None) -> Tuple[float, Plan]:
     """``(seconds, plan)``: ``plan`` re-ordered by at most ``budget`` scored moves (see the module), or
-    ``plan`` itself where no move replays faster. ``w``: the masked layer the plan runs; ``max_live``: its
+    ``plan`` itself where no move replays faster or the plan is over the ready order's host-cost cap
+    (``ready.MAX_RANK_OPS`` ranks x ops, e.g. Ring 1 x 256). ``w``: the masked layer the plan runs; ``max_live``: its
     live-chunk limit; ``room``: the pool bytes it may need (at least its own peak); ``costs``: its
     replay_costs, where the caller has them; ``seconds``: its replayed time, where known."""
     from .replay import replay, replay_costs  # replay imports the planners, which import this
@@ -84,7 +88,10 @@ def search_order(plan: Plan, cluster, w, *, budget: int, stride: int = 1, max_li
         raise ValueError(f"the order search's budget is a count of replays >= 0, got {budget!r}")
     movable = [op for op in plan.ops if not isinstance(op, Free)]
     frees = [op for op in plan.ops if isinstance(op, Free)]
-    if not budget or len(movable) < 2 or not plan.computes or not _delivered(plan):
+    from .ready import MAX_RANK_OPS
+
+    if (not budget or len(movable) < 2 or not plan.computes or not _delivered(plan)
+            or plan.a * plan.b * len(plan.ops) > MAX_RANK_OPS):  # the ready order's host-cost cap, likewise
         return (float("nan") if seconds is None else seconds), plan
     costs = costs or replay_costs(plan, cluster, w, stride)
     dims = workload_dims(w)
@@ -99,7 +106,7 @@ def search_order(plan: Plan, cluster, w, *, budget: int, stride: int = 1, max_li
             continue
         order = list(movable)
         order.insert(j, order.pop(i))
-        cand = replace(plan, ops=_frees_placed(order, frees))
+        cand = replace(plan, ops=_frees_placed(order, frees, plan.dst))
         try:
             validate(cand, max_live=max_live)
         except PlanError:
