@@ -13,7 +13,8 @@ import torch
 from megatron_mesh_cp.planning import UnpaddedDocuments, Workload, simulate_algorithm
 from megatron_mesh_cp.planning.costs import ulysses_inner
 from megatron_mesh_cp.planning.replay import replay
-from megatron_mesh_cp.planning.schedule import call_plans, default_cluster, document_plans, uncached_document_plans
+from megatron_mesh_cp.planning.schedule import (call_plans, default_cluster, document_plans, orders_ahead,
+                                                 uncached_document_plans)
 from megatron_mesh_cp.planning.search import search_order
 from megatron_mesh_cp.reference import packed_reference, relative_errors
 from megatron_mesh_cp.runtime.mesh import PlanOptions
@@ -146,13 +147,13 @@ def test_orders_found_ahead_are_taken_for_the_same_plans_and_checked():
     blocks = mask.bind(8, 128, True)
     kw = dict(workload=w, keep=blocks.needed(MeshShape(2, 4)), masked=True, slabs=blocks.zigzag_keys,
               layer=replace(w, mask=mask))
-    codes = search.orders_ahead(2, 4, "greedy", workload=w, mask=mask, budget=40)
+    codes = orders_ahead(2, 4, "greedy", workload=w, mask=mask, budget=40)
     here = call_plans(2, 4, search=40, **kw)
     before = dict(search.SEARCHES)
     assert search.remember_encoded(codes) == 2
     assert call_plans(2, 4, search=40, **kw) == here  # the orders found ahead are the search's
     assert search.SEARCHES["ahead"] == before.get("ahead", 0) + 2 and search.SEARCHES["here"] == before.get("here", 0)
-    assert search.orders_ahead(2, 4, "greedy", workload=w, mask=mask, budget=0).size == 0
+    assert orders_ahead(2, 4, "greedy", workload=w, mask=mask, budget=0).size == 0
     with pytest.raises(ValueError, match="cut short"):
         search.remember_encoded(codes[:-1])
     base = call_plans(2, 4, **kw)[1]

@@ -151,7 +151,7 @@ def apply_mesh_args(args, argv: Optional[Sequence[str]] = None, *, launcher: boo
 def _plan_search(args, opts: dict) -> int:
     """``--mesh-plan-search N``: refused where it would change nothing (no pruned plans: no document masking
     or window under mesh CP) and for N < 0."""
-    from ..runtime.masks.window import check_window
+    from ..runtime import check_window
 
     n = _get(args, "mesh_plan_search", 0) or 0
     if not isinstance(n, int) or isinstance(n, bool) or n < 0:

@@ -104,8 +104,8 @@ class LayoutPolicy:
     search: object = None  # --mesh-plan-search N > 0: (N, planner, the attention's layer, cluster, stride, max_live)
 
     def orders(self, arr):
-        """The searched orders of ``arr``'s plans (planning.search.orders_ahead; empty without a search)."""
-        from ..planning.search import encode_orders, orders_ahead
+        """The searched orders of ``arr``'s plans (planning.schedule.orders_ahead; empty without a search)."""
+        from ..planning import encode_orders, orders_ahead
 
         if self.search is None:
             return encode_orders(())
@@ -284,7 +284,7 @@ def _lay_out(batch: dict, params, args, ahead=None):
     if ahead is not None:  # chosen in the data loader: this batch's documents, checked
         from ..runtime import decode_layout as decode
 
-        from ..planning.search import remember_encoded
+        from ..planning import remember_encoded
 
         code, work, report, orders = (t.reshape(-1).cpu().numpy() for t in ahead)
         u, a, b = _mesh_dims(args)

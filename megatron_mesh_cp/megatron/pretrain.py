@@ -435,7 +435,7 @@ def _documents_per_sequence() -> Optional[float]:
 
 def _summary(args, opts, started: float) -> Dict:
     from .attention import attention_traffic
-    from ..planning.search import SEARCHES
+    from ..planning import SEARCHES
     from .settings import COUNTERS, options
 
     traffic = attention_traffic()

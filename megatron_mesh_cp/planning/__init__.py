@@ -19,8 +19,9 @@ from .packing import DISTRIBUTIONS, Packing, length_draws, parse_doc_range, pars
 from .replay import replay
 from .schedule import (
     PLANNERS, build_plans, call_plans, clear_plan_cache, default_cluster, document_plans, in_order_plan, plan_scale,
-    masked_pool_bytes,
+    masked_pool_bytes, orders_ahead,
 )
+from .search import SEARCHES, encode_orders, remember_encoded, search_order
 from .shape_cache import cache_dir, cached_choice
 from .window_baselines import compare_windows, format_window_table, te_a2a_refusal
 
@@ -36,5 +37,6 @@ __all__ = [
     "LayoutChoice", "candidate_layouts", "choose_layout", "resolve_layout", "tile_weights",
     "DISTRIBUTIONS", "Packing", "length_draws", "parse_doc_range", "parse_tokens", "read_packing", "sample_packing",
     "replay", "PLANNERS", "build_plans", "call_plans", "clear_plan_cache", "default_cluster", "document_plans", "plan_scale", "masked_pool_bytes",
-    "in_order_plan", "cache_dir", "cached_choice", "compare_windows", "format_window_table", "te_a2a_refusal",
+    "in_order_plan", "orders_ahead", "SEARCHES", "encode_orders", "remember_encoded", "search_order",
+    "cache_dir", "cached_choice", "compare_windows", "format_window_table", "te_a2a_refusal",
 ]

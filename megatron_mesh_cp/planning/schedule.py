@@ -32,6 +32,7 @@ from .costs import plan_peak_bytes
 from .greedy import CONFIGS, PlanCost, greedy_plan, grouping_pays
 from .ready import VARIANTS, scored_reorder
 from .replay import replay, replay_costs
+from . import search as order_search
 from .search import searched
 
 __all__ = ["in_order_plan", "build_plans", "call_plans", "document_plans", "plan_scale", "masked_pool_bytes", "PLANNERS", "default_cluster",
@@ -424,3 +425,28 @@ def _minimum_budget(a, b, phase, cost, max_inflight) -> int:
         else:
             lo = mid + 1
     return lo
+
+
+def orders_ahead(a: int, b: int, planner: str, *, workload, mask, cluster=None, stride: int = 1,
+                 max_live: Optional[int] = None, budget: int) -> np.ndarray:
+    """The searched orders of the plans ``call_plans`` makes for ``mask`` on an a x b mesh (the layer
+    ``workload`` unmasked, as the attention call builds it), ``search.encode_orders``-ed: what the launcher's
+    data loader workers compute for a micro-batch, so that its step takes them (``search.remember_encoded``)
+    instead of searching. Empty where the mask leaves no pruned plans or ``budget`` is 0."""
+    from ..runtime.topology import MeshShape
+
+    if not budget:
+        return order_search.encode_orders(())
+    blocks = mask.bind(a * b, workload.seq_local * a * b, workload.causal)
+    if not blocks.pruned:
+        return order_search.encode_orders(())
+    kw = dict(workload=workload, cluster=cluster, stride=stride, max_live=max_live,
+              keep=blocks.needed(MeshShape(a, b)), masked=True, slabs=blocks.zigzag_keys,
+              layer=replace(workload, mask=mask))
+    base = call_plans(a, b, planner, **kw)
+    order_search._COUNTING[0] = False
+    try:
+        found = call_plans(a, b, planner, search=budget, **kw)
+    finally:
+        order_search._COUNTING[0] = True
+    return order_search.encode_orders(order_search.found_order(p, f, mask, budget) for p, f in zip(base, found))

@@ -15,7 +15,8 @@ not by time: the result is a deterministic function of the plan, the masked laye
 
 Since it is, it can run ahead, where the micro-batch is loaded (the launcher's data loader workers):
 :func:`found_order` gives a searched plan as its base plan's :func:`digest` and the order of its ops,
-and :func:`remember` hands that to the process that trains, whose ``call_plans`` then takes the order
+and :func:`remember` hands that (``schedule.orders_ahead`` computes it) to the process that trains,
+whose ``call_plans`` then takes the order
 for the plan with that digest (checked valid) instead of searching again; a plan nobody searched
 ahead is searched where it is made. Either way the plan is the same; :data:`SEARCHES` counts where.
 """
@@ -34,7 +35,7 @@ from ..runtime.memory import peak_live_bytes
 from ..runtime.plan import GATHER_KINDS, Compute, Free, Plan, PlanError, Transfer, validate
 from .cluster import workload_dims
 
-__all__ = ["search_order", "searched", "digest", "found_order", "remember", "forget", "encode_orders", "remember_encoded", "orders_ahead", "SEARCHES", "ATTEMPTS_PER_REPLAY", "SEED"]
+__all__ = ["search_order", "searched", "digest", "found_order", "remember", "forget", "encode_orders", "remember_encoded", "SEARCHES", "ATTEMPTS_PER_REPLAY", "SEED"]
 
 #: tries drawn per replay of the budget at most (most tries break a dependency and cost no replay)
 ATTEMPTS_PER_REPLAY = 20
@@ -199,28 +200,3 @@ def remember_encoded(codes) -> int:
         k, count = k + 2 + length, count + 1
     return count
 
-
-def orders_ahead(a: int, b: int, planner: str, *, workload, mask, cluster=None, stride: int = 1,
-                 max_live: Optional[int] = None, budget: int) -> np.ndarray:
-    """The searched orders of the plans ``call_plans`` makes for ``mask`` on an a x b mesh (the layer
-    ``workload`` unmasked, as the attention call builds it), :func:`encode_orders`-ed: what the launcher's
-    data loader workers compute for a micro-batch, so that its step takes them (:func:`remember_encoded`)
-    instead of searching. Empty where the mask leaves no pruned plans or ``budget`` is 0."""
-    from ..runtime.topology import MeshShape
-    from .schedule import call_plans
-
-    if not budget:
-        return encode_orders(())
-    blocks = mask.bind(a * b, workload.seq_local * a * b, workload.causal)
-    if not blocks.pruned:
-        return encode_orders(())
-    kw = dict(workload=workload, cluster=cluster, stride=stride, max_live=max_live,
-              keep=blocks.needed(MeshShape(a, b)), masked=True, slabs=blocks.zigzag_keys,
-              layer=replace(workload, mask=mask))
-    base = call_plans(a, b, planner, **kw)
-    _COUNTING[0] = False
-    try:
-        found = call_plans(a, b, planner, search=budget, **kw)
-    finally:
-        _COUNTING[0] = True
-    return encode_orders(found_order(p, f, mask, budget) for p, f in zip(base, found))
