@@ -139,11 +139,11 @@ def apply_mesh_args(args, argv: Optional[Sequence[str]] = None, *, launcher: boo
     args = _apply_cp_algo(args, argv, opts)
     _check_packed_data(args)
     _check_document_masking(args, launcher, opts)
-    opts["plan_search"] = _plan_search(args, opts)
     try:
         variant_args.check_attention_variants(lambda name, default=None: _get(args, name, default), launcher)
     except ValueError as exc:
         raise MeshArgumentError(str(exc)) from None
+    opts["plan_search"] = _plan_search(args, opts)  # after the variants: a window it reads is a valid one
     configure(MeshOptions(**opts))
     return args
 
@@ -158,9 +158,11 @@ def _plan_search(args, opts: dict) -> int:
         raise MeshArgumentError(f"--mesh-plan-search counts replays per phase: give N >= 0, got {n!r}")
     cp = int(_get(args, "context_parallel_size", 1) or 1)
     algo = _get(args, "context_parallel_algo") or (_as_list(_get(args, "cp_comm_type")) or ["p2p"])[0]
+    if not n or opts.get("documents") == "eod":
+        return n
     window = _get(args, "window_size", None)
     windowed = cp > 1 and algo in MESH_ALGORITHMS and window is not None and check_window(tuple(window), True) is not None
-    if n and opts.get("documents") != "eod" and not windowed:
+    if not windowed:
         raise MeshArgumentError(
             "--mesh-plan-search re-orders the pruned plans of masked attention, which this run has none of (packed "
             "THD documents, --mesh-packed-data, and a window that bounds nothing run unpruned plans): add "
