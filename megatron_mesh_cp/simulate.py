@@ -190,6 +190,10 @@ def main(argv=None) -> int:
     elif documents is not None:
         print(f"documents, unpadded (mesh family): {documents.with_layout('zigzag').describe()}; token layouts "
               f"{', '.join(layouts)} (the documents column says which ran)")
+        if args.plan_search:
+            print(f"plans searched: our pruned plans (not mesh-naive's, not TE's) re-ordered by the order search, "
+                  f"{args.plan_search} replays per phase (planning/search.py; --plan-search 0 for the unsearched)")
+            caption += f"  plans searched ({args.plan_search} replays per phase)"
         print(f"documents, padded THD (TE's ring and usp): {packing.describe()}")
         caption += f"  documents: {len(documents.lengths)} ({documents.label}), unpadded+pruned vs TE padded"
         print(format_documents_table(results, packing, documents))

@@ -95,6 +95,19 @@ def test_the_simulator_refuses_a_search_it_would_not_run():
         simulate_algorithm("mesh-naive", 4, default_cluster(), docs, search=4)
 
 
+def test_the_simulate_command_says_its_plans_were_searched(capsys):
+    from megatron_mesh_cp.simulate import main
+
+    argv = ["--cp", "8", "--seq", "32K", "--docs", "1K-8K", "--algos", "mesh", "--no-unpacked"]
+    assert main(argv + ["--plan-search", "4"]) == 0
+    assert "plans searched: " in capsys.readouterr().out
+    assert main(argv) == 0
+    assert "plans searched" not in capsys.readouterr().out
+    for bad, match in ((argv + ["--plan-search", "-1"], "N >= 0"), (argv[:4] + ["--plan-search", "4"], "give --docs")):
+        assert main(bad) == 2
+        assert match in capsys.readouterr().err, bad
+
+
 SHAPES = [(2, 2), (1, 4), (2, 3), (2, 4), (2, 1, 2)]
 
 
