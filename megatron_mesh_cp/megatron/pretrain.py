@@ -490,6 +490,13 @@ def _print_resolved(args, gpu_gib: Optional[float]) -> None:
              + f"; seq {args.seq_length}, {args.num_layers} layers, heads {args.num_attention_heads}"
              f"/{args.num_query_groups if args.group_query_attention else args.num_attention_heads} kv")
     log.info(f"document masking: {_masking(args)}")
+    from .settings import options
+
+    if options().plan_search:
+        log.info(f"plan search (--mesh-plan-search {options().plan_search}): up to {options().plan_search} replays per "
+                 "phase re-order each micro-batch's pruned plans (planning/search.py; about 1 ms of host time each at "
+                 "32 mesh ranks), under document masking in the data loader's workers with --num-workers > 0; the step "
+                 "time below prices the unsearched plans")
     if algo in ("mesh", "a2a+mesh"):
         from .precision import precision_line
 
@@ -555,6 +562,9 @@ def _print_summary(s: Dict) -> None:
                  f"{lay['host_ms_mean']:.1f} ms host time per micro-batch (max {lay['host_ms_max']:.1f})"
                  + (f"; {lay['chosen_ahead']} chosen ahead by data loader workers ({lay['ahead_choice_ms_mean']:.1f} "
                     "ms each there)" if lay.get("chosen_ahead") else ""))
+    if s.get("plan_search"):
+        log.info(f"plan search (--mesh-plan-search {s['plan_search']}): {s['plan_searches_ahead']} plans took the order a "
+                 f"data loader worker found ahead, {s['plan_searches_in_step']} were searched in the step")
     log.info(f"done in {s['seconds']:.1f} s")
 
 
