@@ -15,6 +15,7 @@ from .planning.baselines import ALGORITHMS, compare, format_packed_table, format
 from .planning.cluster import Workload, load_cluster
 from .planning.doc_baselines import compare_documents, document_sets, format_documents_table
 from .planning.packing import DISTRIBUTIONS, parse_doc_range, parse_tokens
+from .planning.search import budget_error
 from .planning.window_baselines import compare_windows, format_window_table
 from .runtime.masks import Window
 
@@ -76,8 +77,8 @@ def main(argv=None) -> int:
     p.add_argument("--plot", default=None, metavar="FILE.png", help="draw one rank's timeline per algorithm")
     p.add_argument("--max-live", type=int, default=None, help="memory budget (live chunks) for mesh plans")
     p.add_argument("--plan-search", type=int, default=0, metavar="N",
-                   help="unpadded documents: replays per phase the order search may spend improving our pruned "
-                        "plans (planning/search.py; the launcher's --mesh-plan-search; 0: none)")
+                   help="unpadded documents or --window: replays per phase the order search may spend improving "
+                        "our pruned plans (planning/search.py; the launcher's --mesh-plan-search; 0: none)")
     pk = p.add_argument_group(
         "documents: attention masked at document boundaries (--docs or --doc-lengths); --doc-layout says how they run")
     pk.add_argument(
@@ -150,16 +151,18 @@ def main(argv=None) -> int:
         else:
             packing = None
         algos = [a.strip() for a in args.algos.split(",") if a.strip()]
-        if args.plan_search < 0:
-            raise ValueError(f"--plan-search counts replays per phase: give N >= 0, got {args.plan_search}")
-        if args.plan_search and documents is None:
-            raise ValueError("--plan-search re-orders the plans of unpadded documents: give --docs or --doc-lengths "
-                             "(with --doc-layout unpadded), or drop it")
+        why = budget_error(args.plan_search)
+        if why:
+            raise ValueError(f"--plan-search counts replays per phase: {why}")
+        if args.plan_search and documents is None and windowed is None:
+            raise ValueError("--plan-search re-orders the pruned plans of unpadded documents or a sliding window: give "
+                             "--docs or --doc-lengths (with --doc-layout unpadded) or --window, or drop it")
         unpacked, window_rows = None, None
         if windowed is not None and windowed.window is None:
             raise ValueError(f"--window {args.window[0]},{args.window[1]} is no window (-1: unbounded); drop it")
         if windowed is not None:
-            window_rows = compare_windows(algos, args.cp, cluster, windowed, tp=args.tp, max_live=args.max_live)
+            window_rows = compare_windows(algos, args.cp, cluster, windowed, tp=args.tp, max_live=args.max_live,
+                                          search=args.plan_search)
         masked = packing is not None or windowed is not None
         if not masked or not args.no_unpacked:
             plain = [a for a in algos if a != "ring-pruned"] if masked else algos  # it needs documents or a window
@@ -180,7 +183,12 @@ def main(argv=None) -> int:
         + (f"  window={windowed.window[0]},{windowed.window[1]}" if windowed is not None else "")
     )
     print(f"{caption}  (every figure simulated on the calibrated cost model, none measured)")
+    searched = (f"plans searched: our pruned plans (not mesh-naive's, not TE's) re-ordered by the order search, "
+                f"{args.plan_search} replays per phase (planning/search.py; --plan-search 0 for the unsearched)")
     if window_rows is not None:
+        if args.plan_search:
+            print(searched)
+            caption += f"  plans searched ({args.plan_search} replays per phase)"
         print(format_window_table(window_rows))
         results = [r.result for r in window_rows if r.result is not None and r.status == "runs the window"]
         if unpacked is not None:
@@ -191,8 +199,7 @@ def main(argv=None) -> int:
         print(f"documents, unpadded (mesh family): {documents.with_layout('zigzag').describe()}; token layouts "
               f"{', '.join(layouts)} (the documents column says which ran)")
         if args.plan_search:
-            print(f"plans searched: our pruned plans (not mesh-naive's, not TE's) re-ordered by the order search, "
-                  f"{args.plan_search} replays per phase (planning/search.py; --plan-search 0 for the unsearched)")
+            print(searched)
             caption += f"  plans searched ({args.plan_search} replays per phase)"
         print(f"documents, padded THD (TE's ring and usp): {packing.describe()}")
         caption += f"  documents: {len(documents.lengths)} ({documents.label}), unpadded+pruned vs TE padded"

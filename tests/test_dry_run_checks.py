@@ -1,7 +1,7 @@
 """What the launcher's --dry-run catches before a job is queued: a data prefix whose files are missing, a config
 key that is no setting (one line naming it and its file), a world size (WORLD_SIZE) the parallel sizes do not
 divide (one line naming WORLD_SIZE, not Megatron's traceback), a --mesh-layout that is none (one line, not
-Megatron's usage), and the vocabulary read from the tokenizer (or, when
+Megatron's usage), an LR warmup not below the decay (Megatron asserts it only after building the model), and the vocabulary read from the tokenizer (or, when
 it does not load here, how to give it)."""
 
 from __future__ import annotations
@@ -29,8 +29,9 @@ def test_dry_run_refuses_missing_data_and_unknown_keys(tmp_path):
              ["--config", str(tmp_path / "typo.yaml"), "--dry-run"],
              ["--config", TINY, "--dry-run", "--data-path", prefix, *null],
              ["--config", TINY, "--dry-run", "--data-path", prefix, *null, "--context-parallel-size", "8", "--mesh-shape", "2x4"],
-             ["--config", TINY, "--dry-run", "--mesh-layout", "tiled", "--mesh-layout=split:2"]]
-    missing, typo, present, world, layout = run_bad_args(cases, tmp_path, world_size=4)
+             ["--config", TINY, "--dry-run", "--mesh-layout", "tiled", "--mesh-layout=split:2"],
+             ["--config", TINY, "--dry-run", "--train-iters", "2"]]  # the config warms up for 2 iterations
+    missing, typo, present, world, layout, warmup = run_bad_args(cases, tmp_path, world_size=4)
     assert missing["code"] == 2, missing
     assert (f"error: --data-path: missing data_path: {tmp_path}/nope_text_document.bin, data_path: "
             f"{tmp_path}/nope_text_document.idx (a dataset prefix PREFIX names PREFIX.bin and PREFIX.idx"
@@ -44,6 +45,9 @@ def test_dry_run_refuses_missing_data_and_unknown_keys(tmp_path):
     assert layout["code"] == 2 and len(layout["stderr"].strip().splitlines()) == 1, layout  # not Megatron's usage
     assert "error: argument --mesh-layout: invalid choice: 'split:2' (choose from 'auto', 'zigzag'" in layout["stderr"]
     assert "a fixed split:K is the simulator's --layout only" in layout["stderr"]
+    assert warmup["code"] == 2, warmup  # Megatron's scheduler would assert it after building the model
+    assert ("error: --lr-warmup-iters 2 is not below the LR decay's 2 iterations (--lr-decay-iters, or --train-iters "
+            "where it is unset)") in warmup["stderr"] and "raise --train-iters or lower --lr-warmup-iters" in warmup["stderr"]
 
 
 def test_the_estimate_reads_the_tokenizers_vocabulary_or_says_how_to_give_it(tmp_path):

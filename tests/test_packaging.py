@@ -60,7 +60,8 @@ def test_setup_py_defers_to_pyproject(tmp_path):
 def test_main_job_script_keeps_the_callers_directory(tmp_path):
     """scripts/run_main_job.sh called by its path from elsewhere: the launcher runs in the caller's
     directory (so --plot-loss loss.png / --summary-json s.json land there, not in the checkout), on the
-    checkout's launcher and config by absolute path. torchrun and env.sh are recording stand-ins."""
+    checkout's launcher and config by absolute path, after a one-process check of the same arguments whose
+    refusal stops it before torchrun. torchrun, python and env.sh are recording stand-ins."""
     import shutil
     import subprocess
 
@@ -72,6 +73,9 @@ def test_main_job_script_keeps_the_callers_directory(tmp_path):
     torchrun = fake / ".venv" / "bin" / "torchrun"
     torchrun.write_text('#!/usr/bin/env bash\nprintf "%s\\n" "$PWD" "$@" > "$RECORD"\n')
     torchrun.chmod(0o755)
+    python = fake / ".venv" / "bin" / "python"  # the one-process check before torchrun (the launcher's --dry-run)
+    python.write_text('#!/usr/bin/env bash\nprintf "%s\\n" "$PWD" "$@" > "$RECORD.check"\nexit "${CHECK_RC:-0}"\n')
+    python.chmod(0o755)
     caller = tmp_path / "elsewhere"
     caller.mkdir()
     record = tmp_path / "record.txt"
@@ -82,3 +86,11 @@ def test_main_job_script_keeps_the_callers_directory(tmp_path):
     assert str(fake / "scripts" / "pretrain_gpt_mesh.py") in argv
     assert str(fake / "configs" / "gpt_tiny_cpu.yaml") in argv
     assert argv[-2:] == ["--plot-loss", "loss.png"]
+    cwd, *check = (tmp_path / "record.txt.check").read_text().splitlines()
+    assert Path(cwd).resolve() == caller.resolve()
+    assert check[-3:] == ["--plot-loss", "loss.png", "--dry-run"] and str(fake / "configs" / "gpt_tiny_cpu.yaml") in check
+    # a refusal (the check's exit 2) ends the script with that code before torchrun starts
+    record.unlink()
+    res = subprocess.run(["bash", str(fake / "scripts" / "run_main_job.sh"), "--bad"], cwd=caller,
+                         env=dict(os.environ, RECORD=str(record), CHECK_RC="2"), timeout=60)
+    assert res.returncode == 2 and not record.exists()

@@ -15,7 +15,7 @@ from megatron_mesh_cp.planning.costs import ulysses_inner
 from megatron_mesh_cp.planning.replay import replay
 from megatron_mesh_cp.planning.schedule import (call_plans, default_cluster, document_plans, orders_ahead,
                                                  uncached_document_plans)
-from megatron_mesh_cp.planning.search import search_order
+from megatron_mesh_cp.planning.search import MAX_BUDGET, search_order
 from megatron_mesh_cp.reference import packed_reference, relative_errors
 from megatron_mesh_cp.runtime.mesh import PlanOptions
 from megatron_mesh_cp.runtime.plan import ChunkDims, plan_traffic, validate
@@ -60,11 +60,14 @@ def test_no_budget_is_the_plan_itself_and_a_negative_one_is_refused():
     assert search_order(plans[1], cl, w, budget=0)[1] is plans[1]
     with pytest.raises(ValueError, match="replays"):
         search_order(plans[1], cl, w, budget=-1)
-    with pytest.raises(ValueError, match="search must be an int"):
+    with pytest.raises(ValueError, match="replays per phase of the order search"):
         call_plans(2, 2, workload=w.unmasked, cluster=cl, search=-1)
-    for bad in (-1, True, 2.0):
-        with pytest.raises(ValueError, match="search must be an int"):
+    for bad in (-1, True, 2.0, MAX_BUDGET + 1):
+        with pytest.raises(ValueError, match="replays per phase of the order search"):
             PlanOptions(search=bad)
+    with pytest.raises(ValueError, match="over the cap"):
+        search_order(plans[1], cl, w, budget=MAX_BUDGET + 1)
+    PlanOptions(search=MAX_BUDGET)  # the cap itself is a budget
     with pytest.raises(ValueError, match="reorder=False"):
         PlanOptions(search=4, reorder=False)
     with pytest.raises(ValueError, match="reorder=False"):
@@ -181,3 +184,16 @@ def test_orders_found_ahead_are_taken_for_the_same_plans_and_checked():
             call_plans(2, 4, search=40, **kw)
     finally:
         search.forget()
+
+
+def test_the_simulate_command_searches_a_windows_plans(capsys):
+    """simulate --plan-search N --window: the window's pruned plans searched (no documents needed), and a budget
+    over the cap refused with exit 2."""
+    from megatron_mesh_cp.simulate import main
+
+    base = ["--cp", "8", "--seq", "16K", "--heads", "4", "--kv-heads", "2", "--window", "512,0", "--algos", "mesh:2x4"]
+    assert main(base + ["--plan-search", "20"]) == 0
+    out = capsys.readouterr().out
+    assert "plans searched" in out and "20 replays per phase" in out
+    assert main(base + ["--plan-search", str(MAX_BUDGET + 1)]) == 2
+    assert "over the cap" in capsys.readouterr().err

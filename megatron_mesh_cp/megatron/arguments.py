@@ -138,6 +138,7 @@ def apply_mesh_args(args, argv: Optional[Sequence[str]] = None, *, launcher: boo
     opts: dict = {}  # what the options resolve to, configured once at the end (settings.MeshOptions)
     args = _apply_cp_algo(args, argv, opts)
     _check_packed_data(args)
+    _check_lr_schedule(args)
     _check_document_masking(args, launcher, opts)
     try:
         variant_args.check_attention_variants(lambda name, default=None: _get(args, name, default), launcher)
@@ -148,14 +149,40 @@ def apply_mesh_args(args, argv: Optional[Sequence[str]] = None, *, launcher: boo
     return args
 
 
+def _check_lr_schedule(args) -> None:
+    """Megatron's LR scheduler asserts warmup < decay (core/optimizer_param_scheduler.py, after the model is
+    built; get_optimizer_param_scheduler in training/training.py: decay defaults to the whole run): said here
+    with the flags to change, before anything starts."""
+    fraction = _get(args, "lr_warmup_fraction", None)
+    if _get(args, "train_iters", None):
+        unit, decay = "iterations", _get(args, "lr_decay_iters", None) or _get(args, "train_iters")
+        warmup, flags = _get(args, "lr_warmup_iters", 0) or 0, ("--lr-warmup-iters", "--lr-decay-iters", "--train-iters")
+    elif _get(args, "train_samples", None):
+        unit, decay = "samples", _get(args, "lr_decay_samples", None) or _get(args, "train_samples")
+        warmup, flags = _get(args, "lr_warmup_samples", 0) or 0, ("--lr-warmup-samples", "--lr-decay-samples",
+                                                                 "--train-samples")
+    else:
+        return
+    if fraction is not None:
+        if not 0 <= fraction < 1:
+            raise MeshArgumentError(f"--lr-warmup-fraction {fraction} must be in [0, 1): Megatron's LR scheduler "
+                                    "asserts warmup < decay")
+        return
+    if warmup >= decay:
+        raise MeshArgumentError(
+            f"{flags[0]} {warmup} is not below the LR decay's {decay} {unit} ({flags[1]}, or {flags[2]} where it is "
+            f"unset): Megatron's LR scheduler asserts warmup < decay; raise {flags[2]} or lower {flags[0]}")
+
+
 def _plan_search(args, opts: dict) -> int:
     """``--mesh-plan-search N``: refused where it would change nothing (no pruned plans: no document masking
     or window under mesh CP) and for N < 0."""
-    from ..runtime import check_window
+    from ..runtime import check_window, search_budget_error
 
     n = _get(args, "mesh_plan_search", 0) or 0
-    if not isinstance(n, int) or isinstance(n, bool) or n < 0:
-        raise MeshArgumentError(f"--mesh-plan-search counts replays per phase: give N >= 0, got {n!r}")
+    why = search_budget_error(n)
+    if why:
+        raise MeshArgumentError(f"--mesh-plan-search counts replays per phase: {why}")
     cp = int(_get(args, "context_parallel_size", 1) or 1)
     algo = _get(args, "context_parallel_algo") or (_as_list(_get(args, "cp_comm_type")) or ["p2p"])[0]
     if not n or opts.get("documents") == "eod":

@@ -495,7 +495,8 @@ def _print_resolved(args, gpu_gib: Optional[float]) -> None:
     if options().plan_search:
         log.info(f"plan search (--mesh-plan-search {options().plan_search}): up to {options().plan_search} replays per "
                  "phase re-order each micro-batch's pruned plans (planning/search.py; about 1 ms of host time each at "
-                 "32 mesh ranks), under document masking in the data loader's workers with --num-workers > 0; the step "
+                 "32 mesh ranks), under document masking where each micro-batch loads (the data loader's workers with "
+                 "--num-workers > 0), ahead of its step; the step "
                  "time below prices the unsearched plans")
     if algo in ("mesh", "a2a+mesh"):
         from .precision import precision_line

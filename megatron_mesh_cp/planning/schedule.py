@@ -33,7 +33,7 @@ from .greedy import CONFIGS, PlanCost, greedy_plan, grouping_pays
 from .ready import VARIANTS, scored_reorder
 from .replay import replay, replay_costs
 from . import search as order_search
-from .search import searched
+from .search import budget_error, searched
 
 __all__ = ["in_order_plan", "build_plans", "call_plans", "document_plans", "plan_scale", "masked_pool_bytes", "PLANNERS", "default_cluster",
            "DEFAULT_WORKLOAD", "clear_plan_cache", "uncached_document_plans"]
@@ -147,8 +147,9 @@ def call_plans(a: int, b: int, planner: str = "greedy", *, workload: Workload, c
     plan is re-ordered by when its chunks are ready (planning/ready.py: ``reorder=None`` where the
     replay says that is faster, ``True`` always, ``False`` never) and then, with ``search`` > 0, searched
     for a faster order by at most that many replays per phase (planning/search.py; ``PlanOptions.search``)."""
-    if not isinstance(search, int) or isinstance(search, bool) or search < 0:
-        raise ValueError(f"search must be an int >= 0 (replays per phase of the order search), got {search!r}")
+    why = budget_error(search)
+    if why:
+        raise ValueError(f"search (replays per phase of the order search): {why}")
     if search and reorder is False:
         raise ValueError("search re-orders pruned plans, which reorder=False forbids: set search=0 or reorder=None")
     every = keep is None or len(keep) == a * b

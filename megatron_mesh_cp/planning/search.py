@@ -33,9 +33,11 @@ import numpy as np
 
 from ..runtime.memory import peak_live_bytes
 from ..runtime.plan import GATHER_KINDS, Compute, Free, Plan, PlanError, Transfer, validate
+from ..runtime.mesh import MAX_SEARCH_BUDGET as MAX_BUDGET, search_budget_error as budget_error
 from .cluster import workload_dims
 
-__all__ = ["search_order", "searched", "digest", "found_order", "remember", "forget", "encode_orders", "remember_encoded", "SEARCHES", "ATTEMPTS_PER_REPLAY", "SEED"]
+__all__ = ["search_order", "searched", "digest", "found_order", "remember", "forget", "encode_orders", "remember_encoded", "SEARCHES", "ATTEMPTS_PER_REPLAY", "SEED", "MAX_BUDGET",
+           "budget_error"]  # the last two: runtime.mesh's cap on PlanOptions.search, under the search's names
 
 #: tries drawn per replay of the budget at most (most tries break a dependency and cost no replay)
 ATTEMPTS_PER_REPLAY = 20
@@ -85,8 +87,9 @@ def search_order(plan: Plan, cluster, w, *, budget: int, stride: int = 1, max_li
     replay_costs, where the caller has them; ``seconds``: its replayed time, where known."""
     from .replay import replay, replay_costs  # replay imports the planners, which import this
 
-    if budget < 0:
-        raise ValueError(f"the order search's budget is a count of replays >= 0, got {budget!r}")
+    why = budget_error(budget)
+    if why:
+        raise ValueError(f"the order search's budget (replays per phase): {why}")
     movable = [op for op in plan.ops if not isinstance(op, Free)]
     frees = [op for op in plan.ops if isinstance(op, Free)]
     from .ready import MAX_RANK_OPS

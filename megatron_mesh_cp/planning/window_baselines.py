@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import List, Optional
 
-from .baselines import WINDOWLESS, SimResult, check_algorithms, simulate_algorithm
+from .baselines import WINDOWLESS, SimResult, check_algorithms, searches, simulate_algorithm
 from .cluster import Cluster, Workload
 
 __all__ = ["WindowRow", "te_a2a_refusal", "compare_windows", "format_window_table"]
@@ -50,8 +50,9 @@ def _largest(heads: int, kv_heads: int) -> int:
 
 
 def compare_windows(algos: List[str], n: int, cluster: Cluster, w: Workload, *, tp: int = 1,
-                    max_live=None) -> List[WindowRow]:
-    """Each algorithm on the windowed layer ``w`` (our pruned Ring first, TE's Ring second)."""
+                    max_live=None, search: int = 0) -> List[WindowRow]:
+    """Each algorithm on the windowed layer ``w`` (our pruned Ring first, TE's Ring second); ``search``:
+    the order search's replays per phase for the algorithms that take it (``baselines.searches``)."""
     if w.window is None:
         raise ValueError("compare_windows prices a sliding window; give the workload a window")
     names = ["ring-pruned", "ring"] + [a for a in algos if a not in ("ring-pruned", "ring")]
@@ -63,7 +64,8 @@ def compare_windows(algos: List[str], n: int, cluster: Cluster, w: Workload, *, 
             rows.append(WindowRow(algo, res, CANNOT, "TE asserts sliding windows away on p2p and a2a+p2p"))
             continue
         try:
-            res = simulate_algorithm(algo, n, cluster, w, tp=tp, max_live=max_live)
+            res = simulate_algorithm(algo, n, cluster, w, tp=tp, max_live=max_live,
+                                     search=search if searches(algo) else 0)
         except ValueError as exc:
             rows.append(WindowRow(algo, None, REFUSED, str(exc)))
             continue

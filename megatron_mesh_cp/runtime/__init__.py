@@ -27,7 +27,7 @@ from .masks import (
 from .memory import buffer_lives, peak_live_bytes
 from .memory import layout as memory_layout
 from .merge import empty_partial, merge_into, merge_sink, sink_grad
-from .mesh import DEFAULT_PLAN_OPTIONS, CallCache, MeshLike, PlanOptions
+from .mesh import DEFAULT_PLAN_OPTIONS, MAX_SEARCH_BUDGET, CallCache, MeshLike, PlanOptions, search_budget_error
 from .packed import PackedLayout, packed_slices, padding_rows, thd_gather, thd_partition_indices, thd_shard
 from .plan import (
     BACKWARD, CATEGORIES, FORWARD, GATHER_KINDS, REDUCE_KINDS, RING_OF, ChunkDims, Compute, Free, Plan, PlanError,
@@ -50,7 +50,7 @@ __all__ = [
     "FULL", "Arranged", "Chunked", "Documents", "Mask", "PackedDocuments", "Span", "Window", "as_mask", "check_window",
     "documents_from_eod", "documents_of", "intersect", "packed_documents",
     "buffer_lives", "peak_live_bytes", "memory_layout", "empty_partial", "merge_into", "merge_sink", "sink_grad",
-    "DEFAULT_PLAN_OPTIONS", "CallCache", "MeshLike", "PlanOptions",
+    "DEFAULT_PLAN_OPTIONS", "CallCache", "MeshLike", "PlanOptions", "MAX_SEARCH_BUDGET", "search_budget_error",
     "PackedLayout", "packed_slices", "padding_rows", "thd_gather", "thd_partition_indices", "thd_shard",
     "BACKWARD", "CATEGORIES", "FORWARD", "GATHER_KINDS", "REDUCE_KINDS", "RING_OF", "ChunkDims", "Compute", "Free",
     "Plan", "PlanError", "Transfer", "payload", "plan_traffic", "validate", "prune", "tile_order", "tile_work",

@@ -13,7 +13,22 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Hashable, Optional, Protocol, runtime_checkable
 
-__all__ = ["MeshLike", "PlanOptions", "CallCache", "DEFAULT_PLAN_OPTIONS"]
+__all__ = ["MeshLike", "PlanOptions", "CallCache", "DEFAULT_PLAN_OPTIONS", "MAX_SEARCH_BUDGET", "search_budget_error"]
+
+#: the most replays per phase an order search may be given (``PlanOptions.search``, the launcher's
+#: --mesh-plan-search): about 100 s of host time per phase at 32 mesh ranks (more at larger meshes), every
+#: micro-batch; a larger budget is a typo, refused rather than run for hours
+MAX_SEARCH_BUDGET = 100_000
+
+
+def search_budget_error(budget) -> str:
+    """Why ``budget`` is no order-search budget ('' where it is one: an int in 0 .. MAX_SEARCH_BUDGET)."""
+    if not isinstance(budget, int) or isinstance(budget, bool) or budget < 0:
+        return f"give N >= 0, got {budget!r}"
+    if budget > MAX_SEARCH_BUDGET:
+        return (f"{budget} replays per phase is over the cap of {MAX_SEARCH_BUDGET} (about 1 ms of host time each at 32 "
+                "mesh ranks, every micro-batch); 800 takes most of the gain")
+    return ""
 
 
 @dataclass(frozen=True)
@@ -40,8 +55,9 @@ class PlanOptions:
             raise ValueError(f"max_live must be an int >= 2 (live chunks) or None, got {self.max_live!r}")
         if self.reorder not in (None, True, False):
             raise ValueError(f"reorder must be None (where faster), True or False, got {self.reorder!r}")
-        if not isinstance(self.search, int) or isinstance(self.search, bool) or self.search < 0:
-            raise ValueError(f"search must be an int >= 0 (replays per phase of the order search), got {self.search!r}")
+        why = search_budget_error(self.search)
+        if why:
+            raise ValueError(f"search (replays per phase of the order search): {why}")
         if self.search and self.reorder is False:
             raise ValueError("search re-orders pruned plans, which reorder=False forbids: set search=0 or reorder=None")
 
