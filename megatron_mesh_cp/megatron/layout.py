@@ -326,10 +326,18 @@ def install_rotary() -> None:
         if positions is None or packed_seq:
             return inner(self, max_seq_len, offset, packed_seq, cp_group)
         group = cp_group if cp_group is not None else self.cp_group
-        mine = positions.to(self.inv_freq.device)
+        # get_emb first: under --use-cpu-initialization inv_freq stays on the host until get_emb's first call
+        # moves it to the GPU, so the positions go where the embedding is (not where inv_freq was)
+        emb = self.get_emb(max_seq_len, offset)
+        mine = positions.to(emb.device)
         if group is not None and group.size() > 1:  # this rank's positions first: the gather is 1/CP of the sequence
             mine = rope.get_pos_emb_on_this_cp_rank(mine, 0, group)
-        return self.get_emb(max_seq_len, offset).index_select(0, mine)
+        return emb.index_select(0, mine)
 
+    # Megatron's memo (lru_cache) stays reachable as RotaryEmbedding.forward.cache_clear, which Megatron-Bridge
+    # (eval_context_parallel_rebinding) and the tests' teardown call to drop entries keyed on an old CP group
+    for name in ("cache_clear", "cache_info"):
+        if hasattr(inner, name):
+            setattr(forward, name, getattr(inner, name))
     cls._mesh_layout_forward = inner
     cls.forward = forward
