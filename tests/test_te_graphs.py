@@ -98,9 +98,16 @@ def test_te_graph_keys_per_rank_stay_bounded_over_changing_documents(monkeypatch
     """12 batches of a long-context mix (a few long documents among many short ones, new each batch),
     32K tokens on a 2x2 mesh: the dense calls come in 73 distinct exact sizes, which an sbhd call puts
     into TE's graph key as they are (a graph built and kept per size and direction: up to 28 per rank
-    and direction before); as THD of one sequence they share TE's token buckets: at most 13."""
+    and direction before); as THD of one sequence they share TE's token buckets: at most 13. The kernel's own
+    cu_seqlens tensors, one per length, stay bounded too (te._CU_SIZE; they grew by every new length)."""
+    from megatron_mesh_cp.runtime.kernels import te as te_kernel
+
+    bound = getattr(te_kernel, "_CU_SIZE", 64)
     kern = _kernel(monkeypatch)
     del kern
     counts, sizes, calls = _bench().count_keys(12, 32768, (2, 2), te="2.15", cudnn=(9, 10, 0), capability=(9, 0))
     assert len(sizes) > 60 and calls > 100, (len(sizes), calls)
     assert len(counts) == 4 and all(f <= 16 and b <= 16 for f, b in counts.values()), counts
+    kern = K.get_kernel("te", "cuda")
+    lengths = {n for pair in sizes for n in pair}
+    assert len(lengths) > bound and len(kern._cu) <= bound, (len(lengths), len(kern._cu))

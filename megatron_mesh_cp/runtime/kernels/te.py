@@ -31,6 +31,7 @@ import dataclasses
 import importlib
 import inspect
 import re
+from collections import OrderedDict
 from typing import Dict, Optional, Tuple
 
 import torch
@@ -118,6 +119,10 @@ def _ragged_stats(device) -> bool:
     return _cudnn_version() >= (9, 6, 0) and tuple(torch.cuda.get_device_capability(device)) != (12, 0)
 
 
+#: the most cu_seqlens tensors a TE kernel keeps (TEKernel._cu_seqlens)
+_CU_SIZE = 64
+
+
 class TEKernel(BlockKernel):
     name = "te"
 
@@ -135,7 +140,9 @@ class TEKernel(BlockKernel):
         self._select, self._params = _selection()
         self._dqkv_dtype = "dqkv_dtype" in self._bwd_params  # 2.0-2.14: positional, before aux_ctx_tensors
         self._checked: Dict[Tuple, str] = {}
-        self._cu: Dict[Tuple[int, int, str], torch.Tensor] = {}
+        # offsets per (batch, length, device), the most recent last: document sub-blocks bring new lengths every
+        # batch (the one-sequence THD route), so at most _CU_SIZE are kept
+        self._cu: "OrderedDict[Tuple[int, int, str], torch.Tensor]" = OrderedDict()
         self._rng: Dict[str, torch.Tensor] = {}
         self._ragged_stats: Dict[str, bool] = {}  # per device: TE's use_ragged_stats
         self._rows: Dict[int, tuple] = {}  # per packed batch: each row's (document, offset), for [b, h, s, 1] stats
@@ -342,9 +349,16 @@ class TEKernel(BlockKernel):
 
     def _cu_seqlens(self, batch: int, seq: int, device: torch.device) -> torch.Tensor:
         key = (batch, seq, str(device))
-        if key not in self._cu:
-            self._cu[key] = torch.arange(0, (batch + 1) * seq, seq, dtype=torch.int32, device=device)
-        return self._cu[key]
+        hit = self._cu.get(key)
+        if hit is None:
+            hit = self._cu[key] = torch.arange(0, (batch + 1) * seq, seq, dtype=torch.int32, device=device)
+            while len(self._cu) > _CU_SIZE:  # bounded: new sub-block lengths every batch must not grow it
+                self._cu.popitem(last=False)
+        else:
+            self._cu.move_to_end(key)
+        if hit.is_cuda:  # an evicted tensor's memory is reused only after the kernels of this stream that read it
+            hit.record_stream(torch.cuda.current_stream(hit.device))
+        return hit
 
     def _common(self, causal: bool, scale: float, params, window=None) -> Dict:
         mask = "causal" if causal else self._window_mask() if window is not None else "no_mask"
