@@ -143,6 +143,14 @@ def test_plan_search_is_refused_where_no_pruned_plans_run():
     assert options().plan_search == 8
     apply_mesh_args(_flat(**dict(base, reset_attention_mask=False), mesh_plan_search=0), [])
     assert options().plan_search == 0
+    # a2a+mesh Ux1x1: Ulysses alone, a 1x1 mesh whose plans are one block and no transfer, nothing to re-order
+    ulysses = dict(base, context_parallel_algo="a2a+mesh", mesh_shape="4x1x1", num_attention_heads=8,
+                   num_query_groups=8)
+    with pytest.raises(MeshArgumentError, match="mesh 4x1x1.*nothing to re-order"):
+        apply_mesh_args(_flat(**ulysses, mesh_plan_search=8), [])
+    apply_mesh_args(_flat(**ulysses, mesh_plan_search=0), [])
+    apply_mesh_args(_flat(**dict(ulysses, mesh_shape="2x1x2"), mesh_plan_search=8), [])  # a 1x2 mesh: searched
+    assert options().plan_search == 8
 
 
 def test_layouts_the_model_cannot_re_lay_are_refused_or_narrowed_with_the_reason():

@@ -185,6 +185,12 @@ def _plan_search(args, opts: dict) -> int:
         raise MeshArgumentError(f"--mesh-plan-search counts replays per phase: {why}")
     cp = int(_get(args, "context_parallel_size", 1) or 1)
     algo = _get(args, "context_parallel_algo") or (_as_list(_get(args, "cp_comm_type")) or ["p2p"])[0]
+    sizes = [int(x) for x in (_get(args, "hierarchical_context_parallel_sizes") or [])]
+    if n and cp > 1 and algo in MESH_ALGORITHMS and len(sizes) >= 2 and sizes[-2] * sizes[-1] == 1:
+        raise MeshArgumentError(
+            f"--mesh-plan-search re-orders the mesh's pruned plans, and this run's mesh {'x'.join(map(str, sizes))} "
+            "(--mesh-shape, given or chosen by auto) is one block with no transfers (Ulysses alone), so there is "
+            "nothing to re-order: drop --mesh-plan-search, or give --mesh-shape UxAxB with A*B > 1")
     if not n or opts.get("documents") == "eod":
         return n
     window = _get(args, "window_size", None)
