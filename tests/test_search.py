@@ -172,6 +172,9 @@ def test_orders_found_ahead_are_taken_for_the_same_plans_and_checked():
     assert orders_ahead(2, 4, "greedy", workload=w, mask=mask, budget=0).size == 0
     with pytest.raises(ValueError, match="cut short"):
         search.remember_encoded(codes[:-1])
+    for cut in (codes[:1], codes[:3 + int(codes[1])]):  # a digest alone, without its length
+        with pytest.raises(ValueError, match="cut short"):
+            search.remember_encoded(cut)
     base = call_plans(2, 4, **kw)[1]
     key = search.digest(base, mask, 40)
     assert key != search.digest(base, mask, 41) and key != search.digest(base, Documents((0, 64, 128)), 40)

@@ -196,7 +196,7 @@ def remember_encoded(codes) -> int:
     codes = [int(x) for x in codes]
     k = count = 0
     while k < len(codes):
-        key, length = codes[k], codes[k + 1]
+        key, length = codes[k], (codes[k + 1] if k + 1 < len(codes) else -1)
         if length < 0 or k + 2 + length > len(codes):
             raise ValueError("a plan order found ahead is cut short: the sample's mesh_plan_orders is damaged")
         remember(key, codes[k + 2:k + 2 + length])
