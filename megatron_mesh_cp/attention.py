@@ -128,13 +128,18 @@ def _prepared(mesh, q, k, v, layout, mask_args, options: dict) -> RankCall:
     return rank
 
 
-def agree_batch(mesh, mask: Mask) -> None:
+def agree_batch(mesh, mask: Optional[Mask], error: Optional[BaseException] = None) -> None:
     """Agree once, over the CP group, on a micro-batch's per-batch mask (its documents): later calls
     with exactly this mask skip their per-call agreement. Collective: every rank of the CP group calls
     it for every micro-batch (the launcher does, when it reads the batch's documents); a rank with
-    other documents makes every rank raise the same ``ValueError``."""
+    other documents makes every rank raise the same ``ValueError``, and so does a rank that could not
+    read its batch (``error``, ``mask`` None there): it joins the agreement instead of leaving the others
+    waiting in it."""
     check_mesh(mesh)
-    agree("mesh attention (batch)", dict(mask.agreement()), mesh.cp_group, _comm_device(mesh))
+    fields = {"documents": None} if error is not None else dict(mask.agreement())
+    if len(fields) != 1:  # one field on every rank: a rank with an error cannot know how many the others send
+        fields = {", ".join(fields): tuple(fields.values())}
+    agree("mesh attention (batch)", fields, mesh.cp_group, _comm_device(mesh), error)
     mesh.calls.agreed_batch = mask
 
 

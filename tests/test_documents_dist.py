@@ -37,6 +37,7 @@ BAD = {
     "disagree": "disagree on documents",
     "warm": "disagree on documents",  # one rank's new documents on a warm cache: no hang, the same error
     "batch": "takes one sequence per call, got batch 2",
+    "unread": "CP rank 2 (global rank 2) rejected its inputs: a token layout's code is inconsistent",  # agree_batch
     "kernel": ("the dense-only attention kernel cannot run document (varlen) calls; kernels that run these inputs "
                "here: torch"),
 }

@@ -95,15 +95,23 @@ def mesh_groups_for(pg_collection=None, levels: int = 2) -> MeshGroups:
     return _MESHES[key]
 
 
-def agree_batch_documents(params) -> None:
+def agree_batch_documents(params, error: Optional[BaseException] = None) -> None:
     """The launcher's once-per-micro-batch agreement on its documents (the mask the layers will run),
-    on every mesh of this rank's CP group: collective, called by every CP rank's get_batch."""
+    on every mesh of this rank's CP group: collective, called by every CP rank's get_batch. ``error``: why
+    this rank could not lay its batch out (a damaged sample); every rank of the group then raises it."""
     from ..attention import agree_batch
     from ..runtime import documents_of
 
-    mask = getattr(params, "mesh_mask", None) or documents_of(params.cu_seqlens_q)
+    mask = None
+    if error is None:
+        try:
+            mask = getattr(params, "mesh_mask", None) or documents_of(params.cu_seqlens_q)
+        except ValueError as exc:
+            error = exc
     for mesh in _MESHES.values():
-        agree_batch(mesh, mask)
+        agree_batch(mesh, mask, error)
+    if error is not None:  # no mesh built yet: raised here alone
+        raise error
 
 
 def attention_traffic() -> Dict[str, int]:

@@ -253,8 +253,12 @@ def _get_batch(data_iterator):
         from .attention import agree_batch_documents
         from .layout import lay_out
 
-        batch, params = lay_out(batch, params, args, ahead)
-        agree_batch_documents(params)
+        error = None
+        try:
+            batch, params = lay_out(batch, params, args, ahead)
+        except ValueError as exc:  # a damaged sample (its layout or orders): raised on every CP rank, none waits
+            error = exc
+        agree_batch_documents(params, error)
     batch = get_batch_on_this_cp_rank(batch, is_hybrid_cp=False, cp_group=mpu.get_context_parallel_group())
     return [batch.get(k) for k in keys] + [params]
 
