@@ -200,3 +200,37 @@ def test_the_simulate_command_searches_a_windows_plans(capsys):
     assert "plans searched" in out and "20 replays per phase" in out
     assert main(base + ["--plan-search", str(MAX_BUDGET + 1)]) == 2
     assert "over the cap" in capsys.readouterr().err
+
+
+def test_the_loader_searches_the_plans_the_call_makes_under_mla():
+    """The launcher's data loader searches the plans of megatron/cp_layer.attention_workload (layout.policy's
+    layer); the step takes those orders only for the plans it makes itself. Under MLA the call's head dims are
+    q/k qk_head_dim + qk_pos_emb_head_dim and v v_head_dim: the loader's layer now has them (it had kv_channels
+    or hidden / heads for both, so no order found ahead matched and every plan was searched again in the step)."""
+    from argparse import Namespace
+
+    from megatron_mesh_cp.call import plan, resolve
+    from megatron_mesh_cp.megatron.cp_layer import attention_workload
+    from megatron_mesh_cp.planning import search
+    from megatron_mesh_cp.runtime.masks import Documents
+
+    cu, n, heads = (0, 10, 40, 41, 90, 128), 8, 4
+    args = Namespace(context_parallel_size=n, tensor_model_parallel_size=1, num_attention_heads=heads,
+                     num_query_groups=None, group_query_attention=False, bf16=True, fp16=False, seq_length=cu[-1],
+                     kv_channels=None, hidden_size=64, micro_batch_size=1, mesh_partial_dtype="fp32",
+                     multi_latent_attention=True, qk_head_dim=16, qk_pos_emb_head_dim=8, v_head_dim=16)
+    w, mask = attention_workload(args), Documents(cu)
+    assert (w.head_dim, w.dv) == (24, 16)
+    mesh = VirtualMesh((2, 4), plan_options=PlanOptions(search=40))
+    q, k = (torch.empty(1, cu[-1] // n, heads, 24, dtype=torch.bfloat16) for _ in range(2))
+    v = torch.empty(1, cu[-1] // n, heads, 16, dtype=torch.bfloat16)
+    spec = resolve(q, k, v, mesh, mask=mask)
+    search.forget()
+    try:
+        assert search.remember_encoded(orders_ahead(2, 4, "greedy", workload=w, mask=mask, budget=40)) == 2
+        before = dict(search.SEARCHES)
+        plan(spec)
+        assert search.SEARCHES["ahead"] == before.get("ahead", 0) + 2, dict(search.SEARCHES)
+        assert search.SEARCHES["here"] == before.get("here", 0), dict(search.SEARCHES)
+    finally:
+        search.forget()

@@ -32,14 +32,16 @@ def cp_algorithm(args) -> Tuple[str, List[int]]:
 def attention_workload(args, packing=None):
     """One CP rank's attention inputs (after TP) as the planner's :class:`Workload`."""
     from ..planning import Workload
+    from .variant_args import head_dims
 
     cp, tp = args.context_parallel_size, args.tensor_model_parallel_size
     heads = args.num_attention_heads
     kv = args.num_query_groups if args.group_query_attention else heads
     half = bool(args.bf16 or args.fp16)
+    qk, dv = head_dims(lambda name, default=None: getattr(args, name, default))  # MLA: its own q/k and v head dims
     return Workload(
         seq_local=args.seq_length // cp, heads=max(1, heads // tp), kv_heads=max(1, kv // tp),
-        head_dim=args.kv_channels or args.hidden_size // heads, batch=args.micro_batch_size, causal=True,
+        head_dim=qk, head_dim_v=dv, batch=args.micro_batch_size, causal=True,
         bytes_per_element=2 if half else 4,
         partial_bytes=2 if getattr(args, "mesh_partial_dtype", "fp32") == "bf16" else 4, mask=packing,
     )
