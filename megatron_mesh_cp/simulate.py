@@ -95,9 +95,10 @@ def main(argv=None) -> int:
                      help="draw document lengths in LO..HI tokens (e.g. 4K-64K) and pack them into --seq")
     src.add_argument("--doc-lengths", default=None, metavar="FILE",
                      help="document lengths from a text file (token counts), packed in order into --seq")
-    pk.add_argument("--doc-dist", choices=DISTRIBUTIONS, default="loguniform",
-                    help="distribution for --docs (powerlaw: heavy-tailed, P(length > x) ~ x^-1/2 on LO..HI)")
-    pk.add_argument("--doc-seed", type=int, default=0, help="random seed for --docs")
+    pk.add_argument("--doc-dist", choices=DISTRIBUTIONS, default=None,
+                    help="distribution for --docs (default loguniform; powerlaw: heavy-tailed, P(length > x) ~ x^-1/2 "
+                         "on LO..HI)")
+    pk.add_argument("--doc-seed", type=int, default=None, help="random seed for --docs (default 0)")
     pk.add_argument("--layout", default=None, metavar="LAYOUT[,LAYOUT...]",
                     help="the token layout(s) ours run the documents in, one row each, as the launcher's "
                          "--mesh-layout: auto (default: per mesh the one the cost model picks), zigzag (as drawn or "
@@ -134,11 +135,20 @@ def main(argv=None) -> int:
                             ("--layout", args.layout)):
             if value and not (args.docs or args.doc_lengths):
                 raise ValueError(f"{flag} prices documents; give --docs LO-HI or --doc-lengths FILE with it")
+        for flag, value in (("--doc-dist", args.doc_dist), ("--doc-seed", args.doc_seed)):
+            if value is not None and not args.docs:
+                raise ValueError(f"{flag} draws the lengths of --docs LO-HI; "
+                                 + ("--doc-lengths reads them from its file: drop it" if args.doc_lengths
+                                    else "give --docs with it or drop it"))
+        if args.no_unpacked and not (args.docs or args.doc_lengths or args.window is not None):
+            raise ValueError("--no-unpacked skips the comparison with the layer without documents or a window, which "
+                             "this command prices only with --docs, --doc-lengths or --window: drop it")
         documents = None
         if args.docs or args.doc_lengths:
-            packing, documents = document_sets(args.seq, args.cp, path=args.doc_lengths, dist=args.doc_dist,
+            packing, documents = document_sets(args.seq, args.cp, path=args.doc_lengths,
+                                               dist=args.doc_dist or "loguniform",
                                                lo_hi=parse_doc_range(args.docs) if args.docs else None,
-                                               seed=args.doc_seed, tile=args.kernel_tile)
+                                               seed=args.doc_seed or 0, tile=args.kernel_tile)
             layouts = parse_layouts(args.layout or "auto")
             if args.doc_layout == "padded" and args.layout:
                 raise ValueError("--layout lays out unpadded documents; --doc-layout padded prices TE's padded THD "

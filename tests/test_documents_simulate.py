@@ -251,6 +251,20 @@ def test_cli_prices_documents_unpadded_and_te_padded(capsys):
         assert match in capsys.readouterr().err, argv
 
 
+def test_cli_refuses_document_options_it_would_ignore(tmp_path, capsys):
+    """--doc-dist and --doc-seed draw --docs' lengths, --no-unpacked skips a comparison only documents or a window
+    make: given without them they changed nothing (the table was the same), so they are refused."""
+    lengths = tmp_path / "lengths.txt"
+    lengths.write_text("\n".join(["4096"] * 16))
+    for argv, match in ((["--doc-seed", "1"], "--doc-seed draws the lengths of --docs"),
+                        (["--doc-dist", "powerlaw"], "--doc-dist draws the lengths of --docs"),
+                        (["--doc-lengths", str(lengths), "--doc-seed", "3"], "--doc-lengths reads them from its file"),
+                        (["--no-unpacked"], "--no-unpacked skips the comparison")):
+        assert main(["--cp", "8", "--seq", "64K", "--algos", "ring,mesh"] + argv) == 2, argv
+        assert match in capsys.readouterr().err, argv
+    assert main(["--cp", "8", "--seq", "64K", "--algos", "mesh", "--doc-lengths", str(lengths), "--no-unpacked"]) == 0
+
+
 def test_split_half_rows_say_when_the_mesh_ran_split():
     # split:K:H needs a and b even; on Ring 1xn it runs as split:K, and the row says why
     n, seq = 8, 64 * 1024
