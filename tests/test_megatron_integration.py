@@ -155,6 +155,28 @@ def test_apply_maps_mesh_onto_megatron_settings():
     assert untouched.cp_comm_type == ["p2p"] and untouched.hierarchical_context_parallel_sizes is None
 
 
+def test_mesh_only_flags_are_refused_where_nothing_reads_them():
+    """--mesh-kernel, --mesh-partial-dtype, --mesh-planner and --mesh-check-finite set mesh CP's attention: at CP = 1
+    or under a TE algorithm they were accepted and ignored, as were --mesh-pack-multiple / --mesh-pack-doc-tokens
+    without --mesh-packed-data; refused now, naming why. Their defaults, and the same flags under mesh CP, pass."""
+    runs = {"CP = 1": dict(context_parallel_size=1), "p2p": dict(context_parallel_size=4, context_parallel_algo="p2p"),
+            "a2a+p2p": dict(context_parallel_size=4, context_parallel_algo="a2a+p2p")}
+    flags = {"--mesh-kernel torch": dict(mesh_kernel="torch"), "--mesh-partial-dtype bf16": dict(mesh_partial_dtype="bf16"),
+             "--mesh-planner in-order": dict(mesh_planner="in-order"), "--mesh-check-finite": dict(mesh_check_finite=True)}
+    for run, base in runs.items():
+        apply_mesh_args(_flat(**base), argv=[])  # the defaults: nothing given
+        for flag, kw in flags.items():
+            with pytest.raises(MeshArgumentError, match=f"{flag} sets mesh CP's attention.*does not use.*drop it"):
+                apply_mesh_args(_flat(**base, **kw), argv=[])
+    mesh = dict(context_parallel_size=4, context_parallel_algo="mesh", mesh_shape="2x2")
+    for kw in flags.values():
+        apply_mesh_args(_flat(**mesh, **kw), argv=[])
+    for kw, flag in ((dict(mesh_pack_multiple=16), "--mesh-pack-multiple"), (dict(mesh_pack_doc_tokens=64),
+                                                                             "--mesh-pack-doc-tokens")):
+        with pytest.raises(MeshArgumentError, match=f"{flag} shapes --mesh-packed-data's packing.*add --mesh-packed-data"):
+            apply_mesh_args(_flat(**mesh, **kw), argv=[])
+
+
 def test_apply_maps_a2a_mesh_onto_hierarchical_sizes():
     args = apply_mesh_args(_flat(context_parallel_size=8, context_parallel_algo="a2a+mesh", mesh_shape="2x2x2"), argv=[])
     assert args.cp_comm_type == ["a2a+mesh"] and args.hierarchical_context_parallel_sizes == [2, 2, 2]

@@ -137,6 +137,7 @@ def apply_mesh_args(args, argv: Optional[Sequence[str]] = None, *, launcher: boo
     """
     opts: dict = {}  # what the options resolve to, configured once at the end (settings.MeshOptions)
     args = _apply_cp_algo(args, argv, opts)
+    _check_mesh_only_flags(args)
     _check_packed_data(args)
     _check_lr_schedule(args)
     _check_document_masking(args, launcher, opts)
@@ -147,6 +148,32 @@ def apply_mesh_args(args, argv: Optional[Sequence[str]] = None, *, launcher: boo
     opts["plan_search"] = _plan_search(args, opts)  # after the variants: a window it reads is a valid one
     configure(MeshOptions(**opts))
     return args
+
+
+#: flags only mesh CP's attention reads, with their defaults (given otherwise in a run without mesh CP: refused)
+MESH_ONLY_FLAGS = (("--mesh-kernel", "mesh_kernel", "auto"), ("--mesh-partial-dtype", "mesh_partial_dtype", "fp32"),
+                   ("--mesh-planner", "mesh_planner", "greedy"), ("--mesh-check-finite", "mesh_check_finite", False))
+
+
+def _check_mesh_only_flags(args) -> None:
+    """Flags a run would accept and ignore, refused: --mesh-kernel, --mesh-partial-dtype, --mesh-planner and
+    --mesh-check-finite without mesh CP (CP = 1 or a TE algorithm runs Megatron's or TE's attention, which read
+    none of them), --mesh-pack-multiple and --mesh-pack-doc-tokens without --mesh-packed-data."""
+    cp = int(_get(args, "context_parallel_size", 1) or 1)
+    algo = _get(args, "context_parallel_algo")
+    if not (cp > 1 and algo in MESH_ALGORITHMS):
+        why = "runs CP = 1" if cp <= 1 else f"runs --context-parallel-algo {algo or 'p2p'}"
+        for flag, name, default in MESH_ONLY_FLAGS:
+            value = _get(args, name, default)
+            if value is not None and value != default:
+                shown = "" if isinstance(value, bool) else f" {value}"
+                raise MeshArgumentError(f"{flag}{shown} sets mesh CP's attention (--context-parallel-algo mesh or "
+                                        f"a2a+mesh, CP > 1), which this run does not use (it {why}): drop it")
+    if not _get(args, "mesh_packed_data", False):
+        for flag, name in (("--mesh-pack-multiple", "mesh_pack_multiple"), ("--mesh-pack-doc-tokens", "mesh_pack_doc_tokens")):
+            if _get(args, name) is not None:
+                raise MeshArgumentError(f"{flag} shapes --mesh-packed-data's packing, which this run does not use: add "
+                                        "--mesh-packed-data or drop it")
 
 
 def _check_lr_schedule(args) -> None:
