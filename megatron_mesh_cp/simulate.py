@@ -11,7 +11,7 @@ import argparse
 import sys
 from dataclasses import replace
 
-from .planning.baselines import ALGORITHMS, compare, format_packed_table, format_table, plot_timelines
+from .planning.baselines import ALGORITHMS, compare, format_packed_table, format_table, plot_timelines, takes_max_live
 from .planning.cluster import Workload, load_cluster
 from .planning.doc_baselines import compare_documents, document_sets, format_documents_table
 from .planning.packing import DISTRIBUTIONS, parse_doc_range, parse_tokens
@@ -75,7 +75,9 @@ def main(argv=None) -> int:
     p.add_argument("--algos", default="ring,usp,mesh", help=f"comma list of {','.join(ALGORITHMS)}, mesh:AxB, usp:U "
                    "or a2a+mesh:UxAxB (ring-pruned: with unpadded documents only)")
     p.add_argument("--plot", default=None, metavar="FILE.png", help="draw one rank's timeline per algorithm")
-    p.add_argument("--max-live", type=int, default=None, help="memory budget (live chunks) for mesh plans")
+    p.add_argument("--max-live", type=int, default=None,
+                   help="memory budget (live chunks) for the mesh plans: mesh, mesh:AxB, a2a+mesh, a2a+mesh:UxAxB "
+                        "(refused when --algos has none)")
     p.add_argument("--plan-search", type=int, default=0, metavar="N",
                    help="unpadded documents or --window: replays per phase the order search may spend improving "
                         "our pruned plans (planning/search.py; the launcher's --mesh-plan-search; 0: none)")
@@ -161,6 +163,10 @@ def main(argv=None) -> int:
         else:
             packing = None
         algos = [a.strip() for a in args.algos.split(",") if a.strip()]
+        bounded = [a for a in algos if takes_max_live(a)]
+        if args.max_live is not None and not bounded:
+            raise ValueError(f"--max-live bounds the live chunks of the mesh plans (mesh, mesh:AxB, a2a+mesh, "
+                             f"a2a+mesh:UxAxB); none of --algos {','.join(algos)} takes it: add one or drop --max-live")
         why = budget_error(args.plan_search)
         if why:
             raise ValueError(f"--plan-search counts replays per phase: {why}")
@@ -193,6 +199,9 @@ def main(argv=None) -> int:
         + (f"  window={windowed.window[0]},{windowed.window[1]}" if windowed is not None else "")
     )
     print(f"{caption}  (every figure simulated on the calibrated cost model, none measured)")
+    if args.max_live is not None:
+        print(f"--max-live {args.max_live}: bounds {', '.join(bounded)}; the other rows run their own plans' memory")
+        caption += f"  max-live {args.max_live} ({', '.join(bounded)})"
     searched = (f"plans searched: our pruned plans (not mesh-naive's, not TE's) re-ordered by the order search, "
                 f"{args.plan_search} replays per phase (planning/search.py; --plan-search 0 for the unsearched)")
     if window_rows is not None:

@@ -265,6 +265,15 @@ def test_cli_refuses_document_options_it_would_ignore(tmp_path, capsys):
     assert main(["--cp", "8", "--seq", "64K", "--algos", "mesh", "--doc-lengths", str(lengths), "--no-unpacked"]) == 0
 
 
+def test_cli_max_live_is_refused_where_no_row_takes_it_and_names_the_rows_it_bounds(capsys):
+    """--max-live bounds the mesh plans only: with passq / ring alone it changed nothing (refused), and with a mesh row
+    the output names the rows it bounds (ring-pruned and passq ran their own plans' memory, unsaid)."""
+    assert main(["--cp", "8", "--seq", "64K", "--algos", "ring,passq", "--max-live", "4"]) == 2
+    assert "none of --algos ring,passq takes it" in capsys.readouterr().err
+    assert main(["--cp", "8", "--seq", "64K", "--algos", "passq,mesh:2x4", "--max-live", "10"]) == 0
+    assert "--max-live 10: bounds mesh:2x4; the other rows run their own plans' memory" in capsys.readouterr().out
+
+
 def test_split_half_rows_say_when_the_mesh_ran_split():
     # split:K:H needs a and b even; on Ring 1xn it runs as split:K, and the row says why
     n, seq = 8, 64 * 1024

@@ -234,3 +234,19 @@ def test_the_loader_searches_the_plans_the_call_makes_under_mla():
         assert search.SEARCHES["here"] == before.get("here", 0), dict(search.SEARCHES)
     finally:
         search.forget()
+
+
+def test_a_plan_the_search_cannot_move_is_not_counted_as_searched_in_the_step():
+    """searched() counts "here" only where search_order could move something: a 1x1 mesh's plan (one block, no
+    transfer) under a budget was counted, so the end-of-run log overstated the searches run in the step."""
+    from megatron_mesh_cp.planning import search
+
+    n, cu = 1, (0, 10, 30, 64)
+    w, cl = _layer(cu, n), default_cluster()
+    plan = document_plans(1, 1, cluster=cl, workload=w)[0]
+    before = dict(search.SEARCHES)
+    assert search.searched(plan, cl, w, budget=50) is plan
+    assert search.SEARCHES["here"] == before.get("here", 0)
+    moving = document_plans(2, 2, cluster=cl, workload=_layer(cu, 4))[0]
+    search.searched(moving, cl, _layer(cu, 4), budget=4)
+    assert search.SEARCHES["here"] == before.get("here", 0) + 1

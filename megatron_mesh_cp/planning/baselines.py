@@ -53,7 +53,7 @@ from .schedule import build_plans, document_plans
 from .replay import PhaseResult, replay
 from .windows import row_pairs
 
-__all__ = ["ALGORITHMS", "PRUNED", "WINDOWLESS", "SimResult", "simulate_algorithm", "compare", "check_algorithms", "format_table",
+__all__ = ["ALGORITHMS", "PRUNED", "WINDOWLESS", "SimResult", "simulate_algorithm", "takes_max_live", "compare", "check_algorithms", "format_table",
            "format_packed_table", "plot_timelines"]
 
 ALGORITHMS = ("ring", "passq", "mesh", "mesh-naive", "allgather", "ulysses", "usp", "a2a+mesh", "ring-pruned")
@@ -260,6 +260,12 @@ def even_sides(w: Workload, n: int) -> bool:
 def searches(algo: str) -> bool:
     """Whether ``algo`` takes the order search (``search=``): our greedy plans pruned for a mask."""
     return algo.startswith(PRUNED) and algo != "mesh-naive"
+
+
+def takes_max_live(algo: str) -> bool:
+    """Whether ``algo``'s plans are built within a ``max_live`` budget (simulate ``--max-live``): the mesh plans
+    (mesh, mesh:AxB, a2a+mesh, a2a+mesh:UxAxB); passq, ring-pruned, mesh-naive and TE's run their own plans' memory."""
+    return algo in ("mesh", "a2a+mesh") or algo.startswith(("mesh:", "a2a+mesh:"))
 
 
 def simulate_algorithm(

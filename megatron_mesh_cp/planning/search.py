@@ -77,6 +77,16 @@ def _delivered(plan: Plan):
     return all((op.kind, op.offset) in got for op in plan.ops if isinstance(op, Free))
 
 
+def _searchable(plan: Plan, budget: int) -> bool:
+    """Whether :func:`search_order` moves anything: a budget, two ops to move, computes, every chunk delivered, and
+    the plan within the ready order's host-cost cap (``ready.MAX_RANK_OPS`` ranks x ops, e.g. Ring 1 x 256)."""
+    from .ready import MAX_RANK_OPS
+
+    movable = sum(not isinstance(op, Free) for op in plan.ops)
+    return bool(budget and movable >= 2 and plan.computes and _delivered(plan)
+                and plan.a * plan.b * len(plan.ops) <= MAX_RANK_OPS)
+
+
 def search_order(plan: Plan, cluster, w, *, budget: int, stride: int = 1, max_live: Optional[int] = None,
                  room: Optional[int] = None, costs: Optional[tuple] = None,
                  seconds: Optional[float] = None) -> Tuple[float, Plan]:
@@ -92,10 +102,7 @@ def search_order(plan: Plan, cluster, w, *, budget: int, stride: int = 1, max_li
         raise ValueError(f"the order search's budget (replays per phase): {why}")
     movable = [op for op in plan.ops if not isinstance(op, Free)]
     frees = [op for op in plan.ops if isinstance(op, Free)]
-    from .ready import MAX_RANK_OPS
-
-    if (not budget or len(movable) < 2 or not plan.computes or not _delivered(plan)
-            or plan.a * plan.b * len(plan.ops) > MAX_RANK_OPS):  # the ready order's host-cost cap, likewise
+    if not _searchable(plan, budget):
         return (float("nan") if seconds is None else seconds), plan
     costs = costs or replay_costs(plan, cluster, w, stride)
     dims = workload_dims(w)
@@ -169,7 +176,7 @@ def searched(plan: Plan, cluster, w, *, budget: int, stride: int = 1, max_live: 
     order = _AHEAD.get(digest(plan, w.mask, budget)) if budget else None
     if order is None:
         found = search_order(plan, cluster, w, budget=budget, stride=stride, max_live=max_live, room=room)[1]
-        SEARCHES["here"] += int(bool(budget) and _COUNTING[0])
+        SEARCHES["here"] += int(_COUNTING[0] and _searchable(plan, budget))  # a plan it could not move: not searched
         return found
     if sorted(order) != list(range(len(plan.ops))):
         raise PlanError(f"the order found ahead for {plan.name} does not re-order its {len(plan.ops)} ops")
