@@ -153,6 +153,13 @@ def test_bad_layouts_are_refused():
         with pytest.raises(ValueError, match="unknown layout"):
             parse_layouts(f"auto,{bad}")
     assert parse_layouts("split:1,tiled-cut") == ["split:1", "tiled-cut"]
+    # the launcher's spellings name the simulator's fixed-count form; split:0 says K >= 1 and what keeps them whole
+    with pytest.raises(ValueError, match="launcher's --mesh-layout split chooses .* split:K \\(e.g. split:2\\)"):
+        parse_layouts("split")
+    with pytest.raises(ValueError, match="launcher's --mesh-layout split-half .* split:K:K .*split:2:2"):
+        parse_layouts("auto,split-half")
+    with pytest.raises(ValueError, match="'split:0': split:K cuts the K >= 1 longest .* zigzag, balanced or tiled"):
+        parse_layouts("split:0")
     for bad in ("split:3:4", "split:2:0", "split:2:3"):  # a well-formed split:K:H with H out of range names its range
         with pytest.raises(ValueError, match=f"layout '{bad}': H = .* must be 1 .. K"):
             parse_layouts(bad)

@@ -126,6 +126,15 @@ class UnpaddedDocuments(SpanMask):
         (chosen per mesh by the cost model)."""
         name, _, spec = layout.partition(":")
         k, colon, h = spec.partition(":")
+        if layout in ("split", "split-half"):  # the launcher's --mesh-layout spellings, which choose K per batch
+            raise ValueError(f"unknown layout {layout!r} here: the launcher's --mesh-layout {layout} chooses per "
+                             "micro-batch how many of the longest documents to cut (every one longer than a chunk); "
+                             "the simulator prices a fixed count: split:K (e.g. split:2)"
+                             + (", or split:K:K for all K over half of each mesh row's chunks (e.g. split:2:2)"
+                                if layout == "split-half" else "") + ", or auto, which tries them")
+        if name == "split" and k.isdigit() and int(k) == 0 and not colon:
+            raise ValueError(f"unknown layout {layout!r}: split:K cuts the K >= 1 longest documents (split:1 for one); "
+                             "for none, keep them whole: zigzag, balanced or tiled")
         if name == "split" and k.isdigit() and int(k) >= 1 and h.isdigit() and not 1 <= int(h) <= int(k):
             raise ValueError(f"layout {layout!r}: H = {h} of split:K:H must be 1 .. K = {k} (the last H of the {k} "
                              f"split documents go over half of each mesh row's chunks): split:{k}:{k} for all of "
