@@ -61,6 +61,9 @@ def test_document_masking_matches_megatrons_dense_mask(runs, name):
     assert got["layouts"]["chosen_ahead"] == 2 * ITERS and got["layouts"]["ahead_choice_ms_mean"] > 0, got["layouts"]
     if name == "mesh2x2":  # split-half: the long documents over half of each mesh row's chunks where they fit
         assert all(k.startswith("split:") for k in ran) and any(k.count(":") == 2 for k in ran), ran
+        # the micro-batches whose documents fit no half rows ran over every chunk: counted as such, not only by name
+        over = sum(v for k, v in ran.items() if k.count(":") < 2)
+        assert got["layouts"].get("split_half_over_every_chunk", 0) == over, got["layouts"]
     assert 1.0 <= got["layouts"]["busiest_over_mean_mean"] <= got["layouts"]["busiest_over_mean_max"], got["layouts"]
     assert got["plan_search"] == {"mesh2x2": 40, "a2a2x1x2": 0}[name]  # searched plans ran exactly too
     if name == "mesh2x2":  # every search ran in the data loader's workers; the step took their orders
@@ -311,3 +314,33 @@ def test_dry_run_states_the_masking(tmp_path):
     assert "document masking: from EOD (--reset-attention-mask), unpadded" in stdout + stderr
     assert "each micro-batch's token layout chosen by the cost model (--mesh-layout auto" in stdout + stderr
     assert "vocabulary assumed" not in stdout + stderr  # the stdlib's byte-level vocabulary, as the job trains
+
+
+def test_split_half_says_when_a_micro_batch_ran_over_every_chunk(caplog):
+    """split-half lays a micro-batch whose long documents fit no half rows out as split would (documented): the log says
+    so once and the summary counts those micro-batches; a half-row one, or another layout, counts nothing."""
+    import logging
+    from dataclasses import replace
+
+    from megatron_mesh_cp.megatron import layout, settings
+    from megatron_mesh_cp.runtime import arrange
+
+    lengths = [40, 40, 8, 8, 8, 8, 8, 8, 8, 8, 8, 8, 8, 8, 8, 8]  # 192 tokens on 4 chunks: pieces of 24
+    whole, cut = arrange(lengths, 4, "split", split=2), arrange(lengths, 4, "split", split=1, shape=(2, 2), halves=1)
+    assert whole.halves == 0 and cut.halves == 1
+    resolved, counters = settings.options(), settings.COUNTERS
+    saved = dict(vars(counters))
+    try:
+        counters.over_every_chunk = 0
+        settings.configure(replace(resolved, layout="split-half"))
+        with caplog.at_level(logging.WARNING, logger="megatron_mesh_cp"):
+            for arr in (cut, whole, whole, cut):
+                layout._note_split_half(arr)
+        assert counters.over_every_chunk == 2
+        assert caplog.text.count("fit no half of each mesh row's chunks, so it runs as split:2") == 1, caplog.text
+        settings.configure(replace(resolved, layout="split"))
+        layout._note_split_half(whole)
+        assert counters.over_every_chunk == 2  # split itself: nothing to say
+    finally:
+        settings.configure(resolved)
+        vars(counters).update(saved)

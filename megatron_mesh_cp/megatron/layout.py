@@ -270,7 +270,22 @@ def lay_out(batch: dict, params, args, ahead=None):
         where = (" (chosen by a data loader worker)" if worker is not None
                  else " (chosen when the batch was fetched)" if chose is not None else "")
         log.info("mesh layout of the first micro-batch%s: %s", where, choice.describe() if choice else arr.describe())
+    _note_split_half(arr)
     return batch, params
+
+
+def _note_split_half(arr) -> None:
+    """``--mesh-layout split-half`` runs a micro-batch whose long documents fit no half rows as ``split`` would (over
+    every chunk), as documented: said once in the log and counted in the summary, not left to the layout counts."""
+    from .settings import COUNTERS, options
+
+    if options().layout != "split-half" or arr.halves:
+        return
+    COUNTERS.over_every_chunk += 1
+    if COUNTERS.over_every_chunk == 1:
+        log.warning("--mesh-layout split-half: a micro-batch's long documents fit no half of each mesh row's chunks, "
+                    "so it runs as %s (as --mesh-layout split: cut over every chunk where they fit); the summary counts such "
+                    "micro-batches (layouts.split_half_over_every_chunk)", arr.label)
 
 
 def _lay_out(batch: dict, params, args, ahead=None):

@@ -52,6 +52,7 @@ class MeshCounters:
     host_max: float = 0.0
     ahead: int = 0  # micro-batches whose layout the data loader chose (off the step's critical path)
     ahead_sum: float = 0.0  # seconds those choices took there
+    over_every_chunk: int = 0  # --mesh-layout split-half: micro-batches whose documents fit no half rows (run as split would)
 
     def count_call(self, query: torch.Tensor, key: torch.Tensor, n: int, training: bool, documents: bool = False,
                    v_head_dim: Optional[int] = None) -> None:
@@ -90,7 +91,8 @@ class MeshCounters:
                 "busiest_over_mean_max": round(self.balance_max, 4), "relaid": self.relaid,
                 "host_ms_mean": round(1e3 * self.host_sum / total, 3), "host_ms_max": round(1e3 * self.host_max, 3),
                 "chosen_ahead": self.ahead,
-                "ahead_choice_ms_mean": round(1e3 * self.ahead_sum / self.ahead, 3) if self.ahead else None}
+                "ahead_choice_ms_mean": round(1e3 * self.ahead_sum / self.ahead, 3) if self.ahead else None,
+                **({"split_half_over_every_chunk": self.over_every_chunk} if self.over_every_chunk else {})}
 
 
 @lru_cache(maxsize=64)
