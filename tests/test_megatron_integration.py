@@ -84,6 +84,8 @@ BAD = [
       "--max-position-embeddings", "100"], "not divisible by 2 * context-parallel-size = 8"),
     (["--context-parallel-size", "4", "--context-parallel-algo", "mesh", "--attention-dropout", "0.1"], "attention dropout"),
     (["--context-parallel-size", "4", "--mesh-shape", "2x2"], "--mesh-shape needs --context-parallel-algo mesh"),
+    (["--context-parallel-size", "4", "--context-parallel-algo", "mesh", "--num-attention-heads", "5"],
+     "Megatron's argument check refused these arguments: assert args.hidden_size % args.num_attention_heads == 0"),
     (["--context-parallel-size", "4", "--context-parallel-algo", "p2p", "--mesh-shape", "2x2"], "only applies to --context-parallel-algo mesh"),
     (["--context-parallel-size", "4", "--context-parallel-algo", "mesh", "--mesh-shape", "2x2",
       "--hierarchical-context-parallel-sizes", "4", "1"], "contradicts mesh shape 2x2"),

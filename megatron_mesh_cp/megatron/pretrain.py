@@ -82,11 +82,11 @@ def parse_megatron_args(argv: Sequence[str], defaults: Optional[Dict] = None, se
     apply_mesh_args(args, argv)
     try:
         validate_args(args, defaults or {})
-    except AssertionError as exc:  # Megatron's own rule, said with where the world size comes from
-        if "world size" not in str(exc):
-            raise
+    except AssertionError as exc:  # Megatron's own rules are asserts: said as a refusal (exit 2), not a traceback
         from .arguments import MeshArgumentError
 
+        if "world size" not in str(exc):
+            raise MeshArgumentError(_megatron_rule(exc)) from exc
         raise MeshArgumentError(
             f"{exc}: the world size is WORLD_SIZE ({args.world_size} here; torchrun sets it from --nnodes x "
             "--nproc-per-node): launch as many ranks as a multiple of TP x PP x CP, or for a dry run set WORLD_SIZE to "
@@ -94,6 +94,18 @@ def parse_megatron_args(argv: Sequence[str], defaults: Optional[Dict] = None, se
     if set_globals:
         set_global_variables(args)
     return args
+
+
+def _megatron_rule(exc: AssertionError) -> str:
+    """An assert of Megatron's validate_args as one line: its message, or the asserted condition where it has none
+    (``assert args.hidden_size % args.num_attention_heads == 0``), and where it is."""
+    import traceback
+
+    frames = traceback.extract_tb(exc.__traceback__)
+    where = frames[-1] if frames else None
+    said = str(exc).strip() or (where.line.strip() if where is not None and where.line else "an assert without a message")
+    at = f" ({os.path.basename(where.filename)}:{where.lineno} {where.name})" if where is not None else ""
+    return f"Megatron's argument check refused these arguments: {said}{at}; change the arguments it names"
 
 
 def _init_distributed_cpu(args) -> None:
