@@ -361,7 +361,7 @@ def documents_page():
         "replays faster; the transfers and bytes are the plan's. It costs about 1 ms of host time per replay "
         f"(32 mesh ranks, one CPU thread): {SEARCH} per phase took 1.9-2.1 s per micro-batch (both phases, the heavy-tailed mix). "
         "The launcher spends it where the micro-batch loads, in the data loader's workers beside the layout choice; "
-        "the step takes the orders found there (by the digest of the plan, mask and budget, checked valid) and "
+        "the step takes the orders found there (by the digest of the plan, mask, budget and every other input of its search, checked valid) and "
         "searches only a plan nobody searched ahead (the summary counts both). Off by default "
         "(`--mesh-plan-search 0`); the 1M stages of the Llama-3.1 recipe set 800.",
         "",

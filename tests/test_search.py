@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from megatron_mesh_cp.planning import UnpaddedDocuments, Workload, simulate_algorithm
+from megatron_mesh_cp.planning import UnpaddedDocuments, Workload, load_cluster, simulate_algorithm
 from megatron_mesh_cp.planning.costs import ulysses_inner
 from megatron_mesh_cp.planning.replay import replay
 from megatron_mesh_cp.planning.schedule import (call_plans, default_cluster, document_plans, orders_ahead,
@@ -176,8 +176,17 @@ def test_orders_found_ahead_are_taken_for_the_same_plans_and_checked():
         with pytest.raises(ValueError, match="cut short"):
             search.remember_encoded(cut)
     base = call_plans(2, 4, **kw)[1]
-    key = search.digest(base, mask, 40)
-    assert key != search.digest(base, mask, 41) and key != search.digest(base, Documents((0, 64, 128)), 40)
+    inputs = search.search_inputs(default_cluster(), kw["layer"], 1, None)
+    key = search.digest(base, mask, 40, inputs)
+    assert key != search.digest(base, mask, 41, inputs) and key != search.digest(base, Documents((0, 64, 128)), 40, inputs)
+    assert int(codes[0]) in (key, search.digest(call_plans(2, 4, **kw)[0], mask, 40, inputs))  # the step's own key
+    # orders found for other inputs (another cost model, another live-chunk limit) are a miss: searched here, counted
+    for other in (dict(cluster=load_cluster("a100-ib200")), dict(max_live=64)):
+        search.forget()
+        before = dict(search.SEARCHES)
+        search.remember_encoded(orders_ahead(2, 4, "greedy", workload=w, mask=mask, budget=40, **other))
+        assert call_plans(2, 4, search=40, **kw) == here, other
+        assert search.SEARCHES["ahead"] == before.get("ahead", 0) and search.SEARCHES["here"] == before.get("here", 0) + 2
     try:
         search.remember(key, list(range(len(base.ops) - 1)))  # not an order of its ops
         with pytest.raises(PlanError, match="does not re-order"):

@@ -444,10 +444,6 @@ def orders_ahead(a: int, b: int, planner: str, *, workload, mask, cluster=None, 
     kw = dict(workload=workload, cluster=cluster, stride=stride, max_live=max_live,
               keep=blocks.needed(MeshShape(a, b)), masked=True, slabs=blocks.zigzag_keys,
               layer=replace(workload, mask=mask))
-    base = call_plans(a, b, planner, **kw)
-    order_search._COUNTING[0] = False
-    try:
-        found = call_plans(a, b, planner, search=budget, **kw)
-    finally:
-        order_search._COUNTING[0] = True
-    return order_search.encode_orders(order_search.found_order(p, f, mask, budget) for p, f in zip(base, found))
+    with order_search.recording() as found:  # each search's digest (its every input) and order, as searched
+        call_plans(a, b, planner, search=budget, **kw)
+    return order_search.encode_orders(found)

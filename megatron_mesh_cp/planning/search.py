@@ -14,8 +14,9 @@ at 32 ranks x 55 ops on one CPU thread), so the search is bounded by a count of 
 not by time: the result is a deterministic function of the plan, the masked layer and the cluster.
 
 Since it is, it can run ahead, where the micro-batch is loaded (the launcher's data loader workers):
-:func:`found_order` gives a searched plan as its base plan's :func:`digest` and the order of its ops,
-and :func:`remember` hands that (``schedule.orders_ahead`` computes it) to the process that trains,
+:func:`found_order` gives a searched plan as its search's :func:`digest` (the base plan, mask, budget and
+every other input: :func:`search_inputs`) and the order of its ops, :func:`recording` collects those of a
+planning pass (``schedule.orders_ahead``), and :func:`remember` hands them to the process that trains,
 whose ``call_plans`` then takes the order
 for the plan with that digest (checked valid) instead of searching again; a plan nobody searched
 ahead is searched where it is made. Either way the plan is the same; :data:`SEARCHES` counts where.
@@ -36,7 +37,7 @@ from ..runtime.plan import GATHER_KINDS, Compute, Free, Plan, PlanError, Transfe
 from ..runtime.mesh import MAX_SEARCH_BUDGET as MAX_BUDGET, search_budget_error as budget_error
 from .cluster import workload_dims
 
-__all__ = ["search_order", "searched", "digest", "found_order", "remember", "forget", "encode_orders", "remember_encoded", "SEARCHES", "ATTEMPTS_PER_REPLAY", "SEED", "MAX_BUDGET",
+__all__ = ["search_order", "searched", "search_inputs", "digest", "found_order", "recording", "remember", "forget", "encode_orders", "remember_encoded", "SEARCHES", "ATTEMPTS_PER_REPLAY", "SEED", "MAX_BUDGET",
            "budget_error"]  # the last two: runtime.mesh's cap on PlanOptions.search, under the search's names
 
 #: tries drawn per replay of the budget at most (most tries break a dependency and cost no replay)
@@ -134,26 +135,52 @@ SEARCHES: Counter = Counter()
 #: orders found ahead, by the digest of the plan they re-order (bounded: one micro-batch's phases, a few ahead)
 _AHEAD: "OrderedDict[int, Tuple[int, ...]]" = OrderedDict()
 _AHEAD_SIZE = 16
-_COUNTING = [True]  # False while orders_ahead searches (that is the search ahead, not one in the step)
+_FOUND: list = [None]  # the searches being recorded (recording()): orders_ahead's, not the step's
 
 
-def digest(plan: Plan, mask=None, budget: int = 0) -> int:
+def search_inputs(cluster, w, stride: int = 1, max_live: Optional[int] = None) -> str:
+    """What a search's result depends on besides the plan, its mask and its budget: the cost model (cluster),
+    the layer's dims and dtypes (``w`` without its mask), the stride and the live-chunk limit, as one string
+    for :func:`digest` -- so an order found for other inputs is a miss (searched again, and counted), never
+    taken for a plan it was not scored for."""
+    return repr((cluster, replace(w, mask=None), int(stride), max_live))
+
+
+def digest(plan: Plan, mask=None, budget: int = 0, inputs: str = "") -> int:
     """A 60-bit digest of a search: everything that makes ``plan`` what it is (phase, mesh, ops, slabs, tile),
-    the mask it is searched for and the budget -- the same in every process (unlike ``hash``, which Python
-    salts per process); it fits an int64 tensor."""
+    the mask it is searched for, the budget and the other inputs (:func:`search_inputs`) -- the same in every
+    process (unlike ``hash``, which Python salts per process); it fits an int64 tensor."""
     tile = sorted(plan.tile) if plan.tile is not None else None
-    text = repr((plan.phase, plan.a, plan.b, plan.ops, plan.slabs, tile, mask, int(budget)))
+    text = repr((plan.phase, plan.a, plan.b, plan.ops, plan.slabs, tile, mask, int(budget), inputs))
     return int(hashlib.sha1(text.encode()).hexdigest()[:15], 16)
 
 
-def found_order(base: Plan, found: Plan, mask=None, budget: int = 0) -> Tuple[int, Tuple[int, ...]]:
-    """``found`` (``base`` searched for ``mask`` with ``budget``) as ``(digest(base, mask, budget), the index
-    in base.ops of each of its ops)``."""
+def found_order(base: Plan, found: Plan, key: int) -> Tuple[int, Tuple[int, ...]]:
+    """``found`` (``base`` searched, its search's :func:`digest` ``key``) as ``(key, the index in base.ops of
+    each of its ops)``."""
     at = {op: k for k, op in enumerate(base.ops)}
     order = tuple(at[op] for op in found.ops)
     if len(order) != len(base.ops) or len(set(order)) != len(order):
         raise ValueError("found_order: the plans do not hold the same ops")
-    return digest(base, mask, budget), order
+    return int(key), order
+
+
+def recording() -> "_Recording":
+    """``with recording() as found:`` the searches :func:`searched` makes inside (or takes from :func:`remember`)
+    are appended to ``found`` as :func:`found_order` pairs and not counted as the step's: what
+    ``schedule.orders_ahead`` hands from the data loader to the step."""
+    return _Recording()
+
+
+class _Recording:
+    def __enter__(self) -> list:
+        if _FOUND[0] is not None:
+            raise RuntimeError("order search: recording() does not nest")
+        _FOUND[0] = []
+        return _FOUND[0]
+
+    def __exit__(self, *exc) -> None:
+        _FOUND[0] = None
 
 
 def forget() -> None:
@@ -173,10 +200,15 @@ def searched(plan: Plan, cluster, w, *, budget: int, stride: int = 1, max_live: 
              room: Optional[int] = None) -> Plan:
     """:func:`search_order`'s plan, or the order remembered for ``plan`` (:func:`remember`), which is that
     same plan found ahead: checked valid within ``max_live`` and ``room`` before it is taken."""
-    order = _AHEAD.get(digest(plan, w.mask, budget)) if budget else None
+    key = digest(plan, w.mask, budget, search_inputs(cluster, w, stride, max_live)) if budget else None
+    order = _AHEAD.get(key) if budget else None
     if order is None:
         found = search_order(plan, cluster, w, budget=budget, stride=stride, max_live=max_live, room=room)[1]
-        SEARCHES["here"] += int(_COUNTING[0] and _searchable(plan, budget))  # a plan it could not move: not searched
+        if _FOUND[0] is not None:  # the search ahead (orders_ahead): recorded, not the step's
+            if budget:
+                _FOUND[0].append(found_order(plan, found, key))
+        else:
+            SEARCHES["here"] += int(_searchable(plan, budget))  # a plan it could not move: not searched
         return found
     if sorted(order) != list(range(len(plan.ops))):
         raise PlanError(f"the order found ahead for {plan.name} does not re-order its {len(plan.ops)} ops")
@@ -185,7 +217,10 @@ def searched(plan: Plan, cluster, w, *, budget: int, stride: int = 1, max_live: 
     validate(cand, max_live=max_live)
     if peak_live_bytes(cand, workload_dims(w)) > max(room or 0, peak_live_bytes(plan, workload_dims(w))):
         raise PlanError(f"the order found ahead for {plan.name} needs a larger buffer pool than its plan may")
-    SEARCHES["ahead"] += 1
+    if _FOUND[0] is not None:
+        _FOUND[0].append((int(key), tuple(order)))
+    else:
+        SEARCHES["ahead"] += 1
     return cand
 
 
