@@ -413,3 +413,35 @@ def test_cpu_compat_refuses_when_cuda_is_present(monkeypatch):
     with pytest.raises(RuntimeError, match="must not be activated on a machine with CUDA"):
         cpu_compat.activate()
     assert not cpu_compat.is_active()
+
+
+def test_loss_plot_reference_run_drops_mesh_only_flags(tmp_path, monkeypatch):
+    """--plot-loss's CP = 1 reference run keeps the run's other arguments; mesh CP's attention settings
+    (--mesh-kernel, --mesh-partial-dtype, --mesh-planner, --mesh-check-finite) must go with the CP flags, since a
+    CP = 1 run refuses them (_check_mesh_only_flags): kept, the reference run exited 2 after the whole CP run."""
+    import argparse
+    import json
+    import subprocess
+
+    from megatron_mesh_cp.megatron import pretrain
+    from megatron_mesh_cp.megatron.arguments import _check_mesh_only_flags, add_mesh_args
+
+    seen = {}
+
+    def run(cmd, **kw):
+        seen["cmd"] = cmd
+        with open(cmd[cmd.index("--summary-json") + 1], "w") as f:
+            json.dump({"losses": []}, f)
+
+    monkeypatch.setattr(subprocess, "run", run)
+    argv = ["--context-parallel-size", "4", "--context-parallel-algo", "mesh", "--mesh-shape", "2x2",
+            "--mesh-kernel", "torch", "--mesh-partial-dtype=bf16", "--mesh-check-finite", "--mesh-planner", "in-order",
+            "--mesh-cluster", "h100-ib400", "--seq-length", "256"]
+    pretrain._reference_run(argv, str(tmp_path / "ref.json"))
+    cmd = seen["cmd"][2:]
+    assert "--mesh-cluster" in cmd and cmd[cmd.index("--seq-length") + 1] == "256", cmd
+    parser = add_mesh_args(argparse.ArgumentParser(add_help=False, allow_abbrev=False))
+    parser.add_argument("--context-parallel-size", type=int, default=1)
+    args, _ = parser.parse_known_args(cmd)
+    assert args.context_parallel_size == 1
+    _check_mesh_only_flags(args)  # refused before: --mesh-kernel torch sets mesh CP's attention ... (it runs CP = 1)

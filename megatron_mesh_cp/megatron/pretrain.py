@@ -589,8 +589,12 @@ def _reference_run(argv: List[str], out_json: str) -> Dict:
     """The same Megatron arguments with CP = 1 on one process (for the loss plot)."""
     import socket
 
+    from .arguments import MESH_ONLY_FLAGS
+
     drop = {"--context-parallel-algo", "--mesh-shape", "--hierarchical-context-parallel-sizes", "--cp-comm-type",
             "--context-parallel-size", "--no-create-attention-mask-in-dataloader"}  # CP = 1 reads the dense mask
+    # and mesh CP's attention settings (--mesh-kernel, ...), which a CP = 1 run refuses (_check_mesh_only_flags)
+    drop |= {flag for flag, _, _ in MESH_ONLY_FLAGS}
     clean, skip = [], False
     for a in argv:
         if skip:
