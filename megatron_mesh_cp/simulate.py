@@ -77,7 +77,7 @@ def main(argv=None) -> int:
     p.add_argument("--plot", default=None, metavar="FILE.png", help="draw one rank's timeline per algorithm")
     p.add_argument("--max-live", type=int, default=None,
                    help="memory budget (live chunks) for the mesh plans: mesh, mesh:AxB, a2a+mesh, a2a+mesh:UxAxB "
-                        "(refused when --algos has none)")
+                        "(and mesh-naive's shape, chosen as mesh's within it; refused when --algos has none of these)")
     p.add_argument("--plan-search", type=int, default=0, metavar="N",
                    help="unpadded documents or --window: replays per phase the order search may spend improving "
                         "our pruned plans (planning/search.py; the launcher's --mesh-plan-search; 0: none)")
@@ -166,7 +166,8 @@ def main(argv=None) -> int:
         bounded = [a for a in algos if takes_max_live(a)]
         if args.max_live is not None and not bounded:
             raise ValueError(f"--max-live bounds the live chunks of the mesh plans (mesh, mesh:AxB, a2a+mesh, "
-                             f"a2a+mesh:UxAxB); none of --algos {','.join(algos)} takes it: add one or drop --max-live")
+                             f"a2a+mesh:UxAxB; mesh-naive's shape); none of --algos {','.join(algos)} takes it: add one "
+                             "or drop --max-live")
         why = budget_error(args.plan_search)
         if why:
             raise ValueError(f"--plan-search counts replays per phase: {why}")

@@ -287,3 +287,19 @@ def test_split_half_rows_say_when_the_mesh_ran_split():
     for algo in ("mesh", "a2a+mesh"):
         assert all(int(x) % 2 == 0 for x in res[algo].shape.split("x")[-2:]), res[algo].shape
         assert res[algo].layout == "split:1:1"
+
+
+def test_cli_max_live_is_taken_by_mesh_naive_whose_shape_it_chooses(capsys):
+    """mesh-naive runs on the shape mesh's auto picks within --max-live (baselines.simulate_algorithm: choose_shape
+    with max_live): at CP = 32, 256K, --max-live 16 moves it from 2x16 to 1x32, so the flag is not ignored there
+    and is not refused ('none of --algos mesh-naive takes it' before), and the output names the row it shapes."""
+    from megatron_mesh_cp.planning import Workload
+    from megatron_mesh_cp.planning.baselines import simulate_algorithm
+    from megatron_mesh_cp.planning.schedule import default_cluster
+
+    w = Workload(seq_local=256 * 1024 // 32, heads=32, kv_heads=8, head_dim=128)
+    shapes = {ml: simulate_algorithm("mesh-naive", 32, default_cluster(), w, max_live=ml).shape for ml in (None, 16)}
+    assert shapes[None] != shapes[16], shapes  # the budget changes mesh-naive's row
+    argv = ["--cp", "32", "--seq", "256K", "--heads", "32", "--kv-heads", "8", "--algos", "ring,mesh-naive"]
+    assert main(argv + ["--max-live", "16"]) == 0, capsys.readouterr().err
+    assert "--max-live 16: bounds mesh-naive" in capsys.readouterr().out
