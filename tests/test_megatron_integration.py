@@ -170,6 +170,9 @@ def test_mesh_only_flags_are_refused_where_nothing_reads_them():
         for flag, kw in flags.items():
             with pytest.raises(MeshArgumentError, match=f"{flag} sets mesh CP's attention.*does not use.*drop it"):
                 apply_mesh_args(_flat(**base, **kw), argv=[])
+    # --cp-comm-type a2a alone (no --context-parallel-algo): the refusal names a2a, not the default p2p
+    with pytest.raises(MeshArgumentError, match=r"it runs --context-parallel-algo a2a\)"):
+        apply_mesh_args(_flat(context_parallel_size=4, cp_comm_type=["a2a"], mesh_kernel="torch"), argv=[])
     mesh = dict(context_parallel_size=4, context_parallel_algo="mesh", mesh_shape="2x2")
     for kw in flags.values():
         apply_mesh_args(_flat(**mesh, **kw), argv=[])

@@ -162,7 +162,8 @@ def _check_mesh_only_flags(args) -> None:
     cp = int(_get(args, "context_parallel_size", 1) or 1)
     algo = _get(args, "context_parallel_algo")
     if not (cp > 1 and algo in MESH_ALGORITHMS):
-        why = "runs CP = 1" if cp <= 1 else f"runs --context-parallel-algo {algo or 'p2p'}"
+        given = algo or (_as_list(_get(args, "cp_comm_type")) or ["p2p"])[0]  # --cp-comm-type alone names it
+        why = "runs CP = 1" if cp <= 1 else f"runs --context-parallel-algo {given}"
         for flag, name, default in MESH_ONLY_FLAGS:
             value = _get(args, name, default)
             if value is not None and value != default:
