@@ -259,3 +259,30 @@ def test_a_plan_the_search_cannot_move_is_not_counted_as_searched_in_the_step():
     moving = document_plans(2, 2, cluster=cl, workload=_layer(cu, 4))[0]
     search.searched(moving, cl, _layer(cu, 4), budget=4)
     assert search.SEARCHES["here"] == before.get("here", 0) + 1
+
+
+def test_orders_ahead_hands_on_no_order_for_a_plan_the_search_cannot_move(monkeypatch):
+    """A plan over the ready order's host-cost cap (ready.MAX_RANK_OPS, e.g. Ring 1 x 256) is not searched: the step
+    does not count it as searched there (65efdd1), and the data loader must not hand its unchanged order on either,
+    or the step counted it as an order found ahead ("plan_searches_ahead") though no search ran."""
+    from dataclasses import replace
+
+    from megatron_mesh_cp.planning import ready, search
+    from megatron_mesh_cp.runtime.masks import Documents
+    from megatron_mesh_cp.runtime.topology import MeshShape
+
+    cu = (0, 10, 40, 41, 90, 128)
+    w, mask = _layer(cu, 8).unmasked, Documents(cu)
+    blocks = mask.bind(8, 128, True)
+    kw = dict(workload=w, keep=blocks.needed(MeshShape(2, 4)), masked=True, slabs=blocks.zigzag_keys,
+              layer=replace(w, mask=mask))
+    assert search.remember_encoded(orders_ahead(2, 4, "greedy", workload=w, mask=mask, budget=40)) == 2  # searchable
+    monkeypatch.setattr(ready, "MAX_RANK_OPS", 1)  # every plan over the cap
+    search.forget()
+    try:
+        assert search.remember_encoded(orders_ahead(2, 4, "greedy", workload=w, mask=mask, budget=40)) == 0
+        before = dict(search.SEARCHES)
+        call_plans(2, 4, search=40, **kw)
+        assert dict(search.SEARCHES) == before, (dict(search.SEARCHES), before)
+    finally:
+        search.forget()

@@ -205,7 +205,7 @@ def searched(plan: Plan, cluster, w, *, budget: int, stride: int = 1, max_live: 
     if order is None:
         found = search_order(plan, cluster, w, budget=budget, stride=stride, max_live=max_live, room=room)[1]
         if _FOUND[0] is not None:  # the search ahead (orders_ahead): recorded, not the step's
-            if budget:
+            if _searchable(plan, budget):  # a plan it could not move: nothing to hand on (nor to count there)
                 _FOUND[0].append(found_order(plan, found, key))
         else:
             SEARCHES["here"] += int(_searchable(plan, budget))  # a plan it could not move: not searched
