@@ -122,6 +122,11 @@ def _as_list(v) -> List[str]:
     return [v] if isinstance(v, str) else list(v)
 
 
+def _cp_algorithm(args) -> str:
+    """The CP algorithm this run runs: --context-parallel-algo, else the first --cp-comm-type (Megatron's p2p)."""
+    return _get(args, "context_parallel_algo") or (_as_list(_get(args, "cp_comm_type")) or ["p2p"])[0]
+
+
 def _explicit(argv: Optional[Sequence[str]], flag: str) -> bool:
     argv = sys.argv[1:] if argv is None else argv
     return any(a == flag or a.startswith(flag + "=") for a in argv)
@@ -162,8 +167,7 @@ def _check_mesh_only_flags(args) -> None:
     cp = int(_get(args, "context_parallel_size", 1) or 1)
     algo = _get(args, "context_parallel_algo")
     if not (cp > 1 and algo in MESH_ALGORITHMS):
-        given = algo or (_as_list(_get(args, "cp_comm_type")) or ["p2p"])[0]  # --cp-comm-type alone names it
-        why = "runs CP = 1" if cp <= 1 else f"runs --context-parallel-algo {given}"
+        why = "runs CP = 1" if cp <= 1 else f"runs --context-parallel-algo {_cp_algorithm(args)}"
         for flag, name, default in MESH_ONLY_FLAGS:
             value = _get(args, name, default)
             if value is not None and value != default:
@@ -212,7 +216,7 @@ def _plan_search(args, opts: dict) -> int:
     if why:
         raise MeshArgumentError(f"--mesh-plan-search counts replays per phase: {why}")
     cp = int(_get(args, "context_parallel_size", 1) or 1)
-    algo = _get(args, "context_parallel_algo") or (_as_list(_get(args, "cp_comm_type")) or ["p2p"])[0]
+    algo = _cp_algorithm(args)
     sizes = [int(x) for x in (_get(args, "hierarchical_context_parallel_sizes") or [])]
     if n and cp > 1 and algo in MESH_ALGORITHMS and len(sizes) >= 2 and sizes[-2] * sizes[-1] == 1:
         raise MeshArgumentError(
@@ -331,7 +335,7 @@ def _why_not_split(args) -> str:
 def _check_documents(args, launcher: bool, opts: dict) -> None:
     opts["documents"] = ""
     cp = int(_get(args, "context_parallel_size", 1) or 1)
-    algo = _get(args, "context_parallel_algo") or (_as_list(_get(args, "cp_comm_type")) or ["p2p"])[0]
+    algo = _cp_algorithm(args)
     if cp > 1 and algo in MESH_ALGORITHMS and _get(args, "eod_mask_loss", False) \
             and not _get(args, "calculate_per_token_loss", False):
         raise MeshArgumentError(

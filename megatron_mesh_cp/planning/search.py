@@ -201,7 +201,7 @@ def searched(plan: Plan, cluster, w, *, budget: int, stride: int = 1, max_live: 
     """:func:`search_order`'s plan, or the order remembered for ``plan`` (:func:`remember`), which is that
     same plan found ahead: checked valid within ``max_live`` and ``room`` before it is taken."""
     key = digest(plan, w.mask, budget, search_inputs(cluster, w, stride, max_live)) if budget else None
-    order = _AHEAD.get(key) if budget else None
+    order = _AHEAD.get(key)  # None without a budget (no key) or where nobody searched ahead
     if order is None:
         found = search_order(plan, cluster, w, budget=budget, stride=stride, max_live=max_live, room=room)[1]
         if _FOUND[0] is not None:  # the search ahead (orders_ahead): recorded, not the step's
